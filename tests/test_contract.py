@@ -1,0 +1,71 @@
+"""The read-only protocol, parametrized over every backend and the nested stacks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests import scenarios
+from wrapkit.cli._models import parse_stack
+
+LOCAL = ["plain", "dp", "compile>peft", "peft>compile", "dp>compile>peft"]
+DISTRIBUTED = [
+    "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3",
+    "ddp>compile>peft", "compile>ddp", "fsdp2>peft", "zero2>peft", "zero3>peft", "fsdp>compile",
+]
+_BACKENDS = {"dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3"}
+
+
+def expected(spec: str, world: int) -> dict[str, Any]:
+    layers = [x for x in parse_stack(spec) if x != "plain"]
+    backend_layer = next((x for x in layers if x in _BACKENDS), None)
+    backend = "deepspeed" if backend_layer and backend_layer.startswith("zero") else (backend_layer or "plain")
+    stack = tuple("deepspeed" if x.startswith("zero") else x for x in layers) + ("LlamaForCausalLM",)
+    below = layers[layers.index(backend_layer) + 1:] if backend_layer else layers
+    keep_compile = next((x for x in below if x in ("compile", "peft")), None)
+    distributed = backend not in ("plain", "dp")
+    return {
+        "backend": backend,
+        "stack": stack,
+        "unwrap": "PeftModel" if "peft" in below else "LlamaForCausalLM",
+        "unwrap_keep_compile": {"compile": "OptimizedModule", "peft": "PeftModel", None: "LlamaForCausalLM"}[
+            keep_compile
+        ],
+        "zero_stage": int(backend_layer[4:]) if backend == "deepspeed" and backend_layer else None,
+        "is_sharded": backend_layer in ("fsdp", "fsdp2", "zero3"),
+        "world_size": world if distributed else 1,
+    }
+
+
+def check(obs: dict[str, Any], spec: str, world: int, rank: int) -> None:
+    exp = expected(spec, world)
+    for key, value in exp.items():
+        assert obs[key] == value, f"{spec}: {key} = {obs[key]!r}, expected {value!r}"
+    assert obs["rank"] == rank
+    assert obs["module_is_model"] and obs["adapt_again_is_same"] and obs["adapt_twice_equal"]
+    assert obs["config_type"] == "LlamaConfig" and obs["config_is_inner"]
+    assert obs["is_encoder_decoder"] is False
+    assert obs["unwrap_no_peft"] == "LlamaForCausalLM"
+    assert obs["device"] == "cpu"
+    assert obs["num_parameters"] == obs["expected_parameters"] > 0
+    assert obs["num_trainable"] == obs["expected_trainable"] > 0
+    if "peft" in spec:
+        assert obs["num_trainable"] < obs["num_parameters"]
+    assert exp["backend"] in obs["describe"] and f"{obs['num_parameters']:,}" in obs["describe"]
+    assert obs["is_protocol"]
+    assert obs["forward_max_diff"] < 1e-4, f"{spec}: forward differs from the plain model"
+    if exp["backend"] == "deepspeed":
+        assert obs["engine_config_type"] == "dict"
+
+
+@pytest.mark.parametrize("spec", LOCAL)
+def test_contract_local(spec: str) -> None:
+    check(scenarios.contract(spec), spec, 1, 0)
+
+
+@pytest.mark.parametrize("spec", DISTRIBUTED)
+def test_contract_distributed(group: Any, spec: str) -> None:
+    results = group.run(scenarios.contract, spec, timeout=180)
+    for rank, obs in enumerate(results):
+        check(obs, spec, group.world_size, rank)

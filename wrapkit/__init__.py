@@ -1,0 +1,36 @@
+"""One protocol for a model in training, whatever distributed wrapper holds it."""
+
+from ._errors import (
+    AdapterRegistrationError,
+    DistributedStateError,
+    MissingConfigError,
+    MissingDependencyError,
+    PlacementError,
+    ReferenceModelError,
+    UnsupportedModelError,
+    WrapkitError,
+)
+from ._names import canonical_name
+from ._protocol import WrappedModel
+from ._registry import adapt, register_adapter, registered_adapters
+from .adapters import Adapter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "__version__",
+    "adapt",
+    "register_adapter",
+    "registered_adapters",
+    "canonical_name",
+    "WrappedModel",
+    "Adapter",
+    "WrapkitError",
+    "UnsupportedModelError",
+    "MissingConfigError",
+    "ReferenceModelError",
+    "PlacementError",
+    "DistributedStateError",
+    "MissingDependencyError",
+    "AdapterRegistrationError",
+]

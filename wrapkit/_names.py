@@ -1,0 +1,35 @@
+"""Canonical parameter names: the names the innermost model itself would use."""
+
+from __future__ import annotations
+
+__all__ = ["canonical_name", "WRAPPER_PREFIXES"]
+
+# Path components that wrappers insert anywhere in a name.
+_INFIX_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+# ``module`` is inserted by DataParallel, DDP and DeepSpeed at the front only; a
+# model's own submodule may legitimately be called ``module`` further down.
+WRAPPER_PREFIXES = ("module",)
+
+
+def canonical_name(name: str) -> str:
+    """Strip the components that wrappers add to a parameter name.
+
+    ``module.`` is removed where it leads the name (possibly repeated, possibly
+    mixed with the other wrapper components); ``_orig_mod.``,
+    ``_fsdp_wrapped_module.`` and ``_checkpoint_wrapped_module.`` are removed
+    wherever they appear.
+
+    >>> canonical_name("module._orig_mod.model.layers.0._fsdp_wrapped_module.mlp.up_proj.weight")
+    'model.layers.0.mlp.up_proj.weight'
+    """
+    parts = name.split(".")
+    out: list[str] = []
+    leading = True
+    for part in parts:
+        if part in _INFIX_COMPONENTS:
+            continue
+        if leading and part in WRAPPER_PREFIXES:
+            continue
+        leading = False
+        out.append(part)
+    return ".".join(out)

@@ -1,0 +1,164 @@
+"""Adapter registry and detection.
+
+Rules:
+
+1. Detection never imports an optional library. Each adapter's ``matches`` looks
+   its wrapper class up in ``sys.modules``; a library that was never imported
+   cannot have produced the object.
+2. Adapters are tried in order, most specific first: registered third-party
+   adapters, then DeepSpeed, FSDP1, FSDP2, DDP, DataParallel; plain is the fallback.
+3. The object is peeled from the outside in. ``torch.compile`` and PEFT layers
+   may sit anywhere; the first backend wrapper met decides ``backend``. FSDP2
+   does not wrap, so it is recognised on the module itself and not peeled.
+4. Detection results are cached per type (``type -> matching layer or None``):
+   a class that existed before a library was imported cannot subclass that
+   library's wrapper, so a cached miss stays true.
+5. An unknown class that looks like a wrapper (its only child is ``.module``) is
+   refused, never peeled by guessing: peeling the wrong thing silently gives
+   the wrong config and the wrong parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ._errors import AdapterRegistrationError, UnsupportedModelError
+from .adapters import BUILTIN_ADAPTERS, Adapter, PlainAdapter
+from .adapters._base import Entry
+from .layers import LAYERS, Layer
+
+__all__ = ["adapt", "register_adapter", "registered_adapters"]
+
+_Peeler = type[Adapter] | type[Layer]
+
+_registered: list[type[Adapter]] = []
+_cache: dict[type, _Peeler | None] = {}
+
+
+def registered_adapters() -> tuple[type[Adapter], ...]:
+    """All adapters in detection order (plain, the fallback, last)."""
+    return (*_registered, *BUILTIN_ADAPTERS, PlainAdapter)
+
+
+def register_adapter(cls: type[Adapter], *, override: bool = False) -> type[Adapter]:
+    """Register an adapter class for a third-party wrapper; usable as a decorator.
+
+    The class must subclass the package's ``Adapter`` base, set a unique ``name``
+    and implement ``matches`` (and ``inner`` unless it sets ``peels = False``).
+    A name already taken is refused unless ``override=True``, which replaces the
+    earlier registration (a built-in adapter can be shadowed, not removed).
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Adapter)):
+        raise AdapterRegistrationError(
+            f"register_adapter() takes a subclass of the adapter base class (Adapter), got {cls!r}; "
+            "subclass it and implement `matches` and `inner`."
+        )
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name or cls.matches is Adapter.matches:
+        raise AdapterRegistrationError(
+            f"{cls.__name__} must set a non-empty `name` and implement the `matches(obj)` classmethod."
+        )
+    taken = [a for a in registered_adapters() if a.name == name]
+    if taken and not override:
+        raise AdapterRegistrationError(
+            f"an adapter named {name!r} is already registered ({taken[0].__name__}); choose another name or "
+            "pass override=True to replace it."
+        )
+    _registered[:] = [a for a in _registered if a.name != name]
+    _registered.insert(0, cls)
+    _cache.clear()
+    return cls
+
+
+def _find_peeler(obj: torch.nn.Module) -> _Peeler | None:
+    t = type(obj)
+    if t in _cache:
+        return _cache[t]
+    found: _Peeler | None = None
+    candidates: list[_Peeler] = [*_registered, *BUILTIN_ADAPTERS, *LAYERS]
+    for peeler in candidates:
+        if peeler.matches(obj):
+            found = peeler
+            break
+    _cache[t] = found
+    return found
+
+
+def _looks_like_unknown_wrapper(obj: torch.nn.Module) -> bool:
+    children = list(obj.named_children())
+    return (
+        len(children) == 1
+        and children[0][0] == "module"
+        and not any(True for _ in obj.named_parameters(recurse=False))
+        and getattr(obj, "config", None) is None
+    )
+
+
+def _describe_object(obj: object) -> str:
+    t = type(obj)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def adapt(model: Any) -> Any:
+    """Return the ``WrappedModel`` for ``model``: any ``nn.Module``, any supported
+    wrapper around one, or a ``WrappedModel`` (returned as is)."""
+    if isinstance(model, Adapter):
+        return model
+    if model is None:
+        raise UnsupportedModelError(
+            "adapt() got None; pass the model (an nn.Module, or the DDP/FSDP/DeepSpeed object wrapping it). "
+            "If this is a reference model that PEFT made unnecessary, use prepare_reference(policy, None)."
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise UnsupportedModelError(
+            f"adapt() needs a torch.nn.Module or a wrapper around one, got {_describe_object(model)}"
+            + (" (a state dict? load it into a model first)" if isinstance(model, dict) else "")
+            + (" (a tensor, not a model)" if isinstance(model, torch.Tensor) else "")
+            + "."
+        )
+
+    entries: list[Entry] = []
+    backend: type[Adapter] | None = None
+    backend_obj: torch.nn.Module | None = None
+    cur: torch.nn.Module = model
+    # Bounded: each step peels one layer, and no real stack is deeper than a handful.
+    for _ in range(64):
+        peeler = _find_peeler(cur)
+        if peeler is not None and issubclass(peeler, Adapter) and backend is not None:
+            if peeler is backend and not peeler.peels:
+                peeler = None  # FSDP2 root already recorded; look for inner layers
+            elif peeler.peels or peeler is not backend:
+                raise UnsupportedModelError(
+                    f"{_describe_object(model)} nests a {peeler.name} wrapper inside a {backend.name} wrapper "
+                    f"(stack so far: {' > '.join(n for n, _ in entries)}); nested backends are not supported — "
+                    "wrap the model with one backend only."
+                )
+        if peeler is None and backend is not None and not backend.peels:
+            # Under FSDP2 the root is the model itself; compile/PEFT layers may still be inside.
+            layer = next((lyr for lyr in LAYERS if lyr.matches(cur)), None)
+            if layer is None:
+                break
+            entries.append((layer.name, cur))
+            cur = layer.inner(cur)
+            continue
+        if peeler is None:
+            break
+        if issubclass(peeler, Adapter):
+            backend, backend_obj = peeler, cur
+            entries.append((peeler.name, cur))
+            if not peeler.peels:
+                continue
+        else:
+            entries.append((peeler.name, cur))
+        cur = peeler.inner(cur)
+
+    if _looks_like_unknown_wrapper(cur):
+        raise UnsupportedModelError(
+            f"{_describe_object(cur)} looks like a wrapper (its only child is `.module`) but no adapter knows it; "
+            "it is not peeled by guessing. Register one with wrapkit.register_adapter(MyAdapter) "
+            f"(known: {', '.join(a.name for a in registered_adapters())}), or pass the model inside it."
+        )
+    cls = backend or PlainAdapter
+    return cls(model, entries, backend_obj, cur)

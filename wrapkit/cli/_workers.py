@@ -1,0 +1,193 @@
+"""A long-lived group of worker processes joined in one ``torch.distributed`` group.
+
+Starting a group with transformers and deepspeed imported costs seconds, so the
+doctor and the test-suite start one group and send it many scenarios. A scenario
+is a module-level function, named by ``module:qualname``, that every rank runs;
+each rank's return value comes back in rank order. A scenario that does not
+finish within its timeout (a hang in a collective, typically) kills the whole
+group, which is restarted on the next call: a bug fails instead of hanging.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+__all__ = ["WorkerGroup", "WorkerError", "free_port"]
+
+
+class WorkerError(RuntimeError):
+    """A scenario failed or timed out on at least one rank."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _resolve(target: str) -> Callable[..., Any]:
+    module, _, qualname = target.partition(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj  # type: ignore[no-any-return]
+
+
+def _worker_main(rank: int, world_size: int, port: int, backend: str, preload: Sequence[str], conn: Any) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        # One thread per rank: the ranks share the machine's cores.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        import torch.distributed as dist
+
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        for name in preload:
+            try:
+                importlib.import_module(name)
+            except ImportError:
+                pass
+        conn.send(("ready", None))
+    except BaseException:
+        conn.send(("err", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        if msg is None:
+            break
+        target, args, kwargs = msg
+        try:
+            result = _resolve(target)(*args, **kwargs)
+            conn.send(("ok", result))
+        except BaseException:
+            conn.send(("err", traceback.format_exc()))
+    try:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class WorkerGroup:
+    """``world_size`` processes in one process group, running scenarios on request."""
+
+    def __init__(self, world_size: int = 2, backend: str = "gloo", preload: Sequence[str] = (),
+                 start_timeout: float = 180.0) -> None:
+        self.world_size = world_size
+        self.backend = backend
+        self._preload = tuple(preload)
+        self._start_timeout = start_timeout
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def start(self) -> None:
+        if self.alive:
+            return
+        self.close()
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        for rank in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, self.world_size, port, self.backend, self._preload, child),
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        replies = self._collect(self._start_timeout, "starting the group")
+        del replies
+
+    def run(self, fn: Callable[..., Any] | str, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order."""
+        self.start()
+        target = fn if isinstance(fn, str) else f"{fn.__module__}:{fn.__qualname__}"
+        for conn in self._conns:
+            conn.send((target, args, kwargs))
+        return self._collect(timeout, target)
+
+    def _collect(self, timeout: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: list[Any] = [None] * self.world_size
+        errors: dict[int, str] = {}
+        pending = set(range(self.world_size))
+        while pending:
+            now = time.monotonic()
+            if now > deadline:
+                break
+            for rank in sorted(pending):
+                conn = self._conns[rank]
+                if conn.poll(0.01):
+                    try:
+                        status, value = conn.recv()
+                    except EOFError:
+                        status, value = "err", f"rank {rank} exited (code {self._procs[rank].exitcode})"
+                    pending.discard(rank)
+                    if status == "err":
+                        errors[rank] = value
+                        # The other ranks may now wait forever in a collective: give them a little while.
+                        deadline = min(deadline, time.monotonic() + 15.0)
+                    else:
+                        results[rank] = value
+                elif not self._procs[rank].is_alive():
+                    pending.discard(rank)
+                    errors[rank] = f"rank {rank} died (exit code {self._procs[rank].exitcode})"
+                    deadline = min(deadline, time.monotonic() + 15.0)
+        if pending or errors:
+            timed_out = sorted(pending)
+            self.close(force=True)
+            parts = [f"{what} failed on rank {r}:\n{tb}" for r, tb in sorted(errors.items())]
+            if timed_out:
+                parts.append(f"{what} did not finish within {timeout:.0f} s on rank(s) {timed_out}; group killed")
+            raise WorkerError("\n".join(parts))
+        return results
+
+    def close(self, force: bool = False) -> None:
+        for conn, proc in zip(self._conns, self._procs, strict=True):
+            if not force and proc.is_alive():
+                try:
+                    conn.send(None)
+                except (OSError, BrokenPipeError):
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=0 if force else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def __enter__(self) -> WorkerGroup:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
