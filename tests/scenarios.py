@@ -9,15 +9,13 @@ from typing import Any
 
 import torch
 
-from wrapkit.cli._models import build, parse_stack, tiny_llama
-
 TOKENS = torch.arange(16).reshape(2, 8) % 128
 
 
-def _plain_reference(spec: str) -> torch.nn.Module:
+def _plain_reference(spec: str, wk_name: str = "wrapkit") -> torch.nn.Module:
     """The same model without any backend wrapper (PEFT kept: LoRA starts as identity)."""
-    layers = parse_stack(spec)
-    return build("peft" if "peft" in layers else "plain")
+    models = importlib.import_module(wk_name + ".cli._models")
+    return models.build("peft" if "peft" in models.parse_stack(spec) else "plain")  # type: ignore[no-any-return]
 
 
 def _cls(obj: object) -> str:
@@ -29,12 +27,16 @@ def _logits(out: Any) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def contract(spec: str, wk_name: str = "wrapkit") -> dict[str, Any]:
-    """Observe the read-only protocol on one stack; ``wk_name`` allows a vendored copy."""
+def contract(spec: str, wk_name: str = "wrapkit", device: str = "cpu") -> dict[str, Any]:
+    """Observe the read-only protocol on one stack; ``wk_name`` allows a vendored copy.
+
+    ``device="cuda"`` builds on this rank's current GPU."""
     wk = importlib.import_module(wk_name)
-    model = build(spec)
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    model = importlib.import_module(wk_name + ".cli._models").build(spec, device=device)
     wm = wk.adapt(model)
-    ref = _plain_reference(spec)
+    ref = _plain_reference(spec, wk_name).to(device)
     obs: dict[str, Any] = {
         "backend": wm.backend,
         "stack": wm.stack,
@@ -60,8 +62,8 @@ def contract(spec: str, wk_name: str = "wrapkit") -> dict[str, Any]:
         "is_protocol": isinstance(wm, wk.WrappedModel),
     }
     with torch.no_grad():
-        got = _logits(wm(TOKENS))
-        want = _logits(ref(TOKENS))
+        got = _logits(wm(TOKENS.to(device)))
+        want = _logits(ref(TOKENS.to(device)))
     obs["forward_max_diff"] = float((got - want).abs().max())
     if hasattr(model, "config") and wm.backend == "deepspeed":
         # Failure #1's silent half: the engine's own `.config` is DeepSpeed's dict.
@@ -69,11 +71,21 @@ def contract(spec: str, wk_name: str = "wrapkit") -> dict[str, Any]:
     return obs
 
 
+def vendored_contract(path: str, spec: str, wk_name: str) -> dict[str, Any]:
+    """The contract scenario against a vendored copy importable from ``path``."""
+    import sys
+
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return contract(spec, wk_name)
+
+
 def destroyed_group_error() -> str:
     """Wrap with DDP on a fresh group, destroy that group, then adapt: must be refused."""
     import torch.distributed as dist
 
     import wrapkit
+    from wrapkit.cli._models import tiny_llama
 
     pg = dist.new_group(backend="gloo")
     from torch.nn.parallel import DistributedDataParallel
@@ -90,6 +102,7 @@ def destroyed_group_error() -> str:
 def raw_engine_config() -> dict[str, Any]:
     """Failure #1 on DeepSpeed: the engine's .config is a dict, not the model's config."""
     import wrapkit
+    from wrapkit.cli._models import build
 
     engine = build("zero2")
     wm = wrapkit.adapt(engine)
@@ -98,4 +111,46 @@ def raw_engine_config() -> dict[str, Any]:
         "raw_has_vocab": hasattr(engine.config, "vocab_size"),
         "wm_type": type(wm.config).__name__,
         "wm_vocab": wm.config.vocab_size,
+    }
+
+
+def quirks(spec: str) -> dict[str, Any]:
+    """Backend details the contract does not cover."""
+    import wrapkit
+    from wrapkit.cli._models import build
+
+    model = build(spec)
+    wm = wrapkit.adapt(model)
+    inner = wm.unwrap(keep_peft=False)
+    return {
+        "local_numel": sum(p.numel() for p in inner.parameters()),
+        "global_numel": wm.num_parameters(),
+        "unwrap_is_module": wm.unwrap() is model if wm.backend == "fsdp2" else None,
+        "param_type": type(next(inner.parameters())).__name__,
+    }
+
+
+def fsdp1_variants() -> dict[str, Any]:
+    """FSDP1 without use_orig_params, frozen parameters, and NO_SHARD."""
+    import wrapkit
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    from wrapkit.cli._models import tiny_llama
+
+    full = sum(p.numel() for p in tiny_llama().parameters())
+    flat = FullyShardedDataParallel(tiny_llama(), device_id=torch.device("cpu"), use_orig_params=False)
+    frozen_model = tiny_llama()
+    frozen_model.model.embed_tokens.weight.requires_grad_(False)
+    frozen = FullyShardedDataParallel(frozen_model, device_id=torch.device("cpu"), use_orig_params=True)
+    noshard = FullyShardedDataParallel(
+        tiny_llama(), device_id=torch.device("cpu"), sharding_strategy=ShardingStrategy.NO_SHARD
+    )
+    return {
+        "full": full,
+        "flat": wrapkit.adapt(flat).num_parameters(),
+        "flat_sharded": wrapkit.adapt(flat).is_sharded,
+        "frozen_trainable": wrapkit.adapt(frozen).num_parameters(trainable_only=True),
+        "embed": frozen_model.config.vocab_size * frozen_model.config.hidden_size,
+        "noshard_sharded": wrapkit.adapt(noshard).is_sharded,
+        "noshard_count": wrapkit.adapt(noshard).num_parameters(),
     }

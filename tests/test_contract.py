@@ -33,12 +33,12 @@ def expected(spec: str, world: int) -> dict[str, Any]:
             keep_compile
         ],
         "zero_stage": int(backend_layer[4:]) if backend == "deepspeed" and backend_layer else None,
-        "is_sharded": backend_layer in ("fsdp", "fsdp2", "zero3"),
+        "is_sharded": backend_layer in ("fsdp", "fsdp2", "zero3") and world > 1,
         "world_size": world if distributed else 1,
     }
 
 
-def check(obs: dict[str, Any], spec: str, world: int, rank: int) -> None:
+def check(obs: dict[str, Any], spec: str, world: int, rank: int, device: str = "cpu") -> None:
     exp = expected(spec, world)
     for key, value in exp.items():
         assert obs[key] == value, f"{spec}: {key} = {obs[key]!r}, expected {value!r}"
@@ -47,7 +47,7 @@ def check(obs: dict[str, Any], spec: str, world: int, rank: int) -> None:
     assert obs["config_type"] == "LlamaConfig" and obs["config_is_inner"]
     assert obs["is_encoder_decoder"] is False
     assert obs["unwrap_no_peft"] == "LlamaForCausalLM"
-    assert obs["device"] == "cpu"
+    assert obs["device"] == device
     assert obs["num_parameters"] == obs["expected_parameters"] > 0
     assert obs["num_trainable"] == obs["expected_trainable"] > 0
     if "peft" in spec:
@@ -69,3 +69,11 @@ def test_contract_distributed(group: Any, spec: str) -> None:
     results = group.run(scenarios.contract, spec, timeout=180)
     for rank, obs in enumerate(results):
         check(obs, spec, group.world_size, rank)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", ["dp", "ddp", "fsdp", "fsdp2>peft", "zero2", "zero3"])
+def test_contract_cuda(gpu_group: Any, spec: str) -> None:
+    results = gpu_group.run(scenarios.contract, spec, "wrapkit", "cuda", timeout=300)
+    for rank, obs in enumerate(results):
+        check(obs, spec, gpu_group.world_size, rank, device=f"cuda:{rank}")

@@ -56,7 +56,8 @@ def register_adapter(cls: type[Adapter], *, override: bool = False) -> type[Adap
             "subclass it and implement `matches` and `inner`."
         )
     name = getattr(cls, "name", None)
-    if not isinstance(name, str) or not name or cls.matches is Adapter.matches:
+    own_matches = any("matches" in vars(k) for k in cls.__mro__[: cls.__mro__.index(Adapter)])
+    if not isinstance(name, str) or not name or not own_matches:
         raise AdapterRegistrationError(
             f"{cls.__name__} must set a non-empty `name` and implement the `matches(obj)` classmethod."
         )

@@ -191,8 +191,9 @@ class Adapter:
             )
         group = self._process_group()
         try:
-            dist.get_world_size(group)
-        except (RuntimeError, ValueError) as exc:
+            # get_rank (unlike get_world_size) consults the registry of live groups.
+            dist.get_rank(group)
+        except (RuntimeError, ValueError, KeyError) as exc:
             raise DistributedStateError(
                 f"the process group of this {self.name} wrapper ({type(self._module).__name__}) is no longer "
                 f"valid ({exc}); it was probably destroyed. Re-create the group and wrap the model again."

@@ -1,0 +1,95 @@
+"""Bad input: each gets a typed error naming the object's type and the fix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import wrapkit
+from tests import scenarios
+from wrapkit.cli._models import tiny_llama, toy_model
+
+
+@pytest.mark.parametrize(
+    ("bad", "needle"),
+    [
+        (None, "prepare_reference"),
+        ({"weight": torch.zeros(1)}, "dict"),
+        (torch.zeros(3), "Tensor"),
+        ("meta-llama/Llama-3-8B", "str"),
+        (42, "int"),
+    ],
+)
+def test_non_modules_are_refused(bad: Any, needle: str) -> None:
+    with pytest.raises(wrapkit.UnsupportedModelError) as info:
+        wrapkit.adapt(bad)
+    assert needle in str(info.value)
+    assert isinstance(info.value, TypeError) and isinstance(info.value, wrapkit.WrapkitError)
+
+
+class HomeMadeWrapper(torch.nn.Module):
+    def __init__(self, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+
+def test_unknown_wrapper_is_not_peeled_by_guessing() -> None:
+    with pytest.raises(wrapkit.UnsupportedModelError) as info:
+        wrapkit.adapt(HomeMadeWrapper(tiny_llama()))
+    msg = str(info.value)
+    assert "HomeMadeWrapper" in msg and "register_adapter" in msg
+
+
+def test_unknown_wrapper_inside_a_known_one_is_refused_too() -> None:
+    with pytest.raises(wrapkit.UnsupportedModelError, match="HomeMadeWrapper"):
+        wrapkit.adapt(torch.nn.DataParallel(HomeMadeWrapper(tiny_llama())))
+
+
+def test_missing_config() -> None:
+    wm = wrapkit.adapt(torch.nn.DataParallel(toy_model()))
+    with pytest.raises(wrapkit.MissingConfigError) as info:
+        _ = wm.config
+    assert "ToyModel" in str(info.value) and isinstance(info.value, AttributeError)
+    # hasattr() keeps working the way trainers use it.
+    assert not hasattr(wm, "config")
+
+
+def test_nested_backends_are_refused() -> None:
+    inner = torch.nn.DataParallel(tiny_llama())
+    with pytest.raises(wrapkit.UnsupportedModelError, match="nested"):
+        wrapkit.adapt(torch.nn.DataParallel(inner))
+
+
+def test_destroyed_process_group(group: Any) -> None:
+    results = group.run(scenarios.destroyed_group_error, timeout=120)
+    for text in results:
+        assert text.startswith("DistributedStateError"), text
+        assert "DistributedDataParallel" in text and "destroyed" in text
+
+
+def test_ddp_after_destroy_in_subprocess(tmp_path: Any) -> None:
+    """A wrapper outliving the default group: adapt() refuses instead of failing later in a collective."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(
+        f"""
+        import torch, torch.distributed as dist, wrapkit
+        dist.init_process_group("gloo", init_method="file://{tmp_path}/store", rank=0, world_size=1)
+        ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        dist.destroy_process_group()
+        try:
+            wrapkit.adapt(ddp)
+        except wrapkit.DistributedStateError as exc:
+            print("refused:", exc)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "refused:" in out.stdout and "init_process_group" in out.stdout

@@ -1,0 +1,134 @@
+"""register_adapter, canonical_name, detection order and caching."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+import wrapkit
+from wrapkit import _registry
+from wrapkit.cli._models import tiny_llama
+
+
+class Boxed(torch.nn.Module):
+    """A third-party wrapper that keeps its model under an unusual attribute."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.payload = model
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.payload(*args, **kwargs)
+
+
+class BoxedAdapter(wrapkit.Adapter):
+    name = "boxed"
+
+    @classmethod
+    def matches(cls, obj: object) -> bool:
+        return isinstance(obj, Boxed)
+
+    @classmethod
+    def inner(cls, obj: torch.nn.Module) -> torch.nn.Module:
+        assert isinstance(obj, Boxed)
+        return obj.payload
+
+
+@pytest.fixture
+def clean_registry() -> Iterator[None]:
+    saved = list(_registry._registered)
+    yield
+    _registry._registered[:] = saved
+    _registry._cache.clear()
+
+
+def test_register_third_party_adapter(clean_registry: None) -> None:
+    model = tiny_llama()
+    box = Boxed(model)
+    assert wrapkit.adapt(box).backend == "plain"  # unknown, but not wrapper-shaped: a plain model
+    wrapkit.register_adapter(BoxedAdapter)
+    wm = wrapkit.adapt(box)
+    assert wm.backend == "boxed" and wm.stack == ("boxed", "LlamaForCausalLM")
+    assert wm.unwrap() is model and wm.config is model.config
+    assert wm.num_parameters() == sum(p.numel() for p in model.parameters())
+    assert "boxed" in [a.name for a in wrapkit.registered_adapters()]
+
+
+def test_duplicate_names_refused(clean_registry: None) -> None:
+    wrapkit.register_adapter(BoxedAdapter)
+
+    class Again(BoxedAdapter):
+        pass
+
+    with pytest.raises(wrapkit.AdapterRegistrationError, match="already registered"):
+        wrapkit.register_adapter(Again)
+
+    class Shadow(wrapkit.Adapter):
+        name = "ddp"
+
+        @classmethod
+        def matches(cls, obj: object) -> bool:
+            return False
+
+    with pytest.raises(wrapkit.AdapterRegistrationError, match="'ddp'"):
+        wrapkit.register_adapter(Shadow)
+    wrapkit.register_adapter(Again, override=True)
+    assert [a for a in wrapkit.registered_adapters() if a.name == "boxed"] == [Again]
+
+
+def test_malformed_adapters_refused(clean_registry: None) -> None:
+    class NoMatches(wrapkit.Adapter):
+        name = "nomatches"
+
+    with pytest.raises(wrapkit.AdapterRegistrationError, match="matches"):
+        wrapkit.register_adapter(NoMatches)
+    with pytest.raises(wrapkit.AdapterRegistrationError, match="subclass"):
+        wrapkit.register_adapter(object)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("raw", "canonical"),
+    [
+        ("module.model.embed_tokens.weight", "model.embed_tokens.weight"),
+        ("_orig_mod.module.lm_head.weight", "lm_head.weight"),
+        ("module._orig_mod.base_model.model.model.norm.weight", "base_model.model.model.norm.weight"),
+        ("_fsdp_wrapped_module.model.layers.0._fsdp_wrapped_module.mlp.up_proj.weight",
+         "model.layers.0.mlp.up_proj.weight"),
+        ("model.layers.1._checkpoint_wrapped_module.self_attn.q_proj.weight", "model.layers.1.self_attn.q_proj.weight"),
+        # A model's own submodule called `module` deeper down is kept.
+        ("encoder.module.weight", "encoder.module.weight"),
+        ("lm_head.weight", "lm_head.weight"),
+    ],
+)
+def test_canonical_name(raw: str, canonical: str) -> None:
+    assert wrapkit.canonical_name(raw) == canonical
+
+
+def test_canonical_names_match_the_inner_model() -> None:
+    model = tiny_llama()
+    wrapped = torch.compile(torch.nn.DataParallel(model), backend="eager")
+    names = [wrapkit.canonical_name(n) for n, _ in wrapped.named_parameters()]
+    assert names == [n for n, _ in model.named_parameters()]
+
+
+def test_detection_is_cached_per_type() -> None:
+    model = torch.nn.DataParallel(tiny_llama())
+    wrapkit.adapt(model)
+    assert _registry._cache[torch.nn.DataParallel].name == "dp"  # type: ignore[union-attr]
+    assert _registry._cache[type(model.module)] is None
+
+
+def test_forward_is_a_direct_call() -> None:
+    model = tiny_llama()
+    wm = wrapkit.adapt(model)
+    x = torch.arange(8).reshape(1, 8)
+    calls: list[int] = []
+    handle = model.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        assert torch.equal(wm(x).logits, model(x).logits)
+    finally:
+        handle.remove()
+    assert calls == [1, 1]
