@@ -132,9 +132,9 @@ def quirks(spec: str) -> dict[str, Any]:
 
 def fsdp1_variants() -> dict[str, Any]:
     """FSDP1 without use_orig_params, frozen parameters, and NO_SHARD."""
-    import wrapkit
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
+    import wrapkit
     from wrapkit.cli._models import tiny_llama
 
     full = sum(p.numel() for p in tiny_llama().parameters())
