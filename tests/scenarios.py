@@ -59,6 +59,8 @@ def contract(spec: str, wk_name: str = "wrapkit", device: str = "cpu") -> dict[s
         "expected_parameters": sum(p.numel() for p in ref.parameters()),
         "expected_trainable": sum(p.numel() for p in ref.parameters() if p.requires_grad),
         "describe": wm.describe(),
+        "resident": wm.resident_parameter_bytes(),
+        "full_bytes": sum(p.numel() * p.element_size() for p in ref.parameters()),
         "is_protocol": isinstance(wm, wk.WrappedModel),
     }
     with torch.no_grad():

@@ -54,6 +54,11 @@ def check(obs: dict[str, Any], spec: str, world: int, rank: int, device: str = "
         assert obs["num_trainable"] < obs["num_parameters"]
     assert exp["backend"] in obs["describe"] and f"{obs['num_parameters']:,}" in obs["describe"]
     assert obs["is_protocol"]
+    if exp["is_sharded"]:
+        # This rank's shards: half the model, give or take the padding of each shard.
+        assert 0 < obs["resident"] <= obs["full_bytes"] / world + 4096
+    else:
+        assert obs["resident"] == obs["full_bytes"]
     assert obs["forward_max_diff"] < 1e-4, f"{spec}: forward differs from the plain model"
     if exp["backend"] == "deepspeed":
         assert obs["engine_config_type"] == "dict"

@@ -7,6 +7,7 @@ from ._errors import (
     MissingDependencyError,
     PlacementError,
     ReferenceModelError,
+    StateDictError,
     UnsupportedModelError,
     WrapkitError,
 )
@@ -14,6 +15,8 @@ from ._names import canonical_name
 from ._protocol import WrappedModel
 from ._registry import adapt, register_adapter, registered_adapters
 from .adapters import Adapter
+from .reference import prepare_reference
+from .state import read_checkpoint
 
 __version__ = "0.1.0"
 
@@ -23,6 +26,7 @@ __all__ = [
     "register_adapter",
     "registered_adapters",
     "canonical_name",
+    "prepare_reference",
     "WrappedModel",
     "Adapter",
     "WrapkitError",
@@ -33,4 +37,6 @@ __all__ = [
     "DistributedStateError",
     "MissingDependencyError",
     "AdapterRegistrationError",
+    "StateDictError",
+    "read_checkpoint",
 ]

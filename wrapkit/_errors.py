@@ -12,6 +12,7 @@ __all__ = [
     "DistributedStateError",
     "MissingDependencyError",
     "AdapterRegistrationError",
+    "StateDictError",
 ]
 
 
@@ -45,3 +46,7 @@ class MissingDependencyError(WrapkitError, ImportError):
 
 class AdapterRegistrationError(WrapkitError, ValueError):
     """An adapter class is malformed or its name is already registered."""
+
+
+class StateDictError(WrapkitError, ValueError):
+    """A state dict, checkpoint file or copy source does not fit the model, or cannot be read."""

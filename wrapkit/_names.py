@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 __all__ = ["canonical_name", "WRAPPER_PREFIXES"]
 
 # Path components that wrappers insert anywhere in a name.
@@ -11,6 +13,7 @@ _INFIX_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint
 WRAPPER_PREFIXES = ("module",)
 
 
+@functools.lru_cache(maxsize=65536)
 def canonical_name(name: str) -> str:
     """Strip the components that wrappers add to a parameter name.
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -76,6 +79,56 @@ class WrappedModel(Protocol):
         """Global parameter count: the same on every backend for the same model."""
         ...
 
+    def resident_parameter_bytes(self) -> int:
+        """Bytes of parameter storage this rank holds now (shards plus anything gathered); no collective."""
+        ...
+
     def describe(self) -> str:
         """Human-readable multi-line summary."""
+        ...
+
+    # -- placement and freezing --------------------------------------------------------
+    def place(self, device: torch.device | str | int | None = None) -> WrappedModel:
+        """Move this rank's parameters/shards to ``device`` (``None``: the compute device), sharding kept;
+        verified afterwards (``PlacementError`` names the offenders). Call on every rank. Returns ``self``."""
+        ...
+
+    def to_eval_frozen(self) -> WrappedModel:
+        """Eval mode, no parameter trainable, placed on ``device``; sharded stays sharded, DDP/DataParallel
+        wrappers are dropped. Idempotent."""
+        ...
+
+    # -- full parameters -------------------------------------------------------------
+    def gathered(self, modifier_rank: int | None = None) -> AbstractContextManager[torch.nn.Module]:
+        """Context yielding ``unwrap()`` with full parameters on every rank; writes persist only from
+        ``modifier_rank`` (on normal exit). Collective."""
+        ...
+
+    def generation(self) -> AbstractContextManager[torch.nn.Module]:
+        """``gathered()`` + eval + gradient checkpointing off, at unsharded speed; everything restored on exit."""
+        ...
+
+    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(canonical_name, full tensor)`` pairs, gathered one parameter (or FSDP1 unit) at a time. Collective."""
+        ...
+
+    # -- weights in and out ----------------------------------------------------------
+    def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:
+        """Parameters and persistent buffers under canonical names, CPU tensors; ``{}`` off rank 0 if ``rank0_only``."""
+        ...
+
+    def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """The inverse of ``full_state_dict`` on any backend; every problem is reported before anything is written."""
+        ...
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """One safetensors file, written atomically by rank 0."""
+        ...
+
+    def load(self, path: str | os.PathLike[str], strict: bool = True) -> None:
+        """Load a safetensors file (canonical names) into this model."""
+        ...
+
+    def copy_to(self, target: WrappedModel, alpha: float = 1.0) -> None:
+        """Name-aligned weight sync into another model; ``alpha < 1`` is EMA (``alpha*self + (1-alpha)*target``)."""
         ...

@@ -7,13 +7,27 @@ parameter count is read off its shards.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from typing_extensions import Self
 
-from .._errors import DistributedStateError, MissingConfigError
+from .._errors import DistributedStateError, MissingConfigError, PlacementError
+from .._gather import (
+    agree_any,
+    broadcast_,
+    bypassed,
+    check_modifier_rank,
+    restore_checkpointing,
+    restore_modes,
+    set_checkpointing,
+    set_modes,
+)
+from .._names import canonical_name
 
 __all__ = ["Adapter", "Entry", "model_class_name"]
 
@@ -169,11 +183,174 @@ class Adapter:
             f"device:       {self.device}",
             f"group:        rank {self.rank} of {self.world_size}",
             f"sharded:      {'yes' if self.is_sharded else 'no'}",
-            f"parameters:   {total:,} ({trainable:,} trainable)",
+            f"parameters:   {total:,} ({trainable:,} trainable); "
+            f"{self.resident_parameter_bytes() / 2**20:.2f} MiB held by this rank",
             f"mode:         {training} of {len(mods)} modules in training mode",
             f"config:       {type(getattr(self._innermost, 'config', None)).__name__}",
         ]
         return "\n".join(lines)
+
+    def resident_parameter_bytes(self) -> int:
+        """Bytes of parameter storage this rank holds right now (its shards, plus anything
+        currently gathered); no collective. Tied parameters count once."""
+        seen: set[int] = set()
+        total = 0
+        for p in self._innermost.parameters():
+            storage = p.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    # -- weights in and out (the work is done in state.py) ---------------------------
+    def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter and persistent buffer under canonical names, as CPU tensors.
+
+        Collective: every rank calls it; with ``rank0_only`` the other ranks get ``{}``.
+        ``merge_adapters`` folds LoRA adapters into the base weights (base model's names)
+        without changing the live model.
+        """
+        from ..state import full_state_dict
+
+        return full_state_dict(self, rank0_only, merge_adapters=merge_adapters)
+
+    def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load a full, canonically named state dict (the same on every rank); checks everything first."""
+        from ..state import load_full_state_dict
+
+        load_full_state_dict(self, sd, strict)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write one safetensors file atomically from rank 0 (temp file, fsync, rename). Collective."""
+        from ..state import save
+
+        save(self, path)
+
+    def load(self, path: str | os.PathLike[str], strict: bool = True) -> None:
+        """Load a safetensors file written by ``save`` (every rank reads it). Collective."""
+        from ..state import load
+
+        load(self, path, strict)
+
+    def copy_to(self, target: Any, alpha: float = 1.0) -> None:
+        """``target = alpha*self + (1-alpha)*target``, by canonical name, any backend to any backend."""
+        from .._errors import StateDictError
+        from ..state import copy_to
+
+        if not isinstance(target, Adapter):
+            raise StateDictError(
+                f"copy_to needs a WrappedModel target, got {type(target).__name__}; pass adapt(target)."
+            )
+        copy_to(self, target, alpha)
+
+    def _full_shapes(self) -> dict[int, tuple[int, ...]]:
+        """id(parameter) -> full shape, for parameters whose local tensor is only a shard."""
+        return {}
+
+    def _param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Canonical name -> full shape of every parameter (tied ones under each name); nothing gathered."""
+        full = self._full_shapes()
+        return {
+            canonical_name(name): full.get(id(p), tuple(p.shape))
+            for name, p in self.unwrap().named_parameters(remove_duplicate=False)
+        }
+
+    def _weights_written(self) -> None:
+        """Called after weights were written in place (load, copy_to): refresh any private copies."""
+
+    def _local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
+        """Canonical name -> (this rank's shard, a layout key), for backends that keep one shard per
+        parameter. Two models whose keys agree hold the same slice of every parameter on this rank,
+        so weights can be synced between them shard to shard, with no communication. ``None``: no
+        per-parameter shards (unsharded, or FSDP1's flat parameters)."""
+        return None
+
+    # -- full parameters: gathered / generation / named_full_parameters ------------
+    @contextlib.contextmanager
+    def gathered(self, modifier_rank: int | None = None) -> Iterator[torch.nn.Module]:
+        """Yield ``unwrap()`` holding the full parameters on every rank. Collective.
+
+        The module runs as a plain module inside (no FSDP/ZeRO-3 hooks in the call
+        path), for reading, inference or in-place writes; not for backward. With
+        ``modifier_rank=r``, in-place writes made on rank ``r`` reach every rank's
+        weights (shards, replicas and optimizer master copies) on normal exit; without
+        it, writes are discarded on sharded backends and must not be relied on
+        anywhere. If the body raises on any rank, writes are discarded everywhere.
+        Every submodule's ``training`` flag is restored on exit.
+        """
+        check_modifier_rank(modifier_rank, self.world_size, self._process_group())
+        # Modes are restored too: code inside often calls eval() to run the model and forgets train().
+        modes = [(m, m.training) for m in self._module.modules()]
+        try:
+            with self._gather_full(modifier_rank) as replace:
+                if self._gather_bypass():
+                    with bypassed(self.unwrap(), replace) as inner:
+                        yield inner
+                else:
+                    yield self.unwrap()
+        finally:
+            restore_modes(modes)
+
+    @contextlib.contextmanager
+    def generation(self) -> Iterator[torch.nn.Module]:
+        """``gathered()`` plus eval mode, no autograd and gradient checkpointing off, for ``generate()``.
+
+        Collective. Runs at the unsharded model's speed on every backend. On exit,
+        normal or by exception, every submodule's ``training`` flag and checkpointing
+        setting are restored exactly; hooks and backend state were never changed.
+        """
+        with self.gathered() as inner, torch.no_grad():
+            modes = set_modes(self._module, False)
+            ckpt = set_checkpointing(self._module, False)
+            try:
+                yield inner
+            finally:
+                restore_checkpointing(ckpt)
+                restore_modes(modes)
+
+    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(canonical_name, full tensor)`` for every parameter, gathering one at a time. Collective.
+
+        Names are the keys of ``unwrap().state_dict()`` without wrapper components,
+        tied parameters under each of their names. Every rank must consume the
+        iterator equally far. Tensors are detached, on the parameter's device; they
+        share storage with the live weights where those are already full, and are
+        fresh buffers otherwise: clone before writing into one.
+        """
+        for name, p in self.unwrap().named_parameters(remove_duplicate=False):
+            yield canonical_name(name), self._gather_one(p)
+
+    # Backend hooks for the three above; the base serves every unsharded backend.
+    def _gather_bypass(self) -> bool:
+        """Whether the module must be taken out of the backend's hooks to run on full parameters."""
+        return False
+
+    def _gather_one(self, p: torch.Tensor) -> torch.Tensor:
+        return p.detach()
+
+    @contextlib.contextmanager
+    def _gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
+        """Make the parameters full; yield a ``Replace`` for ``bypassed`` (or None)."""
+        group = self._process_group()
+        params = list(self._unique_parameters())
+        # Replicas are written in place: keep a copy to undo a failed body.
+        saved = [p.detach().clone() for p in params] if modifier_rank is not None else []
+        failed = False
+        try:
+            yield None
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            failed = agree_any(failed, group, self.world_size)
+            if modifier_rank is not None:
+                with torch.no_grad():
+                    if failed:
+                        for p, old in zip(params, saved, strict=True):
+                            p.copy_(old)
+                    else:
+                        broadcast_(params, modifier_rank, group, self.world_size)
+                        self._weights_written()
 
     # -- helpers for subclasses ----------------------------------------------------
     def _process_group(self) -> Any:
@@ -219,3 +396,109 @@ class Adapter:
     def _global_numel(self, p: torch.Tensor) -> int:
         """Elements of the full parameter ``p`` is (a shard of)."""
         return p.numel()
+
+    # -- placement and freezing: place() / to_eval_frozen() ---------------------------
+    # Backends override ``_move`` (how this rank's parameters travel) and
+    # ``_placement_tensors`` (what must sit on the target afterwards); the checks,
+    # the rollback and the cross-rank agreement are shared here.
+
+    def place(self, device: torch.device | str | int | None = None) -> Self:
+        """Move this rank's parameters and shards to ``device`` (``None``: the compute device), keeping
+        the sharding; then verify every one of them. Call it on every rank of the group together.
+
+        Raises ``PlacementError`` naming the tensors that are elsewhere. Returns ``self``.
+        """
+        home = self._home_device()
+        target = home if device is None else _resolve_device(device)
+        self._place(target, copy=False)
+        if target == home:
+            self._innermost.__dict__.pop(_HOME_ATTR, None)
+        else:
+            # Remembered on the model, so place() comes back from any adapter over it.
+            self._innermost.__dict__[_HOME_ATTR] = home
+        return self
+
+    def to_eval_frozen(self) -> Adapter:
+        """Eval mode on every submodule, ``requires_grad=False`` on every parameter, placed on
+        ``self.device``. Sharded backends stay sharded; idempotent. Returns a ``WrappedModel``."""
+        # Placement first: it is the step that can fail, and it rolls itself back.
+        self.place()
+        self._module.eval()
+        for m in self._module.modules():
+            m.training = False  # also reaches modules whose train() override skips children
+        for p in self._frozen_parameters():
+            p.requires_grad_(False)
+        return self
+
+    def _home_device(self) -> torch.device:
+        home = self._innermost.__dict__.get(_HOME_ATTR)
+        return home if isinstance(home, torch.device) else _resolve_device(self.device)
+
+    def _place(self, target: torch.device, copy: bool) -> None:
+        """Move to ``target``, roll back on failure, verify, and agree on the outcome across ranks.
+
+        ``copy=True`` forces fresh storage even when a tensor is already on ``target``
+        (what an offload does between two devices), so the bookkeeping of every backend is
+        exercised on a machine that has one device only.
+        """
+        before = {name: t.device for name, t in self._placement_tensors()}
+        sources = set(before.values())
+        failure: BaseException | None = None
+        rolled_back = False
+        try:
+            self._move(target, copy)
+        except Exception as exc:
+            failure = exc
+            if len(sources) == 1 and target not in sources:  # came from one device: go back there
+                try:
+                    self._move(next(iter(sources)), False)
+                    rolled_back = True
+                except Exception:
+                    pass
+        off = [name for name, t in self._placement_tensors() if t.device != target]
+        if self._agree_any(failure is not None or bool(off)):
+            shown = ", ".join(off[:8]) + (f" and {len(off) - 8} more" if len(off) > 8 else "")
+            if failure is not None:
+                msg = (f"moving the {self.name} model's parameters to {target} failed ({type(failure).__name__}: "
+                       f"{failure})" + (f"; moved back to {next(iter(sources))}" if rolled_back else "")
+                       + (f"; not on {target}: {shown}" if off and not rolled_back else "") + ".")
+            elif off:
+                msg = (f"after moving the {self.name} model to {target}, these are elsewhere: {shown}; "
+                       "something outside the backend holds them (move or re-create them) or the backend is "
+                       "mid-step (call place() between steps).")
+            else:
+                msg = f"placement on {target} failed on another rank of the {self.name} group; see its error."
+            raise PlacementError(msg) from failure
+
+    def _move(self, target: torch.device, copy: bool) -> None:
+        """Move this rank's parameters, gradients and buffers; identity of every Parameter kept."""
+        self._module._apply(lambda t: t.to(target, copy=copy))  # type: ignore[no-untyped-call]
+
+    def _placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for every parameter, shard and buffer that ``place`` moves."""
+        seen: set[int] = set()
+        for name, t in [*self._module.named_parameters(), *self._module.named_buffers()]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                yield canonical_name(name), t
+
+    def _frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
+        """Every parameter whose ``requires_grad`` must go off to freeze the model."""
+        yield from self._module.parameters()
+
+    def _agree_any(self, flag: bool) -> bool:
+        """``flag`` or-ed over the group, so that every rank takes the same branch."""
+        # Non-distributed adapters may live in a distributed process: they never vote.
+        return agree_any(flag, self._process_group(), self.world_size) if self.distributed else flag
+
+
+# Attribute on the innermost model recording its compute device while it is offloaded.
+_HOME_ATTR = "_placement_home_device"
+
+
+def _resolve_device(device: torch.device | str | int) -> torch.device:
+    """A concrete device: ``"cuda"`` becomes ``cuda:<current>``, an int a CUDA index."""
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev

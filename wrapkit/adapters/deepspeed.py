@@ -7,11 +7,16 @@ is recorded in ``ds_numel`` / ``ds_shape``.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from .._imports import is_instance
+from .._gather import agree_any
+from .._imports import is_instance, lookup, require
+from .._names import canonical_name
 from ._base import Adapter
 
 
@@ -58,3 +63,158 @@ class DeepSpeedAdapter(Adapter):
 
     def _global_numel(self, p: torch.Tensor) -> int:
         return int(getattr(p, "ds_numel", p.numel()))
+
+    # -- weights in and out ----------------------------------------------------------
+    def _full_shapes(self) -> dict[int, tuple[int, ...]]:
+        return {id(p): tuple(p.ds_shape) for p in self._innermost.parameters() if hasattr(p, "ds_shape")}
+
+    def _weights_written(self) -> None:
+        # ZeRO 1-3 (and the bf16/fp16 optimizers) step an fp32 master copy of each
+        # partition, cloned at initialize time even for fp32 models: without a refresh
+        # the next step would overwrite whatever was loaded into the module's weights.
+        refresh = getattr(getattr(self._engine(), "optimizer", None), "refresh_fp32_params", None)
+        if callable(refresh):
+            refresh()
+
+    def resident_parameter_bytes(self) -> int:
+        if self.zero_stage != 3:
+            return super().resident_parameter_bytes()
+        total = 0
+        for p in self._unique_parameters():
+            part = getattr(p, "ds_tensor", None)
+            if part is not None:
+                total += part.numel() * part.element_size()
+            total += p.numel() * p.element_size()  # non-zero only while the parameter is gathered
+        return total
+
+    def _local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
+        if self.zero_stage != 3:
+            return None
+        ranks = tuple(dist.get_process_group_ranks(self._process_group() or dist.group.WORLD))
+        out: dict[str, tuple[torch.Tensor, tuple[Any, ...]]] = {}
+        for name, p in self.unwrap().named_parameters():
+            part = getattr(p, "ds_tensor", None)
+            if part is None:
+                return None
+            # ZeRO-3 splits the flattened, padded parameter evenly over the group's ranks.
+            out[canonical_name(name)] = (part, ("zero3", ranks, tuple(getattr(p, "ds_shape", ())), part.numel()))
+        return out
+
+    # -- full parameters (gathered / generation / named_full_parameters) --------------
+    def _gather_bypass(self) -> bool:
+        return self.zero_stage == 3
+
+    def _gather_one(self, p: torch.Tensor) -> torch.Tensor:
+        shard = getattr(p, "ds_tensor", None)
+        if shard is None:
+            return p.detach()
+        # All-gather straight from the partitions into one fresh buffer: the extra
+        # memory is that buffer only, and ZeRO-3's own parameter state is untouched.
+        group = p.ds_process_group  # type: ignore[attr-defined]
+        world = dist.get_world_size(group)
+        part = shard.detach().reshape(-1).to(self.device)
+        out = torch.empty(world * part.numel(), dtype=part.dtype, device=part.device)
+        dist.all_gather(list(out.chunk(world)), part, group=group)
+        return out[: int(p.ds_numel)].view(p.ds_shape)  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def _gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
+        if self.zero_stage != 3:
+            with super()._gather_full(modifier_rank) as replace:
+                yield replace
+            return
+        deepspeed = require("deepspeed", feature="gathered() under ZeRO-3")
+        params: list[Any] = [p for p in self._unique_parameters() if hasattr(p, "ds_id")]
+        # Small "persistent" parameters stay gathered between steps; GatheredParameters
+        # re-partitions them on exit, so they are gathered again afterwards.
+        persistent = [p for p in params if getattr(p.ds_status, "name", "") == "AVAILABLE"]
+        ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
+        ctx.__enter__()
+        failed = False
+        linear = _plain_linear()
+        try:
+            if linear is not None:
+                torch.nn.functional.linear = linear[0]
+            yield None
+        except BaseException:
+            failed = True
+            raise
+        finally:
+            if linear is not None:
+                torch.nn.functional.linear = linear[1]
+            try:
+                failed = agree_any(failed, self._process_group(), self.world_size)
+                if failed and ctx.enabled:
+                    # Re-partition without the broadcast: the shards were never written.
+                    ctx.src_rank = None
+                    ctx._param_versions = None
+            finally:
+                ctx.__exit__(None, None, None)
+                if persistent:
+                    persistent[0].all_gather(param_list=persistent)
+            if modifier_rank is not None and not failed:
+                self._weights_written()
+
+    # -- placement and freezing (place / to_eval_frozen) -------------------------------
+    def _move(self, target: torch.device, copy: bool) -> None:
+        engine = self._engine()
+        stage = self.zero_stage or 0
+        optimizer: Any = getattr(engine, "optimizer", None)
+        if stage == 3 and hasattr(optimizer, "empty_partition_cache"):
+            # Gathered (persistent) parameters are released first: only partitions then hold data.
+            optimizer.empty_partition_cache()
+        if stage > 0 and hasattr(optimizer, "offload_states") and hasattr(optimizer, "lp_param_buffer" if stage == 3
+                                                                          else "bit16_groups_flat"):
+            # ZeRO-1/2/3 with an optimizer: the partitions are views into flat buffers that the
+            # optimizer writes after each step; DeepSpeed's own offload keeps those views intact.
+            from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
+            offloaded = OffloadStateTypeEnum.lp_params in getattr(optimizer, "offloaded_states", ())
+            if target == self.device:
+                if offloaded:
+                    engine.reload_states()
+            elif target.type == "cpu":
+                if not offloaded:
+                    engine.offload_states(include=[OffloadStateTypeEnum.lp_params], device=OffloadDeviceEnum.cpu,
+                                          pin_memory=False)
+            else:
+                raise ValueError(f"a ZeRO-{stage} engine moves its parameters between {self.device} and cpu only, "
+                                 f"not to {target}")
+        elif stage == 3:
+            # No optimizer (an inference engine): each parameter owns its partition.
+            for p in engine.module.parameters():
+                p.ds_tensor.data = p.ds_tensor.data.to(target, copy=copy)
+        else:
+            engine.module._apply(lambda t: t.to(target, copy=copy))  # type: ignore[no-untyped-call]
+            return
+        for module in engine.module.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = buf.to(target, copy=copy)
+
+    def _placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self.zero_stage != 3:
+            yield from super()._placement_tensors()
+            return
+        module = self._engine().module
+        for name, p in module.named_parameters():
+            yield f"{canonical_name(name)} (partition)", p.ds_tensor
+            if p.numel() > 0:  # gathered right now
+                yield canonical_name(name), p
+        for name, buf in module.named_buffers():
+            yield canonical_name(name), buf
+
+
+def _plain_linear() -> tuple[Any, Any] | None:
+    """(torch's own ``F.linear``, the current one) when ZeRO-3 has replaced it, else None.
+
+    ZeRO-3's memory-efficient linear replaces ``torch.nn.functional.linear`` for the
+    whole process, for good (DeepSpeed says so when it does it); on full parameters
+    it only costs time, about half the speed of a small model's generation on CPU.
+    """
+    holder = lookup("deepspeed.runtime.zero.partition_parameters", "InsertPostInitMethodToModuleSubClasses")
+    original = getattr(holder, "linear_bk", None)
+    current = torch.nn.functional.linear
+    if original is None or current is original:
+        return None
+    return original, current

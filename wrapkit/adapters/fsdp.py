@@ -3,12 +3,16 @@ per wrapped unit, each rank holding a slice of it."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from .._gather import agree_any, broadcast_
 from .._imports import is_instance, lookup
+from .._names import canonical_name
 from ._base import Adapter
 
 
@@ -49,6 +53,22 @@ class FSDPAdapter(Adapter):
     def rank(self) -> int:
         return self._group_size_and_rank()[1]
 
+    def resident_parameter_bytes(self) -> int:
+        # The original parameters are views into FlatParameters: count the flat storage
+        # this rank holds (its shard, and the padded full buffer while it is allocated).
+        total = 0
+        for unit in self._units():
+            handle = getattr(unit, "_handle", None)
+            if handle is None:
+                continue
+            flat = handle.flat_param
+            local = getattr(flat, "_local_shard", flat)
+            total += local.numel() * local.element_size()
+            padded = getattr(flat, "_full_param_padded", None)
+            if isinstance(padded, torch.Tensor):
+                total += padded.untyped_storage().nbytes()
+        return total
+
     def num_parameters(self, trainable_only: bool = False) -> int:
         # The original parameters live inside FlatParameters; their sizes are recorded
         # there (``_numels``, shared parameters already counted once). With
@@ -66,3 +86,176 @@ class FSDPAdapter(Adapter):
                 flags = [flat.requires_grad] * len(flat._numels)
             total += sum(n for n, rg in zip(flat._numels, flags, strict=True) if rg or not trainable_only)
         return total
+
+    # -- weights in and out ----------------------------------------------------------
+    def _full_shapes(self) -> dict[int, tuple[int, ...]]:
+        # With use_orig_params=True each original parameter is a 1-D view of this
+        # rank's slice outside of forward; its real shape is recorded in the FlatParameter.
+        shapes: dict[int, tuple[int, ...]] = {}
+        for unit in self._units():
+            flat = getattr(getattr(unit, "_handle", None), "flat_param", None)
+            originals = getattr(flat, "_params", None)
+            if flat is not None and originals is not None:
+                for p, shape in zip(originals, flat._shapes, strict=True):
+                    shapes[id(p)] = tuple(shape)
+        return shapes
+
+    def _param_shapes(self) -> dict[str, tuple[int, ...]]:
+        # use_orig_params=False: only FlatParameters are registered (``<module>._flat_param``);
+        # the originals' names and shapes are recorded in each of them.
+        out = super()._param_shapes()
+        for name, p in self.unwrap().named_parameters(remove_duplicate=False):
+            flat: Any = p
+            fqns = getattr(flat, "_fqns", None)
+            if fqns is None or getattr(flat, "_params", None) is not None:
+                continue
+            del out[canonical_name(name)]
+            prefix = name.rpartition(".")[0]
+            shapes = {(info.module_name, info.param_name): tuple(shape)
+                      for info, shape in zip(flat._param_infos, flat._shapes, strict=True)}
+            for fqn, shape in zip(fqns, flat._shapes, strict=True):
+                out[canonical_name(f"{prefix}.{fqn}" if prefix else fqn)] = tuple(shape)
+            for info in flat._shared_param_infos:
+                fqn = f"{info.module_name}.{info.param_name}" if info.module_name else info.param_name
+                out[canonical_name(f"{prefix}.{fqn}" if prefix else fqn)] = shapes[
+                    (info.prim_module_name, info.prim_param_name)
+                ]
+        return out
+
+    # -- full parameters (gathered / generation / named_full_parameters) --------------
+    def _gather_bypass(self) -> bool:
+        return True
+
+    @contextlib.contextmanager
+    def _gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        group = self._process_group()
+        flats = [u._handle.flat_param for u in self._units() if getattr(u, "_handle", None) is not None]
+        # writeback copies each rank's own slice of its full copy back into its shard:
+        # rank r's values are broadcast first; a failed body restores the saved shards.
+        saved = [f.detach().clone() for f in flats] if modifier_rank is not None else []
+        failed = False
+        try:
+            assert self._backend_obj is not None
+            with FullyShardedDataParallel.summon_full_params(
+                self._backend_obj, recurse=True, writeback=modifier_rank is not None
+            ):
+                try:
+                    yield None
+                except BaseException:
+                    failed = True
+                    raise
+                finally:
+                    failed = agree_any(failed, group, self.world_size)
+                    if modifier_rank is not None and not failed:
+                        broadcast_(list(self._unique_parameters()), modifier_rank, group, self.world_size)
+        finally:
+            if modifier_rank is not None:
+                with torch.no_grad():
+                    if failed:
+                        for f, old in zip(flats, saved, strict=True):
+                            f.data.copy_(old)
+                    else:
+                        self._weights_written()
+
+    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # One FSDP unit at a time: a unit's FlatParameter is the smallest thing FSDP1 gathers.
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        names: dict[int, list[str]] = {}
+        for name, p in self.unwrap().named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), []).append(canonical_name(name))
+        units = [u for u in self._units() if getattr(u, "_handle", None) is not None]
+        if any(getattr(u._handle.flat_param, "_params", None) is None for u in units):
+            # use_orig_params=False: the originals are not Parameters; gather the whole model.
+            with self.gathered() as inner:
+                batch = [(canonical_name(n), p.detach().clone())
+                         for n, p in inner.named_parameters(remove_duplicate=False)]
+            yield from batch
+            return
+        for unit in units:
+            flat = unit._handle.flat_param
+            if self.world_size > 1 and unit._handle.uses_sharded_strategy and hasattr(flat, "_local_shard"):
+                yield from self._full_from_shards(flat, names)
+                continue
+            with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
+                # Copied out before the unit is resharded, so nothing collective is pending at a yield.
+                batch = [(n, p.detach().clone()) for p in flat._params for n in names.get(id(p), [])]
+            yield from batch
+
+    def _full_from_shards(self, flat: Any, names: dict[int, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """One original parameter at a time, straight from the ranks' shards of the FlatParameter.
+
+        Summoning a whole unit would cost the unit's size; instead each rank broadcasts
+        its piece of the parameter into the one full tensor that is yielded.
+        """
+        group = self._process_group()
+        world, me = self.world_size, self.rank
+        infos = flat._shard_param_infos
+        local = [(i.intra_param_start_idx, i.intra_param_end_idx) if i.in_shard else None for i in infos]
+        pieces: list[Any] = [None] * world
+        dist.all_gather_object(pieces, local, group=group)
+        shard = flat._local_shard
+        with torch.no_grad():
+            for idx, (p, shape) in enumerate(zip(flat._params, flat._shapes, strict=True)):
+                full = torch.empty(shape.numel(), dtype=shard.dtype, device=shard.device)
+                for k in range(world):
+                    rng = pieces[k][idx]
+                    if rng is None:
+                        continue
+                    view = full[rng[0]: rng[1] + 1]
+                    if k == me:
+                        info = infos[idx]
+                        view.copy_(shard[info.offset_in_shard: info.offset_in_shard + info.numel_in_shard])
+                    dist.broadcast(view, dist.get_global_rank(group, k) if group is not None else k, group=group)
+                out = full.view(shape)
+                for n in names.get(id(p), []):
+                    yield n, out
+
+    # -- placement and freezing (place / to_eval_frozen) -------------------------------
+    def _move(self, target: torch.device, copy: bool) -> None:
+        # Each unit's FlatParameter holds this rank's shard (``_local_shard`` aliases it at
+        # rest); the original parameters are views into it and must be re-pointed.
+        for unit in self._units():
+            handle = getattr(unit, "_handle", None)
+            if handle is None:
+                continue
+            if getattr(handle._training_state, "name", "IDLE") != "IDLE":
+                raise RuntimeError(f"FSDP unit {type(unit._fsdp_wrapped_module).__name__} is mid forward/backward")
+            flat = handle.flat_param
+            # With use_orig_params FSDP may keep a stale flat gradient after zero_grad(); it
+            # must not be handed back to parameters whose gradients were cleared.
+            had_grads = any(p.grad is not None for p in getattr(flat, "_params", None) or ())
+            new = flat.data.to(target, copy=copy)
+            if getattr(flat, "_local_shard", None) is not None:
+                flat._local_shard = new  # FSDP points flat_param back at it after every reshard
+            flat.data = new
+            if flat.grad is not None:
+                flat.grad.data = flat.grad.data.to(target, copy=copy)
+            if handle._use_orig_params:
+                handle._use_sharded_views()
+                if flat.grad is not None and had_grads:
+                    handle._use_sharded_grad_views()
+        for module in self._module.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = buf.to(target, copy=copy)
+
+    def _placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        fsdp_cls = lookup("torch.distributed.fsdp", "FullyShardedDataParallel")
+        assert self._backend_obj is not None and fsdp_cls is not None
+        for path, unit in self._backend_obj.named_modules():
+            handle = getattr(unit, "_handle", None) if isinstance(unit, fsdp_cls) else None
+            if handle is not None:
+                yield f"{canonical_name(path) or '<root>'} (flat parameter shard)", handle.flat_param
+        for name, buf in self._module.named_buffers():
+            yield canonical_name(name), buf
+
+    def _frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
+        # The FlatParameter too: with use_orig_params=True forward runs through it.
+        yield from super()._frozen_parameters()
+        for unit in self._units():
+            handle = getattr(unit, "_handle", None)
+            if handle is not None:
+                yield handle.flat_param

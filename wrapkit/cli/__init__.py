@@ -1,4 +1,4 @@
-"""Command line: ``wrapkit doctor`` and ``wrapkit vendor``."""
+"""Command line: ``wrapkit doctor``, ``wrapkit bench`` and ``wrapkit vendor``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,13 @@ def main(argv: list[str] | None = None) -> int:
     doc.add_argument("--backends", help="comma-separated subset, e.g. ddp,zero3")
     doc.add_argument("--world-size", type=int, default=2)
     doc.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON")
+    doc.add_argument("-v", "--verbose", action="store_true", help="print the full traceback of each failure")
+    ben = sub.add_parser("bench", help="run the benchmarks in benchmarks/ and print their ratios")
+    ben.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
+    ben.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
+    ben.add_argument("--plot", dest="plot_path", metavar="PNG", help="bar chart of the ratios against their goals")
+    ben.add_argument("--dir", dest="directory", help="the benchmarks folder (default: ./benchmarks)")
+    ben.add_argument("--quick", action="store_true", help="fewer repetitions, for smoke tests")
     ven = sub.add_parser("vendor", help="copy the package into another project")
     ven.add_argument("dest")
     ven.add_argument("--name", default=None, help="directory name of the copy (default: the package's)")
@@ -23,7 +30,12 @@ def main(argv: list[str] | None = None) -> int:
         from .doctor import run_doctor
 
         backends = [b.strip() for b in args.backends.split(",")] if args.backends else None
-        return run_doctor(backends, world_size=args.world_size, json_path=args.json_path)
+        return run_doctor(backends, world_size=args.world_size, json_path=args.json_path, verbose=args.verbose)
+    if args.command == "bench":
+        from .bench import run_bench
+
+        return run_bench(args.names or None, directory=args.directory, json_path=args.json_path,
+                         plot_path=args.plot_path, quick=args.quick)
     if args.command == "vendor":
         from .vendor import vendor
 

@@ -57,10 +57,189 @@ def _describe(wm: Any, ctx: dict[str, Any]) -> None:
     assert wm.backend in text and len(text.splitlines()) >= 5
 
 
+# -- placement and reference models ---------------------------------------------------
+def _on_device(wm: Any, what: str) -> None:
+    off = sorted({str(t.device) for _, t in wm._placement_tensors()} - {str(wm.device)})
+    assert not off, f"{what}: tensors on {off}, expected all on {wm.device}"
+
+
+def _place(wm: Any, ctx: dict[str, Any]) -> None:
+    before = {n: t.detach().cpu().clone() for n, t in wm._placement_tensors()}
+    assert wm.place("cpu") is wm
+    assert all(t.device.type == "cpu" for _, t in wm._placement_tensors()), "offload left tensors off the CPU"
+    assert wm.place() is wm
+    _on_device(wm, "place()")
+    after = {n: t.detach().cpu() for n, t in wm._placement_tensors()}
+    assert all(torch.equal(before[n], after[n]) for n in before if n in after), "the round trip changed values"
+    _forward(wm, ctx)
+
+
+def _to_eval_frozen(wm: Any, ctx: dict[str, Any]) -> None:
+    from .._gather import restore_modes
+
+    # Freezing works in place: the doctor's model gets its modes and flags back afterwards.
+    flags = [(p, p.requires_grad) for p in wm._frozen_parameters()]
+    modes = [(m, m.training) for m in wm.module.modules()]
+    try:
+        frozen = wm.to_eval_frozen()
+        assert frozen.to_eval_frozen() is frozen, "not idempotent"
+        assert not any(m.training for m in frozen.module.modules()), "a submodule is still in training mode"
+        assert not any(p.requires_grad for p in frozen._frozen_parameters()), "a parameter is still trainable"
+        assert frozen.is_sharded == wm.is_sharded
+        _on_device(frozen, "to_eval_frozen()")
+        _forward(frozen, ctx)
+    finally:
+        restore_modes(modes)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def _prepare_reference(wm: Any, ctx: dict[str, Any]) -> None:
+    from .._errors import ReferenceModelError
+    from ..reference import prepare_reference
+
+    ref = prepare_reference(wm.module, None)
+    assert ref.is_sharded == wm.is_sharded, "the reference is not sharded the policy's way"
+    assert not any(p.requires_grad for p in ref._frozen_parameters()), "the reference is trainable"
+    _on_device(ref, "prepare_reference()")
+    _forward(ref, ctx)
+    try:
+        prepare_reference(wm.module, wm.module)
+    except ReferenceModelError:
+        return
+    raise AssertionError("the policy itself was accepted as its own reference")
+
+
+# -- full parameters ---------------------------------------------------------------------
+def _modes(wm: Any) -> list[bool]:
+    return [m.training for m in wm.module.modules()]
+
+
+def _gathered(wm: Any, ctx: dict[str, Any]) -> None:
+    modes = _modes(wm)
+    with wm.gathered() as m:
+        with torch.no_grad():
+            out = m(ctx["inputs"])
+    logits = out.logits if hasattr(out, "logits") else out
+    diff = float((logits.float().cpu() - ctx["expected_output"]).abs().max())
+    assert diff < 1e-3, f"forward inside gathered() differs from the unwrapped model by {diff:.2e}"
+    assert _modes(wm) == modes, "gathered() changed training flags"
+
+
+def _generation(wm: Any, ctx: dict[str, Any]) -> None:
+    modes = _modes(wm)
+    if not ctx["has_config"]:
+        with wm.generation() as m:
+            assert not any(x.training for x in m.modules()), "generation() left modules in training mode"
+        assert _modes(wm) == modes, "generation() did not restore training flags"
+        return
+    prompt = ctx["inputs"][:, :4]
+    kwargs = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    ref: Any = _fresh_model(ctx, 0).eval()
+    want = ref.generate(prompt, **kwargs)
+    with wm.generation() as m:
+        got = m.generate(prompt, **kwargs)
+    assert torch.equal(got.cpu(), want.cpu()), "greedy tokens differ from the unwrapped model's"
+    assert _modes(wm) == modes, "generation() did not restore training flags"
+
+
+def _named_full_parameters(wm: Any, ctx: dict[str, Any]) -> None:
+    got = {n: t.detach().cpu() for n, t in wm.named_full_parameters()}
+    want: dict[str, torch.Tensor] = dict(_fresh_model(ctx, 0).named_parameters(remove_duplicate=False))
+    _assert_equal(got, want, "named_full_parameters vs the unwrapped model")
+
+
+# -- weights in and out ----------------------------------------------------------------
+def _fresh_model(ctx: dict[str, Any], seed: int) -> torch.nn.Module:
+    """The doctor's base model (seed 0 is the one every backend wrapped), unwrapped."""
+    from ._models import tiny_llama, toy_model
+
+    model = tiny_llama(seed) if ctx["has_config"] else toy_model(seed)
+    return model.to(ctx["device"])
+
+
+def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, tol: float = 0.0) -> None:
+    assert got.keys() == want.keys(), f"{what}: keys differ ({sorted(set(got) ^ set(want))[:3]} ...)"
+    bad = [k for k in want if float((got[k].double() - want[k].detach().cpu().double()).abs().max()) > tol]
+    assert not bad, f"{what}: {len(bad)} tensors differ, e.g. {bad[0]}"
+
+
+def _full_state_dict(wm: Any, ctx: dict[str, Any]) -> None:
+    sd = wm.full_state_dict(rank0_only=False)
+    want = dict(_fresh_model(ctx, 0).state_dict())
+    _assert_equal(sd, want, "full_state_dict vs the unwrapped model")
+    assert list(sd) == list(want), "full_state_dict keys are not in state_dict() order"
+    assert all(t.device.type == "cpu" for t in sd.values()), "full_state_dict returned non-CPU tensors"
+
+
+def _shared_tmpdir(wm: Any) -> str:
+    """A fresh directory made by rank 0 and known to every rank (the doctor's ranks share a machine)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    obj = [tempfile.mkdtemp(prefix="wrapkit-doctor-") if wm.rank == 0 else ""]
+    if wm.distributed and dist.is_initialized():
+        dist.broadcast_object_list(obj, src=0)
+    return str(obj[0])
+
+
+def _save_load(wm: Any, ctx: dict[str, Any]) -> None:
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    from ..state import read_checkpoint
+
+    original = wm.full_state_dict(rank0_only=False)
+    directory = _shared_tmpdir(wm)
+    try:
+        path = os.path.join(directory, "model.safetensors")
+        wm.save(path)
+        _assert_equal(read_checkpoint(path), original, "the saved file")
+        # Other weights in, then the file back: every weight must be restored exactly.
+        wm.load_full_state_dict(dict(_fresh_model(ctx, 1).state_dict()))
+        wm.load(path)
+        _assert_equal(wm.full_state_dict(rank0_only=False), original, "after load")
+    finally:
+        if wm.distributed and dist.is_initialized():
+            dist.barrier()
+        if wm.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def _copy_to(wm: Any, ctx: dict[str, Any]) -> None:
+    from .._registry import adapt
+
+    original = wm.full_state_dict(rank0_only=False)
+    other = adapt(_fresh_model(ctx, 1))
+    before = other.full_state_dict(rank0_only=False)
+    wm.copy_to(other, alpha=0.5)  # EMA into a plain model
+    ema = {k: before[k] * 0.5 + original[k] * 0.5 for k in original}
+    _assert_equal(other.full_state_dict(rank0_only=False), ema, "EMA copy_to", tol=1e-6)
+    wm.copy_to(other)
+    _assert_equal(other.full_state_dict(rank0_only=False), original, "exact copy_to")
+    # And into this backend: other weights in, then the original ones back.
+    adapt(_fresh_model(ctx, 1)).copy_to(wm)
+    _assert_equal(wm.full_state_dict(rank0_only=False), before, "copy_to into this backend")
+    adapt(_fresh_model(ctx, 0)).copy_to(wm)
+    _assert_equal(wm.full_state_dict(rank0_only=False), original, "restoring by copy_to")
+
+
 OPS: list[tuple[str, Op]] = [
     ("config", _config),
     ("unwrap", _unwrap),
     ("num_parameters", _num_parameters),
     ("forward", _forward),
     ("describe", _describe),
+    ("place", _place),
+    ("to_eval_frozen", _to_eval_frozen),
+    ("prepare_reference", _prepare_reference),
+    ("gathered", _gathered),
+    ("generation", _generation),
+    ("named_full_parameters", _named_full_parameters),
+    ("full_state_dict", _full_state_dict),
+    ("save/load", _save_load),
+    ("copy_to", _copy_to),
 ]

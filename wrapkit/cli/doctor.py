@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import time
 import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -15,9 +17,13 @@ from ._models import BACKENDS, build, tiny_llama, toy_model
 from ._ops import OPS
 from ._workers import WorkerError, WorkerGroup
 
-__all__ = ["run_doctor", "doctor_backend"]
+__all__ = ["run_doctor", "setup_backend", "run_op", "teardown_backend", "cause_of"]
 
 _NEEDS = {"zero0": "deepspeed", "zero1": "deepspeed", "zero2": "deepspeed", "zero3": "deepspeed"}
+_OP_TIMEOUT = 120.0
+
+# Per-worker state between calls: backend -> (wm, ctx). Lives in the worker processes.
+_STATE: dict[str, tuple[Any, dict[str, Any]]] = {}
 
 
 def _base_model(use_llama: bool) -> torch.nn.Module:
@@ -28,50 +34,107 @@ def _inputs(use_llama: bool) -> torch.Tensor:
     return torch.arange(16).reshape(2, 8) % 128 if use_llama else torch.linspace(-1, 1, 32).reshape(2, 16)
 
 
-def doctor_backend(backend: str, use_llama: bool, device: str = "cpu") -> dict[str, Any]:
-    """Run on every rank: wrap, then each operation; returns ``{op: [ok, ms, error]}``."""
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"
+
+
+def _barrier() -> None:
     import torch.distributed as dist
 
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def setup_backend(backend: str, use_llama: bool, device: str = "cpu") -> list[Any]:
+    """Worker side: wrap the model with ``backend``; returns ``[ok, ms, error]`` for the adapt column."""
     from .._registry import adapt
 
     if device == "cuda":
-        # Each rank computes on its own GPU (the worker set it as current).
+        # Each rank computes on its own GPU (the worker made it current).
         device = f"cuda:{torch.cuda.current_device()}"
     plain = _base_model(use_llama).to(device)
     inputs = _inputs(use_llama).to(device)
     with torch.no_grad():
         out = plain(inputs)
     ctx: dict[str, Any] = {
+        "backend": backend,
         "inputs": inputs,
         "expected_output": (out.logits if hasattr(out, "logits") else out).float().cpu(),
         "expected_parameters": sum(p.numel() for p in plain.parameters()),
         "has_config": use_llama,
         "device": device,
     }
-    results: dict[str, Any] = {}
     t0 = time.perf_counter()
     try:
         wm = adapt(build(backend, model=_base_model(use_llama), device=device))
     except Exception as exc:
-        results["adapt"] = [False, (time.perf_counter() - t0) * 1e3, _first_line(exc)]
-        return results
-    results["adapt"] = [True, (time.perf_counter() - t0) * 1e3, ""]
-    for name, op in OPS:
-        t0 = time.perf_counter()
-        try:
-            op(wm, ctx)
-            results[name] = [True, (time.perf_counter() - t0) * 1e3, ""]
-        except Exception as exc:
-            results[name] = [False, (time.perf_counter() - t0) * 1e3, _first_line(exc)]
-            results.setdefault("_trace", traceback.format_exc())
-        if dist.is_initialized():
-            dist.barrier()
-    return results
+        return [False, (time.perf_counter() - t0) * 1e3, _first_line(exc), traceback.format_exc()]
+    _STATE[backend] = (wm, ctx)
+    _barrier()
+    return [True, (time.perf_counter() - t0) * 1e3, "", ""]
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"
+def run_op(backend: str, name: str) -> list[Any]:
+    """Worker side: run one operation on the wrapped model; ``[ok, ms, error, traceback]``."""
+    wm, ctx = _STATE[backend]
+    op = dict(OPS)[name]
+    t0 = time.perf_counter()
+    try:
+        op(wm, ctx)
+        result = [True, (time.perf_counter() - t0) * 1e3, "", ""]
+    except Exception as exc:
+        result = [False, (time.perf_counter() - t0) * 1e3, _first_line(exc), traceback.format_exc()]
+    _barrier()
+    return result
+
+
+def teardown_backend(backend: str) -> None:
+    _STATE.pop(backend, None)
+    import gc
+
+    gc.collect()
+    _barrier()
+
+
+def cause_of(error: str) -> str:
+    """One line saying what kind of failure an error line shows."""
+    kind = error.split(":", 1)[0]
+    return {
+        "AssertionError": "wrong result",
+        "MissingDependencyError": "a library is missing",
+        "DistributedStateError": "process-group state",
+        "PlacementError": "parameters on the wrong device",
+        "UnsupportedModelError": "model not recognised",
+        "MissingConfigError": "model has no config",
+        "ReferenceModelError": "reference model",
+        "WorkerError": "a rank failed or hung (timeout)",
+        "NotImplementedError": "not supported on this backend",
+    }.get(kind, "unexpected error")
+
+
+@contextmanager
+def _progress(total: int) -> Iterator[Callable[[str], None]]:
+    """A live progress display (rich when installed, plain lines otherwise)."""
+    try:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:
+        done = [0]
+
+        def plain(text: str) -> None:
+            done[0] += 1
+            print(f"  [{done[0]:>3}/{total}] {text}", flush=True)
+
+        yield plain
+        return
+    with Progress(TextColumn("{task.description:<40}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), transient=False) as bar:
+        task = bar.add_task("starting process group", total=total)
+
+        def advance(text: str) -> None:
+            bar.update(task, advance=1, description=text)
+
+        yield advance
 
 
 def _format_table(rows: dict[str, dict[str, Any]], columns: list[str]) -> str:
@@ -84,11 +147,7 @@ def _format_table(rows: dict[str, dict[str, Any]], columns: list[str]) -> str:
         cells = [backend]
         for col in columns:
             cell = res.get(col)
-            if cell is None:
-                cells.append("-")
-            else:
-                ok, ms, _ = cell
-                cells.append(f"{'ok' if ok else 'FAIL'} {ms:.0f}ms")
+            cells.append("-" if cell is None else f"{'ok' if cell[0] else 'FAIL'} {cell[1]:.0f}ms")
         table.append(cells)
     widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
@@ -97,7 +156,16 @@ def _format_table(rows: dict[str, dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path: str | None = None) -> int:
+def _merge(per_rank: list[list[Any]]) -> list[Any]:
+    """A cell fails if it failed on any rank; the time is the slowest rank's."""
+    bad = next((r for r in per_rank if not r[0]), None)
+    cell = list(bad or per_rank[0])
+    cell[1] = max(r[1] for r in per_rank)
+    return cell
+
+
+def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path: str | None = None,
+               verbose: bool = False) -> int:
     """Run the doctor; return the process exit code (non-zero on any failure)."""
     use_llama = is_available("transformers")
     selected = backends or list(BACKENDS)
@@ -105,48 +173,64 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
     use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     device = "cuda" if use_nccl else "cpu"
     print("wrapkit doctor: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in versions.items()))
-    print(f"model: {'transformers Llama (tiny, from a config)' if use_llama else 'toy MLP'}; "
+    print(f"model: {'transformers Llama (tiny, from a config)' if use_llama else 'toy MLP (transformers missing)'}; "
           f"{world_size} ranks, {'nccl' if use_nccl else 'gloo'} on {device}")
-    columns = ["adapt", *(name for name, _ in OPS)]
+    op_names = [name for name, _ in OPS]
+    columns = ["adapt", *op_names]
     rows: dict[str, dict[str, Any]] = {}
     group = WorkerGroup(world_size=world_size, backend="nccl" if use_nccl else "gloo",
                         preload=tuple(p for p in ("transformers", "peft", "deepspeed") if is_available(p)))
-    failed = False
+    runnable = [b for b in selected if b in BACKENDS and (not _NEEDS.get(b) or is_available(_NEEDS[b]))]
+    t_start = time.perf_counter()
     try:
-        for backend in selected:
-            need = _NEEDS.get(backend)
-            if need and not is_available(need):
-                rows[backend] = {"_status": f"not installed ({need})"}
-                continue
-            print(f"  {backend} ...", flush=True)
-            try:
-                per_rank = group.run(doctor_backend, backend, use_llama, device, timeout=300)
-                res = per_rank[0]
-                for other in per_rank[1:]:  # a failure on any rank counts
-                    for op, cell in other.items():
-                        if op != "_trace" and not cell[0] and res.get(op, [False])[0]:
-                            res[op] = cell
-            except WorkerError as exc:
-                res = {"_status": "FAIL", "_error": str(exc).splitlines()[0:3]}
-            rows[backend] = res
-            if res.get("_status") == "FAIL" or any(not c[0] for k, c in res.items() if not k.startswith("_")):
-                failed = True
+        with _progress(len(runnable) * len(columns)) as advance:
+            for backend in selected:
+                if backend not in BACKENDS:
+                    rows[backend] = {"_status": "FAIL", "_error": f"unknown backend; known: {', '.join(BACKENDS)}"}
+                    continue
+                need = _NEEDS.get(backend)
+                if need and not is_available(need):
+                    rows[backend] = {"_status": f"not installed ({need})"}
+                    continue
+                res: dict[str, Any] = {}
+                rows[backend] = res
+                try:
+                    res["adapt"] = _merge(group.run(setup_backend, backend, use_llama, device, timeout=300))
+                    advance(f"{backend}: adapt")
+                    if not res["adapt"][0]:
+                        continue
+                    for name in op_names:
+                        res[name] = _merge(group.run(run_op, backend, name, timeout=_OP_TIMEOUT))
+                        advance(f"{backend}: {name}")
+                    group.run(teardown_backend, backend, timeout=60)
+                except WorkerError as exc:
+                    # The group was killed (a rank died or hung); the next backend starts a fresh one.
+                    first = next((ln for ln in str(exc).splitlines() if ln.strip()), "")
+                    missing = [c for c in columns if c not in res]
+                    if missing:
+                        res[missing[0]] = [False, _OP_TIMEOUT * 1e3, f"WorkerError: {first}", str(exc)]
     finally:
         group.close()
+    elapsed = time.perf_counter() - t_start
     print()
     print(_format_table(rows, columns))
-    problems = [
-        f"{backend}/{op}: {cell[2]}"
-        for backend, res in rows.items()
-        for op, cell in res.items()
-        if not op.startswith("_") and not cell[0]
-    ] + [f"{b}: {' | '.join(r['_error'])}" for b, r in rows.items() if r.get("_status") == "FAIL"]
+    problems: list[str] = []
+    for backend, res in rows.items():
+        if res.get("_status") == "FAIL":
+            problems.append(f"{backend}: {res['_error']}")
+        for op, cell in res.items():
+            if not op.startswith("_") and not cell[0]:
+                problems.append(f"{backend}/{op}: {cause_of(cell[2])} -- {cell[2]}")
+                if verbose and len(cell) > 3:
+                    problems.append("    " + cell[3].replace("\n", "\n    "))
+    failed = bool(problems)
     if problems:
         print("\nfailures:")
         for line in problems:
             print("  " + line)
-    print(f"\n{'FAILED' if failed else 'all passed'}")
+    print(f"\n{'FAILED' if failed else 'all passed'} in {elapsed:.1f} s")
     if json_path:
         with open(json_path, "w") as fh:
-            json.dump({"versions": versions, "world_size": world_size, "results": rows}, fh, indent=2, default=str)
+            json.dump({"versions": versions, "world_size": world_size, "device": device,
+                       "elapsed_s": elapsed, "results": rows}, fh, indent=2, default=str)
     return 1 if failed else 0

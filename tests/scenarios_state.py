@@ -1,0 +1,297 @@
+"""Scenarios for weights in and out (full_state_dict, load, save/load, copy_to).
+
+They run on every rank of the shared worker group (or in the test process for the
+single-process cases) and return plain, picklable observations.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+import wrapkit
+from wrapkit.cli._models import build, tiny_llama
+
+TOKENS = torch.arange(16).reshape(2, 8) % 128
+MATRIX = ("plain", "ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3")
+
+
+def _plain_sd(seed: int) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in tiny_llama(seed).state_dict().items()}
+
+
+def _bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a
+    )
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def _dev(device: str) -> str:
+    """``"cuda"`` means this rank's current GPU (the worker set it)."""
+    return f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
+
+
+def _logits(wm: Any) -> torch.Tensor:
+    with torch.no_grad():
+        out = wm(TOKENS.to(wm.device))
+    return (out.logits if hasattr(out, "logits") else out).detach().float().cpu()
+
+
+def _flags(wm: Any) -> tuple[list[bool], list[bool]]:
+    inner = wm.unwrap(keep_peft=False)
+    return [m.training for m in inner.modules()], [p.requires_grad for p in inner.parameters()]
+
+
+# -- the save x load matrix --------------------------------------------------------------
+def matrix(tmpdir: str, device: str = "cpu", backends: tuple[str, ...] = MATRIX) -> dict[str, Any]:
+    """Save on each backend, load on each: 49 pairs (for MATRIX) compared bitwise.
+
+    Backend ``b`` is built once from seed ``i + 1`` (its index), so every file holds
+    different weights; a target loads the files starting with the next backend's, so
+    every load changes every weight.
+    """
+    import torch.distributed as dist
+
+    dev = _dev(device)
+    seeds = {b: i + 1 for i, b in enumerate(backends)}
+    wms = {b: wrapkit.adapt(build(b, seed=seeds[b], device=dev)) for b in backends}
+    truth = {b: _plain_sd(seeds[b]) for b in backends}
+    obs: dict[str, Any] = {"rank": dist.get_rank(), "fsd_equal": {}, "rank0_only_empty": {}, "pairs": {},
+                           "forward": {}, "file_equal": {}, "plain_loads_file": {}}
+    for b, wm in wms.items():
+        obs["fsd_equal"][b] = _bitwise(wm.full_state_dict(rank0_only=False), truth[b])
+        sd0 = wm.full_state_dict()
+        # A plain model is not distributed: each process holds all of it and is its rank 0.
+        obs["rank0_only_empty"][b] = _bitwise(sd0, truth[b]) if wm.rank == 0 else sd0 == {}
+        obs.setdefault("rank_of", {})[b] = wm.rank
+        wm.save(os.path.join(tmpdir, f"{b}.safetensors"))
+    from safetensors.torch import load_file
+
+    for b in backends:
+        path = os.path.join(tmpdir, f"{b}.safetensors")
+        on_disk = load_file(path)
+        obs["file_equal"][b] = _bitwise(on_disk, truth[b])
+        plain = tiny_llama(99)
+        plain.load_state_dict(on_disk, strict=True)
+        obs["plain_loads_file"][b] = _bitwise(dict(plain.state_dict()), truth[b])
+    for t_i, t in enumerate(backends):
+        order = backends[t_i + 1:] + backends[: t_i + 1]
+        for s in order:
+            wms[t].load(os.path.join(tmpdir, f"{s}.safetensors"))
+            obs["pairs"][f"{s}->{t}"] = _bitwise(wms[t].full_state_dict(rank0_only=False), truth[s])
+        # The shards really used by forward hold the loaded weights (last one: t's own file).
+        want = tiny_llama(seeds[t]).to(dev)
+        obs["forward"][t] = float((_logits(wms[t]) - _logits(wrapkit.adapt(want))).abs().max())
+    return obs
+
+
+# -- copy_to / EMA -----------------------------------------------------------------------
+def copy_pairs(pairs: list[tuple[str, str]], alpha: float, device: str = "cpu") -> dict[str, Any]:
+    """For each (source, target): EMA with ``alpha``, then an exact copy, checked on every rank."""
+    dev = _dev(device)
+    out: dict[str, Any] = {}
+    for s, t in pairs:
+        src = wrapkit.adapt(build(s, seed=1, device=dev))
+        dst = wrapkit.adapt(build(t, seed=2, device=dev))
+        if t in ("plain", "fsdp2"):
+            # A frozen target (a reference model) must stay frozen.
+            dst.unwrap(keep_peft=False).requires_grad_(False)
+        flags = _flags(dst)
+        a, b = _plain_sd(1), _plain_sd(2)
+        from wrapkit.state import _shard_pairs
+
+        shard_to_shard = _shard_pairs(src, dst) is not None
+        src.copy_to(dst, alpha=alpha)
+        ema = dst.full_state_dict(rank0_only=False)
+        want = {k: (b[k].float() * (1.0 - alpha) + a[k].float() * alpha).to(b[k].dtype) for k in a}
+        plain_ema = tiny_llama(0)
+        plain_ema.load_state_dict(want)
+        plain_ema.to(dev)
+        obs = {
+            "ema_max_diff": _max_diff(ema, want),
+            "ema_changed": _max_diff(ema, b) > 1e-3,
+            "ema_forward": float((_logits(dst) - _logits(wrapkit.adapt(plain_ema))).abs().max()),
+            "source_unchanged": _bitwise(src.full_state_dict(rank0_only=False), a),
+        }
+        src.copy_to(dst)
+        obs["copy_bitwise"] = _bitwise(dst.full_state_dict(rank0_only=False), a)
+        obs["copy_forward"] = float((_logits(dst) - _logits(wrapkit.adapt(tiny_llama(1).to(dev)))).abs().max())
+        obs["flags_kept"] = _flags(dst) == flags
+        obs["frozen"] = not any(_flags(dst)[1]) if t in ("plain", "fsdp2") else None
+        obs["shard_to_shard"] = shard_to_shard
+        out[f"{s}->{t}"] = obs
+    return out
+
+
+def step_after_write(stage: str) -> dict[str, Any]:
+    """Load into a DeepSpeed engine, then take an optimizer step with zero gradients.
+
+    AdamW with zero gradients only applies weight decay (a 1e-5 relative change), so the
+    weights after the step must be the loaded ones, not the ones the engine started from:
+    ZeRO keeps a private fp32 master copy that a load must refresh.
+    """
+    wm = wrapkit.adapt(build(stage, seed=2))
+    engine = wm.module
+    wrapkit.adapt(build("plain", seed=1)).copy_to(wm)
+    loss = engine(TOKENS, labels=TOKENS).loss * 0.0
+    engine.backward(loss)
+    engine.step()
+    got = wm.full_state_dict(rank0_only=False)
+    want = _plain_sd(1)
+    return {"max_rel_diff": max(float(((got[k] - want[k]).abs() / (want[k].abs() + 1e-3)).max()) for k in want)}
+
+
+# -- strict loading and errors ---------------------------------------------------------------
+def strict_errors(spec: str, tmpdir: str) -> dict[str, Any]:
+    """Bad state dicts and bad files: typed errors on every rank, the model unchanged."""
+    import torch.distributed as dist
+
+    wm = wrapkit.adapt(build(spec, seed=3))
+    before = wm.full_state_dict(rank0_only=False)
+    flags = _flags(wm)
+    keys = list(before)
+    # Every other value changed: if anything were written before the error, we would see it.
+    bad = {k: v + 1.0 for k, v in before.items()}
+    del bad[keys[0]]
+    bad["model.not_a_layer.weight"] = torch.zeros(3)
+    bad[keys[1]] = torch.zeros(7, 7)
+    obs: dict[str, Any] = {}
+
+    def attempt(fn: Any) -> str:
+        try:
+            fn()
+        except wrapkit.StateDictError as exc:
+            return f"StateDictError: {exc}"
+        except Exception as exc:  # a wrong type is a failure the test reports
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    obs["strict"] = attempt(lambda: wm.load_full_state_dict(bad))
+    obs["unchanged_strict"] = _bitwise(wm.full_state_dict(rank0_only=False), before)
+    # A problem on rank 1 only must still raise on both ranks, before any collective write.
+    # (A plain model is not distributed: each process's copy is its own business.)
+    if wm.distributed:
+        one_rank = {k: v + 1.0 for k, v in before.items()}
+        if dist.get_rank() == 1:
+            del one_rank[keys[-1]]
+        obs["one_rank"] = attempt(lambda: wm.load_full_state_dict(one_rank))
+        obs["unchanged_one_rank"] = _bitwise(wm.full_state_dict(rank0_only=False), before)
+    # strict=False ignores missing and unexpected keys but never a wrong shape.
+    lenient = {k: v + 1.0 for k, v in before.items() if k != keys[0]}
+    lenient["extra.weight"] = torch.zeros(2)
+    wm.load_full_state_dict(lenient, strict=False)
+    after = wm.full_state_dict(rank0_only=False)
+    obs["lenient_loaded"] = all(torch.equal(after[k], lenient[k]) for k in lenient if k in after)
+    obs["lenient_kept_missing"] = torch.equal(after[keys[0]], before[keys[0]])
+    wm.load_full_state_dict(before)
+    # Files: truncated, garbage, missing.
+    good = os.path.join(tmpdir, f"{spec}-good.safetensors")
+    wm.save(good)
+    data = open(good, "rb").read()
+    if dist.get_rank() == 0:
+        with open(os.path.join(tmpdir, f"{spec}-trunc.safetensors"), "wb") as fh:
+            fh.write(data[: len(data) // 2])
+        with open(os.path.join(tmpdir, f"{spec}-garbage.safetensors"), "wb") as fh:
+            fh.write(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + data[100:200])
+    dist.barrier()
+    for kind in ("trunc", "garbage", "missing"):
+        obs[f"file_{kind}"] = attempt(lambda kind=kind: wm.load(os.path.join(tmpdir, f"{spec}-{kind}.safetensors")))
+    obs["unchanged_files"] = _bitwise(wm.full_state_dict(rank0_only=False), before)
+    obs["flags_kept"] = _flags(wm) == flags
+    # Copying between models whose names or shapes differ.
+    other = wrapkit.adapt(build(spec, model=tiny_llama(4, layers=3)))
+    other_before = other.full_state_dict(rank0_only=False)
+    obs["copy_mismatch"] = attempt(lambda: wm.copy_to(other))
+    obs["copy_target_unchanged"] = _bitwise(other.full_state_dict(rank0_only=False), other_before)
+    obs["bad_alpha"] = attempt(lambda: wm.copy_to(other, alpha=1.5))
+    obs["save_bad_dir"] = attempt(lambda: wm.save(os.path.join(tmpdir, "no", "such", "dir.safetensors")))
+    return obs
+
+
+# -- PEFT -------------------------------------------------------------------------------------
+def _peft_with_trained_lora(seed: int = 0) -> torch.nn.Module:
+    """A LoRA model whose B matrices are non-zero (fresh LoRA is the identity: nothing to merge)."""
+    model = build("peft", seed=seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+def peft_reference() -> dict[str, Any]:
+    """What the plain PEFT model holds and what PEFT's own merge_and_unload gives."""
+    import copy
+
+    model = _peft_with_trained_lora()
+    held = {k: v.clone() for k, v in model.state_dict().items()}
+    merged = copy.deepcopy(model).merge_and_unload()
+    return {"held": held, "merged": {k: v.clone() for k, v in merged.state_dict().items()}}
+
+
+def peft_export(spec: str) -> dict[str, Any]:
+    """Default and merged export of a PEFT model wrapped as ``spec``; the live model must not change."""
+    model = _peft_with_trained_lora()
+    if spec != "peft":
+        # Wrap the already-trained PEFT model in the backend (spec is "<backend>>peft").
+        model = build(spec.split(">")[0], model=model)
+    wm = wrapkit.adapt(model)
+    before = wm.full_state_dict(rank0_only=False)
+    out_before = _logits(wm)
+    merged = wm.full_state_dict(rank0_only=False, merge_adapters=True)
+    return {
+        "held": before,
+        "merged": merged,
+        "unchanged": _bitwise(wm.full_state_dict(rank0_only=False), before),
+        "forward_unchanged": torch.equal(_logits(wm), out_before),
+        "any_merged_flag": any(bool(getattr(m, "merged", False)) for m in wm.unwrap().modules()),
+    }
+
+
+# -- the kill test's saving process ------------------------------------------------------------
+def save_big(path: str, numel: int) -> None:
+    """Save a plain model holding ``numel`` floats (run in a process the test kills)."""
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.full((numel,), 2.0))
+    wrapkit.adapt(model).save(path)
+
+
+# -- wrapping variants ---------------------------------------------------------------------
+def _tied_llama(seed: int) -> torch.nn.Module:
+    model = tiny_llama(seed)
+    model.lm_head.weight = model.model.embed_tokens.weight
+    model.config.tie_word_embeddings = True
+    return model
+
+
+def variants() -> dict[str, Any]:
+    """FSDP1 without use_orig_params (only FlatParameters registered) and tied embeddings."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from wrapkit.cli._models import block_classes
+
+    out: dict[str, Any] = {}
+    model = tiny_llama(1)
+    flat = wrapkit.adapt(FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=False,
+                                                  auto_wrap_policy=ModuleWrapPolicy(block_classes(model))))
+    out["flat_fsd"] = _bitwise(flat.full_state_dict(rank0_only=False), _plain_sd(1))
+    flat.load_full_state_dict(_plain_sd(2))
+    out["flat_load"] = _bitwise(flat.full_state_dict(rank0_only=False), _plain_sd(2))
+    wrapkit.adapt(build("zero3", seed=3)).copy_to(flat)
+    out["flat_copy"] = _bitwise(flat.full_state_dict(rank0_only=False), _plain_sd(3))
+    tied_truth = {k: v.clone() for k, v in _tied_llama(4).state_dict().items()}
+    for spec in ("zero3", "fsdp2", "fsdp"):
+        wm = wrapkit.adapt(build(spec, model=_tied_llama(5)))
+        wm.load_full_state_dict(tied_truth)
+        got = wm.full_state_dict(rank0_only=False)
+        out[f"tied_{spec}"] = _bitwise(got, tied_truth)
+        out[f"tied_{spec}_forward"] = float((_logits(wm) - _logits(wrapkit.adapt(_tied_llama(4)))).abs().max())
+    return out

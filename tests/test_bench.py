@@ -1,0 +1,34 @@
+"""`wrapkit bench` end to end on the fast benchmarks (the ratios themselves are not asserted:
+speed goals live in the benchmarks, not in tests)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_runs_and_writes_json_and_plot(tmp_path: Path) -> None:
+    report, plot = tmp_path / "bench.json", tmp_path / "bench.png"
+    out = subprocess.run(
+        [sys.executable, "-m", "wrapkit", "bench", "unwrap", "overhead", "--quick", "--json", str(report),
+         "--plot", str(plot)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    rows = json.loads(report.read_text())["results"]
+    assert {r["benchmark"] for r in rows} == {"unwrap", "overhead"}
+    assert {r["case"] for r in rows if r["benchmark"] == "overhead"} == {"ddp", "fsdp", "fsdp2", "zero2", "zero3"}
+    for r in rows:
+        assert r["wrapkit"] > 0 and r["baseline"] > 0 and r["ratio"] > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "ratio" in out.stdout
+
+
+def test_bench_rejects_unknown_names() -> None:
+    out = subprocess.run([sys.executable, "-m", "wrapkit", "bench", "nope"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
+    assert out.returncode == 2 and "available:" in out.stderr

@@ -1,0 +1,222 @@
+"""Weights in and out: full_state_dict, load_full_state_dict, save/load, copy_to."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import wrapkit
+from tests import scenarios_state as sc
+
+
+@pytest.fixture
+def shared_dir(tmp_path: Path) -> str:
+    """A directory both ranks see (same machine)."""
+    return str(tmp_path)
+
+
+def check_matrix(results: list[dict[str, Any]], tol: float = 1e-5) -> None:
+    for obs in results:
+        rank = obs["rank"]
+        for b in sc.MATRIX:
+            assert obs["fsd_equal"][b], f"rank {rank}: {b}.full_state_dict() != the plain model's state_dict()"
+            assert obs["rank0_only_empty"][b], f"rank {rank}: {b}.full_state_dict(rank0_only=True) wrong"
+            assert obs["rank_of"][b] == (0 if b == "plain" else rank)
+            assert obs["file_equal"][b], f"{b}.save() file differs from the weights"
+            assert obs["plain_loads_file"][b], f"{b}.save() file not loadable by the plain model"
+            assert obs["forward"][b] < tol, f"{b}: forward after load differs by {obs['forward'][b]}"
+        failed = [pair for pair, ok in obs["pairs"].items() if not ok]
+        assert len(obs["pairs"]) == 49 and not failed, f"rank {rank}: pairs not bitwise equal: {failed}"
+
+
+def test_matrix_49_pairs_bitwise(group: Any, shared_dir: str) -> None:
+    check_matrix(group.run(sc.matrix, shared_dir, timeout=400))
+
+
+@pytest.mark.gpu
+def test_matrix_49_pairs_bitwise_gpu(gpu_group: Any, shared_dir: str) -> None:
+    # GPU kernels differ slightly between wrapped and plain forward; the weights must not.
+    check_matrix(gpu_group.run(sc.matrix, shared_dir, "cuda", timeout=500), tol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "pairs",
+    [
+        [("zero3", "zero3"), ("fsdp", "fsdp2"), ("zero2", "plain")],
+        [("fsdp2", "zero3"), ("zero3", "fsdp"), ("plain", "zero1"), ("ddp", "fsdp2"), ("fsdp2", "fsdp2")],
+    ],
+    ids=["required", "more"],
+)
+def test_copy_to_ema_and_exact(group: Any, pairs: list[tuple[str, str]]) -> None:
+    check_copies(group.run(sc.copy_pairs, pairs, 0.25, timeout=300))
+
+
+@pytest.mark.gpu
+def test_copy_to_ema_and_exact_gpu(gpu_group: Any) -> None:
+    pairs = [("zero3", "zero3"), ("fsdp", "fsdp2"), ("zero2", "plain"), ("fsdp2", "zero3")]
+    check_copies(gpu_group.run(sc.copy_pairs, pairs, 0.25, "cuda", timeout=300), tol=1e-4)
+
+
+def check_copies(results: list[dict[str, Any]], tol: float = 1e-5) -> None:
+    for rank, per_pair in enumerate(results):
+        for pair, obs in per_pair.items():
+            where = f"rank {rank}, {pair}"
+            assert obs["ema_changed"], f"{where}: EMA left the target as it was"
+            assert obs["ema_max_diff"] < 1e-6, f"{where}: EMA off by {obs['ema_max_diff']}"
+            assert obs["ema_forward"] < tol, f"{where}: shards used by forward lack the EMA update"
+            assert obs["source_unchanged"], f"{where}: copy_to changed the source"
+            assert obs["copy_bitwise"], f"{where}: alpha=1 is not an exact copy"
+            assert obs["copy_forward"] < tol, f"{where}: shards used by forward lack the copy"
+            assert obs["flags_kept"], f"{where}: training or requires_grad flags changed"
+            assert obs["frozen"] in (None, True), f"{where}: frozen target unfrozen"
+            # Same sharded layout on both sides: synced shard to shard, nothing gathered.
+            src_backend, dst_backend = pair.split("->")
+            assert obs["shard_to_shard"] == (src_backend == dst_backend and src_backend in ("zero3", "fsdp2")), where
+
+
+def test_zero_master_weights_refreshed(group: Any) -> None:
+    for stage in ("zero1", "zero2", "zero3"):
+        results = group.run(sc.step_after_write, stage, timeout=180)
+        for rank, obs in enumerate(results):
+            assert obs["max_rel_diff"] < 1e-4, f"{stage} rank {rank}: the optimizer step undid the load"
+
+
+def test_fsdp1_flat_parameters_and_tied_weights(group: Any) -> None:
+    for rank, obs in enumerate(group.run(sc.variants, timeout=240)):
+        for key, value in obs.items():
+            if key.endswith("_forward"):
+                assert value < 1e-5, f"rank {rank}: {key} = {value}"
+            else:
+                assert value is True, f"rank {rank}: {key} failed"
+
+
+@pytest.mark.parametrize("spec", ["plain", "zero3", "fsdp", "fsdp2"])
+def test_strict_errors_leave_model_unchanged(group: Any, shared_dir: str, spec: str) -> None:
+    for rank, obs in enumerate(group.run(sc.strict_errors, spec, shared_dir, timeout=240)):
+        msg = obs["strict"]
+        assert msg.startswith("StateDictError"), msg
+        assert "missing key" in msg and "unexpected key 'model.not_a_layer.weight'" in msg and "[7, 7]" in msg
+        assert "3 problem(s)" in msg
+        assert obs["unchanged_strict"], f"rank {rank}: strict load wrote before failing"
+        if spec != "plain":
+            assert obs["one_rank"].startswith("StateDictError"), obs["one_rank"]
+            if rank == 1:
+                assert "missing key" in obs["one_rank"]
+            assert obs["unchanged_one_rank"]
+        assert obs["lenient_loaded"] and obs["lenient_kept_missing"]
+        for kind in ("trunc", "garbage", "missing"):
+            assert obs[f"file_{kind}"].startswith("StateDictError"), f"{kind}: {obs[f'file_{kind}']}"
+        assert "truncated or corrupt" in obs["file_trunc"] and "no checkpoint file" in obs["file_missing"]
+        assert obs["unchanged_files"] and obs["flags_kept"]
+        assert obs["copy_mismatch"].startswith("StateDictError") and "model.layers.2" in obs["copy_mismatch"]
+        assert obs["copy_target_unchanged"]
+        assert obs["bad_alpha"].startswith("StateDictError") and "alpha" in obs["bad_alpha"]
+        assert obs["save_bad_dir"].startswith("StateDictError") and "does not exist" in obs["save_bad_dir"]
+
+
+def test_peft_merge_export() -> None:
+    ref = sc.peft_reference()
+    obs = sc.peft_export("peft")
+    assert sc._bitwise(obs["held"], ref["held"]), "default export is not what the PEFT model holds"
+    assert sc._bitwise(obs["merged"], ref["merged"]), "merged export differs from PEFT's merge_and_unload()"
+    assert obs["unchanged"] and obs["forward_unchanged"] and not obs["any_merged_flag"]
+    # The merge is not a no-op: LoRA B was made non-zero.
+    key = "model.layers.0.self_attn.q_proj.weight"
+    held_key = "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert not torch.equal(ref["merged"][key], ref["held"][held_key])
+
+
+def test_peft_merge_refuses_what_it_cannot_fold() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from wrapkit.cli._models import tiny_llama
+
+    model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+    wm = wrapkit.adapt(model)
+    with pytest.raises(wrapkit.UnsupportedModelError, match="DoRA"):
+        wm.full_state_dict(merge_adapters=True)
+    # Without PEFT there is nothing to merge: the plain export.
+    plain = wrapkit.adapt(tiny_llama())
+    assert sc._bitwise(plain.full_state_dict(merge_adapters=True), plain.full_state_dict())
+
+
+@pytest.mark.parametrize("spec", ["zero3>peft", "fsdp2>peft"])
+def test_peft_merge_export_sharded(group: Any, spec: str) -> None:
+    ref = sc.peft_reference()
+    for obs in group.run(sc.peft_export, spec, timeout=180):
+        assert sc._bitwise(obs["held"], ref["held"])
+        assert sc._bitwise(obs["merged"], ref["merged"])
+        assert obs["unchanged"] and obs["forward_unchanged"] and not obs["any_merged_flag"]
+
+
+def test_save_is_atomic_under_kill(tmp_path: Path) -> None:
+    """Kill a process while it writes: the earlier file at ``path`` survives intact."""
+    path = tmp_path / "model.safetensors"
+    early = torch.nn.Linear(4, 4)
+    wrapkit.adapt(early).save(path)
+    earlier_bytes = path.read_bytes()
+    numel = 32 * 2**20  # 128 MiB of float32: the write takes long enough to be caught
+    code = f"from tests.scenarios_state import save_big; save_big({str(path)!r}, {numel})"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parent.parent)
+    seen = ""
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and proc.poll() is None:
+            tmps = [p for p in os.listdir(tmp_path) if p.startswith(".model.safetensors.") and p.endswith(".tmp")]
+            if tmps:
+                os.kill(proc.pid, signal.SIGKILL)
+                seen = tmps[0]
+                break
+            time.sleep(0.001)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    assert seen, "the saving process never wrote a temporary file next to the target"
+    assert proc.returncode == -signal.SIGKILL
+    assert path.read_bytes() == earlier_bytes, "killing save() harmed the earlier file"
+    sd = wrapkit.read_checkpoint(path)
+    assert torch.equal(sd["weight"], early.weight.detach())
+    # What was left behind is the temporary file only, and a later save replaces the file.
+    assert (tmp_path / seen).stat().st_size < numel * 4
+    wrapkit.adapt(torch.nn.Linear(4, 2)).save(path)
+    assert wrapkit.read_checkpoint(path)["weight"].shape == (2, 4)
+
+
+def test_save_plain_tied_weights_and_buffers(tmp_path: Path) -> None:
+    """Tied parameters and persistent buffers are exported under every state_dict() key."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = torch.nn.Embedding(10, 4)
+            self.head = torch.nn.Linear(4, 10, bias=False)
+            self.head.weight = self.emb.weight
+            self.register_buffer("scale", torch.tensor([2.0]))
+            self.register_buffer("cache", torch.ones(3), persistent=False)
+
+    model = Tied()
+    wm = wrapkit.adapt(model)
+    sd = wm.full_state_dict()
+    assert list(sd) == list(model.state_dict())
+    path = tmp_path / "tied.safetensors"
+    wm.save(path)
+    other = Tied()
+    other.load_state_dict(wrapkit.read_checkpoint(path))
+    assert torch.equal(other.head.weight, model.emb.weight) and other.head.weight is other.emb.weight
+    with torch.no_grad():
+        model.scale.fill_(5.0)
+    wrapkit.adapt(other).load(path)
+    assert float(other.scale) == 2.0
+    wm.copy_to(wrapkit.adapt(other))
+    assert float(other.scale) == 5.0
+    with pytest.raises(wrapkit.StateDictError, match="WrappedModel"):
+        wm.copy_to(other)

@@ -1,0 +1,193 @@
+"""Shared machinery behind ``gathered()``, ``generation()`` and ``named_full_parameters()``.
+
+The fast path rests on one idea: once every parameter is full, the model can run
+as a plain module, provided nothing sharded stays in the call path. ``bypassed``
+takes FSDP1 wrappers out of the module tree, removes the forward hooks FSDP2 and
+ZeRO-3 put on each module, gives every module a plain parameter dict (ZeRO-3
+installs one that checks each access) and clears the flag that makes transformers'
+``generate()`` all-reduce at every step. Everything is put back, object for
+object, on exit: the backend's own state (ZeRO-3's parameter coordinator, FSDP's
+reshard settings) is never touched, so nothing needs to be re-registered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ._errors import DistributedStateError
+from ._imports import lookup
+
+__all__ = [
+    "agree_any", "check_modifier_rank", "bypassed", "broadcast_", "Replace",
+    "set_modes", "restore_modes", "set_checkpointing", "restore_checkpointing",
+]
+
+# Returns the tensor to put in place of ``module._parameters[name]``, or None to keep it.
+Replace = Callable[[torch.nn.Module, str, torch.Tensor], "torch.Tensor | None"]
+
+# Hooks whose code lives here belong to a sharding backend and are taken out of the call path.
+_FOREIGN_HOOK_MODULES = ("deepspeed.", "torch.distributed.fsdp.")
+
+
+def _distributed(world_size: int | None, group: Any = None) -> bool:
+    # Prefer the adapter's world size to the group's: a plain model in a distributed
+    # job has no group of its own (its group is None, which dist would read as WORLD).
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    return (world_size if world_size is not None else dist.get_world_size(group)) > 1
+
+
+def _flag_device(group: Any) -> torch.device:
+    backend = str(dist.get_backend(group)) if group is not None else str(dist.get_backend())
+    if backend == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree_any(flag: bool, group: Any, world_size: int | None = None) -> bool:
+    """True on every rank when ``flag`` is true on any rank of ``group`` (one all-reduce)."""
+    if not _distributed(world_size, group):
+        return flag
+    t = torch.tensor([int(flag)], device=_flag_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+def check_modifier_rank(modifier_rank: int | None, world_size: int, group: Any) -> None:
+    """Refuse, on every rank alike, a ``modifier_rank`` that is out of range or differs across ranks."""
+    bad = modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world_size)
+    value = -1 if modifier_rank is None or bad else int(modifier_rank)
+    if _distributed(world_size):
+        # [any bad, max value, -min value] in one collective, before any other collective starts.
+        t = torch.tensor([int(bad), value, -value], device=_flag_device(group))
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        any_bad, differs = bool(t[0].item()), int(t[1].item()) != -int(t[2].item())
+    else:
+        any_bad, differs = bad, False
+    if any_bad:
+        raise DistributedStateError(
+            f"modifier_rank={modifier_rank!r} (on at least one rank) is not a rank of this group of {world_size}; "
+            f"pass None (writes discarded) or a rank in 0..{world_size - 1}, the same on every rank."
+        )
+    if differs:
+        raise DistributedStateError(
+            f"modifier_rank differs across ranks (this rank passed {modifier_rank!r}); every rank must pass the "
+            "same value, since the rank whose writes are kept is decided collectively."
+        )
+
+
+def broadcast_(tensors: Sequence[torch.Tensor], src: int, group: Any, world_size: int) -> None:
+    """Broadcast each tensor in place from group rank ``src``."""
+    if not _distributed(world_size):
+        return
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t.data, global_src, group=group)
+
+
+def _is_foreign_hook(hook: Any) -> bool:
+    for obj in (hook, getattr(hook, "func", None), getattr(hook, "__wrapped__", None),
+                getattr(hook, "__func__", None)):
+        mod = getattr(obj, "__module__", None) or ""
+        if mod.startswith(_FOREIGN_HOOK_MODULES):
+            return True
+    return False
+
+
+def _unwrap_fsdp1(child: torch.nn.Module) -> torch.nn.Module:
+    fsdp_cls = lookup("torch.distributed.fsdp", "FullyShardedDataParallel")
+    while fsdp_cls is not None and isinstance(child, fsdp_cls):
+        inner = child._fsdp_wrapped_module
+        assert isinstance(inner, torch.nn.Module)
+        child = inner
+    return child
+
+
+@contextlib.contextmanager
+def bypassed(root: torch.nn.Module, replace: Replace | None = None) -> Iterator[torch.nn.Module]:
+    """Run ``root`` as a plain module: no FSDP1 wrappers, no FSDP2/ZeRO-3 hooks, plain parameter dicts.
+
+    ``replace`` may substitute a full tensor for a parameter (FSDP2's DTensors).
+    The parameters must already be full. Restores every object exactly on exit.
+    """
+    children: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
+    param_dicts: list[tuple[torch.nn.Module, Any]] = []
+    hook_dicts: list[tuple[dict[int, Any], list[tuple[int, Any]]]] = []
+    managed: list[torch.nn.Module] = []
+    try:
+        todo, seen = [root], set()
+        while todo:
+            mod = todo.pop()
+            if id(mod) in seen:
+                continue
+            seen.add(id(mod))
+            for name, child in list(mod._modules.items()):
+                if child is None:
+                    continue
+                inner = _unwrap_fsdp1(child)
+                if inner is not child:
+                    children.append((mod, name, child))
+                    mod._modules[name] = inner
+                todo.append(inner)
+            params: dict[str, Any] = {}
+            for name, p in mod._parameters.items():
+                new = replace(mod, name, p) if (replace is not None and p is not None) else None
+                params[name] = p if new is None else new
+            param_dicts.append((mod, mod._parameters))
+            mod.__dict__["_parameters"] = params
+            if mod.__dict__.get("_is_fsdp_managed_module"):
+                # transformers' generate() sees this flag and syncs every rank at every step
+                # (synced_gpus), an all-reduce per token that a plain module does not need.
+                managed.append(mod)
+                mod.__dict__["_is_fsdp_managed_module"] = False
+            for hooks in (mod._forward_pre_hooks, mod._forward_hooks):
+                foreign = [k for k, h in hooks.items() if _is_foreign_hook(h)]
+                if foreign:
+                    hook_dicts.append((hooks, list(hooks.items())))
+                    for k in foreign:
+                        del hooks[k]
+        yield root
+    finally:
+        # Put the same objects back in place (same dicts, same order), so hook handles keep working.
+        for hooks, items in reversed(hook_dicts):
+            hooks.clear()
+            hooks.update(items)
+        for mod, original in reversed(param_dicts):
+            mod.__dict__["_parameters"] = original
+        for parent, name, child in reversed(children):
+            parent._modules[name] = child
+        for mod in managed:
+            mod.__dict__["_is_fsdp_managed_module"] = True
+
+
+def set_modes(root: torch.nn.Module, training: bool) -> list[tuple[torch.nn.Module, bool]]:
+    """Set every submodule's ``training`` flag; return the previous flags for ``restore_modes``."""
+    saved = [(m, m.training) for m in root.modules()]
+    for m, _ in saved:
+        m.training = training
+    return saved
+
+
+def restore_modes(saved: list[tuple[torch.nn.Module, bool]]) -> None:
+    for m, flag in saved:
+        m.training = flag
+
+
+def set_checkpointing(root: torch.nn.Module, enabled: bool) -> list[tuple[torch.nn.Module, Any]]:
+    """Set transformers' per-layer ``gradient_checkpointing`` attribute; return the old values."""
+    saved = [(m, m.__dict__["gradient_checkpointing"]) for m in root.modules()
+             if "gradient_checkpointing" in m.__dict__]
+    for m, _ in saved:
+        m.__dict__["gradient_checkpointing"] = enabled
+    return saved
+
+
+def restore_checkpointing(saved: list[tuple[torch.nn.Module, Any]]) -> None:
+    for m, value in saved:
+        m.__dict__["gradient_checkpointing"] = value

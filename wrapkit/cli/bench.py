@@ -1,0 +1,123 @@
+"""``wrapkit bench``: run the scripts in ``benchmarks/`` and report their ratios.
+
+Each benchmark script defines ``NAME`` and ``run(quick: bool = False) -> list[dict]``;
+every dict is one case measured side by side in one run::
+
+    {"case": "ddp", "wrapkit": 0.0123, "baseline": 0.0122, "unit": "s",
+     "ratio": 1.008, "goal": 1.01, "better": "lower", "note": "..."}
+
+``better`` says which way the goal points: ``"lower"`` (ratio <= goal) or
+``"higher"`` (ratio >= goal).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+__all__ = ["find_benchmarks", "run_bench", "met"]
+
+
+def find_benchmarks(directory: str | Path | None = None) -> Path:
+    """``benchmarks/`` beside the package (a source checkout) or in the working directory."""
+    candidates = [Path(directory)] if directory else [
+        Path.cwd() / "benchmarks",
+        Path(__file__).resolve().parent.parent.parent / "benchmarks",
+    ]
+    for path in candidates:
+        if path.is_dir() and any(path.glob("*.py")):
+            return path
+    raise FileNotFoundError(
+        "no benchmarks/ directory found (looked in "
+        + ", ".join(str(c) for c in candidates)
+        + "); the benchmarks ship with the source tree: run `wrapkit bench` from a checkout or pass --dir."
+    )
+
+
+def met(row: dict[str, Any]) -> bool:
+    ratio, goal = float(row["ratio"]), float(row["goal"])
+    return ratio >= goal if row.get("better") == "higher" else ratio <= goal
+
+
+def _plot(rows: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['benchmark']}\n{r['case']}" for r in rows]
+    # Normalise so that every goal sits at 1.0 and "better" is always below it.
+    values = [
+        (r["goal"] / r["ratio"] if r.get("better") == "higher" else r["ratio"] / r["goal"]) if r["ratio"] else 0.0
+        for r in rows
+    ]
+    colors = ["tab:green" if met(r) else "tab:red" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(rows)), 4.5))
+    ax.bar(range(len(rows)), values, color=colors)
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="goal")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("ratio / goal (lower is better; <= 1 meets the goal)")
+    ax.set_title("wrapkit bench")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _format(rows: list[dict[str, Any]]) -> str:
+    header = ["benchmark", "case", "wrapkit", "baseline", "ratio", "goal", "met"]
+    table = []
+    for r in rows:
+        unit = r.get("unit", "s")
+        goal = ("<= " if r.get("better") != "higher" else ">= ") + f"{r['goal']:g}"
+        table.append([
+            r["benchmark"], str(r["case"]), f"{r['wrapkit']:.4g} {unit}", f"{r['baseline']:.4g} {unit}",
+            f"{r['ratio']:.3f}", goal, "yes" if met(r) else "NO",
+        ])
+    widths = [max(len(x[i]) for x in [header, *table]) for i in range(len(header))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths)), *(fmt.format(*t) for t in table)])
+
+
+def run_bench(names: list[str] | None = None, *, directory: str | None = None, json_path: str | None = None,
+              plot_path: str | None = None, quick: bool = False) -> int:
+    """Run the selected benchmarks (default: all); return 0, or 1 if one could not run."""
+    bench_dir = find_benchmarks(directory)
+    available = sorted(p.stem for p in bench_dir.glob("*.py") if not p.stem.startswith("_"))
+    selected = names or available
+    unknown = [n for n in selected if n not in available]
+    if unknown:
+        print(f"unknown benchmark(s) {unknown}; available: {', '.join(available)}", file=sys.stderr)
+        return 2
+    # Worker processes import the benchmark module by name, so its folder must be importable.
+    if str(bench_dir) not in sys.path:
+        sys.path.insert(0, str(bench_dir))
+    rows: list[dict[str, Any]] = []
+    failed: list[str] = []
+    for name in selected:
+        print(f"== {name}", flush=True)
+        try:
+            module = importlib.import_module(name)
+            for row in module.run(quick=quick):
+                row = {"benchmark": name, **row}
+                rows.append(row)
+                print(f"   {row['case']}: ratio {row['ratio']:.3f} (goal {row['goal']:g})", flush=True)
+        except Exception as exc:  # a benchmark that breaks is reported, the others still run
+            failed.append(f"{name}: {type(exc).__name__}: {exc}")
+            print(f"   failed: {type(exc).__name__}: {exc}", flush=True)
+    print()
+    if rows:
+        print(_format(rows))
+    for line in failed:
+        print("FAILED " + line)
+    if json_path:
+        with open(json_path, "w") as fh:
+            json.dump({"results": rows, "failed": failed}, fh, indent=2)
+    if plot_path and rows:
+        _plot(rows, plot_path)
+        print(f"plot written to {plot_path}")
+    return 1 if failed else 0
