@@ -29,7 +29,7 @@ from .._gather import (
 )
 from .._names import canonical_name
 
-__all__ = ["Adapter", "Entry", "model_class_name"]
+__all__ = ["Adapter", "ReplicatedAdapter", "Entry", "model_class_name"]
 
 # One peeled layer: (layer or backend name, the object at that level).
 Entry = tuple[str, torch.nn.Module]
@@ -158,11 +158,11 @@ class Adapter:
 
     @property
     def world_size(self) -> int:
-        return 1
+        return self._group_size_and_rank()[0] if self.distributed else 1
 
     @property
     def rank(self) -> int:
-        return 0
+        return self._group_size_and_rank()[1] if self.distributed else 0
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Global parameter count, shared (tied) parameters counted once."""
@@ -295,7 +295,8 @@ class Adapter:
     def generation(self) -> Iterator[torch.nn.Module]:
         """``gathered()`` plus eval mode, no autograd and gradient checkpointing off, for ``generate()``.
 
-        Collective. Runs at the unsharded model's speed on every backend. On exit,
+        Collective. Inside, ``generate()`` runs at the unsharded model's speed on every
+        backend; entering costs one gather of the parameters. On exit,
         normal or by exception, every submodule's ``training`` flag and checkpointing
         setting are restored exactly; hooks and backend state were never changed.
         """
@@ -342,7 +343,9 @@ class Adapter:
             failed = True
             raise
         finally:
-            failed = agree_any(failed, group, self.world_size)
+            # Only a write-back needs every rank's verdict; without one the exit has no
+            # collective at all, so no rank waits here for a slower one.
+            failed = failed if modifier_rank is None else agree_any(failed, group, self.world_size)
             if modifier_rank is not None:
                 with torch.no_grad():
                     if failed:
@@ -354,8 +357,9 @@ class Adapter:
 
     # -- helpers for subclasses ----------------------------------------------------
     def _process_group(self) -> Any:
-        """The group the model is replicated/sharded over, for distributed backends."""
-        return None
+        """The group the model is replicated/sharded over, for distributed backends
+        (``None``: the default group). DDP and FSDP1 keep it as ``process_group``."""
+        return getattr(self._backend_obj, "process_group", None)
 
     def _check_group(self) -> None:
         if not self.distributed:
@@ -502,3 +506,17 @@ def _resolve_device(device: torch.device | str | int) -> torch.device:
     if dev.type == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
+
+
+class ReplicatedAdapter(Adapter):
+    """Base of the wrappers that keep a full replica per device or rank (DataParallel, DDP)."""
+
+    def to_eval_frozen(self) -> Adapter:
+        # A replicated wrapper only exists to average gradients (DDP refuses a model with
+        # none to average), so the frozen model is the module inside it, on the same device.
+        from .._registry import adapt
+
+        assert self._backend_obj is not None
+        inner: Adapter = adapt(self.inner(self._backend_obj))
+        inner.place(self.device)
+        return inner.to_eval_frozen()

@@ -53,14 +53,6 @@ class DeepSpeedAdapter(Adapter):
     def is_sharded(self) -> bool:
         return self.zero_stage == 3 and self.world_size > 1
 
-    @property
-    def world_size(self) -> int:
-        return self._group_size_and_rank()[0]
-
-    @property
-    def rank(self) -> int:
-        return self._group_size_and_rank()[1]
-
     def _global_numel(self, p: torch.Tensor) -> int:
         return int(getattr(p, "ds_numel", p.numel()))
 
@@ -143,7 +135,8 @@ class DeepSpeedAdapter(Adapter):
             if linear is not None:
                 torch.nn.functional.linear = linear[1]
             try:
-                failed = agree_any(failed, self._process_group(), self.world_size)
+                if modifier_rank is not None:
+                    failed = agree_any(failed, self._process_group(), self.world_size)
                 if failed and ctx.enabled:
                     # Re-partition without the broadcast: the shards were never written.
                     ctx.src_rank = None

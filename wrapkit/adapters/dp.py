@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ._base import Adapter
+from ._base import ReplicatedAdapter
 
 
-class DataParallelAdapter(Adapter):
+class DataParallelAdapter(ReplicatedAdapter):
     name = "dp"
 
     @classmethod
@@ -24,14 +24,3 @@ class DataParallelAdapter(Adapter):
             src = getattr(self._backend_obj, "src_device_obj", None)
             return src if isinstance(src, torch.device) else torch.device("cuda", int(ids[0]))
         return super().device
-
-    # -- placement and freezing (place / to_eval_frozen) -------------------------------
-    def to_eval_frozen(self) -> Adapter:
-        # A replicated wrapper only exists to average gradients (DDP refuses a model with
-        # none to average), so the frozen model is the module inside it, on the same device.
-        from .._registry import adapt
-
-        assert self._backend_obj is not None
-        inner: Adapter = adapt(self.inner(self._backend_obj))
-        inner.place(self.device)
-        return inner.to_eval_frozen()

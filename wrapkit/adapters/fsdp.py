@@ -24,9 +24,6 @@ class FSDPAdapter(Adapter):
     def matches(cls, obj: object) -> bool:
         return is_instance(obj, "torch.distributed.fsdp", "FullyShardedDataParallel")
 
-    def _process_group(self) -> Any:
-        return getattr(self._backend_obj, "process_group", None)
-
     def _units(self) -> Iterator[Any]:
         """Every FSDP instance in the tree (the root included), outermost first."""
         fsdp_cls = lookup("torch.distributed.fsdp", "FullyShardedDataParallel")
@@ -34,6 +31,13 @@ class FSDPAdapter(Adapter):
         for m in self._backend_obj.modules():
             if isinstance(m, fsdp_cls):
                 yield m
+
+    def _flat_params(self) -> Iterator[Any]:
+        """The FlatParameter of every unit that has parameters."""
+        for unit in self._units():
+            handle = getattr(unit, "_handle", None)
+            if handle is not None:
+                yield handle.flat_param
 
     @property
     def device(self) -> torch.device:
@@ -45,23 +49,11 @@ class FSDPAdapter(Adapter):
         strategy = getattr(self._backend_obj, "sharding_strategy", None)
         return self.world_size > 1 and getattr(strategy, "name", "") != "NO_SHARD"
 
-    @property
-    def world_size(self) -> int:
-        return self._group_size_and_rank()[0]
-
-    @property
-    def rank(self) -> int:
-        return self._group_size_and_rank()[1]
-
     def resident_parameter_bytes(self) -> int:
         # The original parameters are views into FlatParameters: count the flat storage
         # this rank holds (its shard, and the padded full buffer while it is allocated).
         total = 0
-        for unit in self._units():
-            handle = getattr(unit, "_handle", None)
-            if handle is None:
-                continue
-            flat = handle.flat_param
+        for flat in self._flat_params():
             local = getattr(flat, "_local_shard", flat)
             total += local.numel() * local.element_size()
             padded = getattr(flat, "_full_param_padded", None)
@@ -74,11 +66,7 @@ class FSDPAdapter(Adapter):
         # there (``_numels``, shared parameters already counted once). With
         # use_orig_params=True the original Parameters keep their own requires_grad.
         total = 0
-        for unit in self._units():
-            handle = getattr(unit, "_handle", None)
-            if handle is None:
-                continue
-            flat = handle.flat_param
+        for flat in self._flat_params():
             originals = getattr(flat, "_params", None)
             if originals is not None:
                 flags = [p.requires_grad for p in originals]
@@ -131,7 +119,7 @@ class FSDPAdapter(Adapter):
         from torch.distributed.fsdp import FullyShardedDataParallel
 
         group = self._process_group()
-        flats = [u._handle.flat_param for u in self._units() if getattr(u, "_handle", None) is not None]
+        flats = list(self._flat_params())
         # writeback copies each rank's own slice of its full copy back into its shard:
         # rank r's values are broadcast first; a failed body restores the saved shards.
         saved = [f.detach().clone() for f in flats] if modifier_rank is not None else []
@@ -147,7 +135,7 @@ class FSDPAdapter(Adapter):
                     failed = True
                     raise
                 finally:
-                    failed = agree_any(failed, group, self.world_size)
+                    failed = failed if modifier_rank is None else agree_any(failed, group, self.world_size)
                     if modifier_rank is not None and not failed:
                         broadcast_(list(self._unique_parameters()), modifier_rank, group, self.world_size)
         finally:
@@ -255,7 +243,4 @@ class FSDPAdapter(Adapter):
     def _frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
         # The FlatParameter too: with use_orig_params=True forward runs through it.
         yield from super()._frozen_parameters()
-        for unit in self._units():
-            handle = getattr(unit, "_handle", None)
-            if handle is not None:
-                yield handle.flat_param
+        yield from self._flat_params()

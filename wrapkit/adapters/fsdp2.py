@@ -62,14 +62,6 @@ class FSDP2Adapter(Adapter):
     def is_sharded(self) -> bool:
         return self.world_size > 1
 
-    @property
-    def world_size(self) -> int:
-        return self._group_size_and_rank()[0]
-
-    @property
-    def rank(self) -> int:
-        return self._group_size_and_rank()[1]
-
     def _global_numel(self, p: torch.Tensor) -> int:
         # A DTensor reports its global shape; its local shard is ``p.to_local()``.
         return p.numel()
@@ -137,7 +129,7 @@ class FSDP2Adapter(Adapter):
             failed = True
             raise
         finally:
-            failed = agree_any(failed, group, self.world_size)
+            failed = failed if modifier_rank is None else agree_any(failed, group, self.world_size)
             if modifier_rank is not None and not failed:
                 from torch.distributed.tensor import distribute_tensor
 
