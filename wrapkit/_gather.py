@@ -49,13 +49,37 @@ def _flag_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
+def agree_flags(flags: Sequence[bool], group: Any, world_size: int | None = None) -> list[bool]:
+    """Each flag OR-ed over the ranks of ``group``, all in one all-reduce."""
+    if not _distributed(world_size, group):
+        return list(flags)
+    t = torch.tensor([int(f) for f in flags], device=_flag_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return [bool(x) for x in t.tolist()]
+
+
 def agree_any(flag: bool, group: Any, world_size: int | None = None) -> bool:
     """True on every rank when ``flag`` is true on any rank of ``group`` (one all-reduce)."""
-    if not _distributed(world_size, group):
-        return flag
-    t = torch.tensor([int(flag)], device=_flag_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
+    return agree_flags([flag], group, world_size)[0]
+
+
+@contextlib.contextmanager
+def settle(on_exit: Callable[[bool], None], agree: bool, group: Any, world_size: int) -> Iterator[None]:
+    """Run the body, then ``on_exit(failed)``, exception or not.
+
+    ``failed`` says whether the body raised; with ``agree`` it says whether it raised on
+    any rank, which costs one collective that every rank enters (so a write-back is done
+    everywhere or nowhere)."""
+    failed = False
+    try:
+        yield
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        if agree:
+            failed = agree_any(failed, group, world_size)
+        on_exit(failed)
 
 
 def check_modifier_rank(modifier_rank: int | None, world_size: int, group: Any) -> None:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ._errors import StateDictError, UnsupportedModelError
+from ._gather import agree_flags
 from ._imports import is_instance, require
 from ._names import canonical_name
 
@@ -55,14 +56,7 @@ def _any_ranks(flags: list[bool], *wms: Adapter) -> list[bool]:
     """Each flag OR-ed over the group of ``wms``, in one collective (the flags themselves
     when no collective applies)."""
     use, group = _collective(*wms)
-    if not use:
-        return list(flags)
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return [bool(x) for x in t.tolist()]
+    return agree_flags(flags, group) if use else list(flags)
 
 
 def _any_rank(flag: bool, *wms: Adapter) -> bool:

@@ -26,6 +26,7 @@ from .._gather import (
     restore_modes,
     set_checkpointing,
     set_modes,
+    settle,
 )
 from .._names import canonical_name
 
@@ -336,24 +337,22 @@ class Adapter:
         params = list(self._unique_parameters())
         # Replicas are written in place: keep a copy to undo a failed body.
         saved = [p.detach().clone() for p in params] if modifier_rank is not None else []
-        failed = False
-        try:
+
+        def finish(failed: bool) -> None:
+            if modifier_rank is None:
+                return
+            with torch.no_grad():
+                if failed:
+                    for p, old in zip(params, saved, strict=True):
+                        p.copy_(old)
+                else:
+                    broadcast_(params, modifier_rank, group, self.world_size)
+                    self._weights_written()
+
+        # Only a write-back needs every rank's verdict; without one the exit has no
+        # collective at all, so no rank waits there for a slower one.
+        with settle(finish, modifier_rank is not None, group, self.world_size):
             yield None
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            # Only a write-back needs every rank's verdict; without one the exit has no
-            # collective at all, so no rank waits here for a slower one.
-            failed = failed if modifier_rank is None else agree_any(failed, group, self.world_size)
-            if modifier_rank is not None:
-                with torch.no_grad():
-                    if failed:
-                        for p, old in zip(params, saved, strict=True):
-                            p.copy_(old)
-                    else:
-                        broadcast_(params, modifier_rank, group, self.world_size)
-                        self._weights_written()
 
     # -- helpers for subclasses ----------------------------------------------------
     def _process_group(self) -> Any:

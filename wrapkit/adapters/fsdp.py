@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._gather import agree_any, broadcast_
+from .._gather import broadcast_, settle
 from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import Adapter
@@ -123,25 +123,23 @@ class FSDPAdapter(Adapter):
         # writeback copies each rank's own slice of its full copy back into its shard:
         # rank r's values are broadcast first; a failed body restores the saved shards.
         saved = [f.detach().clone() for f in flats] if modifier_rank is not None else []
-        failed = False
+        outcome = {"failed": False}
+
+        def before_writeback(failed: bool) -> None:
+            outcome["failed"] = failed
+            if modifier_rank is not None and not failed:
+                broadcast_(list(self._unique_parameters()), modifier_rank, group, self.world_size)
+
         try:
             assert self._backend_obj is not None
             with FullyShardedDataParallel.summon_full_params(
                 self._backend_obj, recurse=True, writeback=modifier_rank is not None
-            ):
-                try:
-                    yield None
-                except BaseException:
-                    failed = True
-                    raise
-                finally:
-                    failed = failed if modifier_rank is None else agree_any(failed, group, self.world_size)
-                    if modifier_rank is not None and not failed:
-                        broadcast_(list(self._unique_parameters()), modifier_rank, group, self.world_size)
+            ), settle(before_writeback, modifier_rank is not None, group, self.world_size):
+                yield None
         finally:
             if modifier_rank is not None:
                 with torch.no_grad():
-                    if failed:
+                    if outcome["failed"]:
                         for f, old in zip(flats, saved, strict=True):
                             f.data.copy_(old)
                     else:

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._gather import agree_any
+from .._gather import settle
 from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import Adapter
@@ -122,23 +122,20 @@ class FSDP2Adapter(Adapter):
                 copies[id(p)] = (p, torch.nn.Parameter(full, requires_grad=p.requires_grad))
             return copies[id(p)][1]
 
-        failed = False
-        try:
-            yield replace
-        except BaseException:
-            failed = True
-            raise
-        finally:
-            failed = failed if modifier_rank is None else agree_any(failed, group, self.world_size)
-            if modifier_rank is not None and not failed:
-                from torch.distributed.tensor import distribute_tensor
+        def finish(failed: bool) -> None:
+            if modifier_rank is None or failed:
+                return  # the copies are dropped: the shards were never touched
+            from torch.distributed.tensor import distribute_tensor
 
-                src = dist.get_global_rank(group, modifier_rank) if group is not None else modifier_rank
-                with torch.no_grad():
-                    for p, full in copies.values():
-                        local = distribute_tensor(full.detach(), p.device_mesh, p.placements, src_data_rank=src)
-                        p.to_local().copy_(local.to_local())
-                self._weights_written()
+            src = dist.get_global_rank(group, modifier_rank) if group is not None else modifier_rank
+            with torch.no_grad():
+                for p, full in copies.values():
+                    local = distribute_tensor(full.detach(), p.device_mesh, p.placements, src_data_rank=src)
+                    p.to_local().copy_(local.to_local())
+            self._weights_written()
+
+        with settle(finish, modifier_rank is not None, group, self.world_size):
+            yield replace
 
     # -- placement and freezing (place / to_eval_frozen) -------------------------------
     # Moving goes through ``nn.Module._apply``, which FSDP2 overrides to re-register
