@@ -21,7 +21,10 @@ def test_bench_runs_and_writes_json_and_plot(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout + out.stderr
     rows = json.loads(report.read_text())["results"]
     assert {r["benchmark"] for r in rows} == {"unwrap", "overhead"}
-    assert {r["case"] for r in rows if r["benchmark"] == "overhead"} == {"ddp", "fsdp", "fsdp2", "zero2", "zero3"}
+    backends = {"ddp", "fsdp", "fsdp2", "zero2", "zero3"}
+    assert {r["case"] for r in rows if r["benchmark"] == "overhead"} == backends | {
+        f"{b} (call cost bound)" for b in backends
+    }
     for r in rows:
         assert r["wrapkit"] > 0 and r["baseline"] > 0 and r["ratio"] > 0
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
