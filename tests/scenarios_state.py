@@ -295,3 +295,28 @@ def variants() -> dict[str, Any]:
         out[f"tied_{spec}"] = _bitwise(got, tied_truth)
         out[f"tied_{spec}_forward"] = float((_logits(wm) - _logits(wrapkit.adapt(_tied_llama(4)))).abs().max())
     return out
+
+
+def sync_after_forwards(spec: str) -> dict[str, Any]:
+    """copy_to into a reference that has already run forwards: under ZeRO-3 small parameters then
+    stay gathered between forwards, and the sync must reach those full copies too."""
+    from wrapkit.state import _shard_pairs
+
+    policy = wrapkit.adapt(build(spec, seed=1))
+    ref = wrapkit.prepare_reference(policy, tiny_llama(2))
+    for _ in range(3):
+        _logits(ref)
+    fast = _shard_pairs(policy, ref) is not None
+    policy.copy_to(ref)
+    exact = float((_logits(ref) - _logits(policy)).abs().max())
+    for _ in range(2):
+        _logits(ref)
+    policy.copy_to(ref, alpha=0.5)  # policy == ref already: EMA must leave them equal
+    after_ema = float((_logits(ref) - _logits(policy)).abs().max())
+    # A training model as the target (its root may keep parameters unsharded after a forward).
+    trained = wrapkit.adapt(build(spec, seed=2))
+    for _ in range(3):
+        _logits(trained)
+    policy.copy_to(trained)
+    into_trained = float((_logits(trained) - _logits(policy)).abs().max())
+    return {"fast": fast, "exact": exact, "after_ema": after_ema, "into_trained": into_trained}

@@ -220,3 +220,12 @@ def test_save_plain_tied_weights_and_buffers(tmp_path: Path) -> None:
     assert float(other.scale) == 5.0
     with pytest.raises(wrapkit.StateDictError, match="WrappedModel"):
         wm.copy_to(other)
+
+
+@pytest.mark.parametrize("spec", ["zero3", "fsdp2"])
+def test_sync_into_a_reference_that_ran_forwards(group: Any, spec: str) -> None:
+    for obs in group.run(sc.sync_after_forwards, spec, timeout=180):
+        assert obs["fast"], "same-layout pair did not sync shard to shard"
+        assert obs["exact"] < 1e-5, f"the reference computes with stale weights ({obs['exact']})"
+        assert obs["after_ema"] < 1e-5
+        assert obs["into_trained"] < 1e-5, f"a trained target computes with stale weights ({obs['into_trained']})"

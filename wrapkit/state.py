@@ -357,6 +357,7 @@ def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
         with torch.no_grad():
             for dst, src_tensor in pairs:  # shards, then the (unsharded) buffers
                 _assign(dst, src_tensor, float(alpha))
+        target._shards_written()
         target._weights_written()
         return
     _write(target, _source_stream(source), float(alpha))

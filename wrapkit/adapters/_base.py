@@ -259,6 +259,10 @@ class Adapter:
     def _weights_written(self) -> None:
         """Called after weights were written in place (load, copy_to): refresh any private copies."""
 
+    def _shards_written(self) -> None:
+        """Called after ``_local_shards()`` tensors were written in place: rebuild any full
+        copies the backend keeps of them. Collective where the backend's refresh is."""
+
     def _local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
         """Canonical name -> (this rank's shard, a layout key), for backends that keep one shard per
         parameter. Two models whose keys agree hold the same slice of every parameter on this rank,

@@ -79,6 +79,19 @@ class DeepSpeedAdapter(Adapter):
             total += p.numel() * p.element_size()  # non-zero only while the parameter is gathered
         return total
 
+    def _shards_written(self) -> None:
+        # ZeRO-3 keeps small ("persistent") parameters gathered between forwards once it has
+        # traced the model; their full copies were built before the partitions changed.
+        # Drop them and gather again from the partitions (the same set on every rank).
+        if self.zero_stage != 3:
+            return
+        stale: list[Any] = [
+            p for p in self._unique_parameters() if getattr(getattr(p, "ds_status", None), "name", "") == "AVAILABLE"
+        ]
+        if stale:
+            stale[0].partition(param_list=stale)  # frees the full copies; partitions are kept as written
+            stale[0].all_gather(param_list=stale)
+
     def _local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
         if self.zero_stage != 3:
             return None
