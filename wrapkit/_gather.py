@@ -23,7 +23,7 @@ from ._errors import DistributedStateError
 from ._imports import lookup
 
 __all__ = [
-    "agree_any", "check_modifier_rank", "bypassed", "broadcast_", "Replace",
+    "agree_flags", "agree_any", "settle", "check_modifier_rank", "bypassed", "broadcast_", "Replace",
     "set_modes", "restore_modes", "set_checkpointing", "restore_checkpointing",
 ]
 

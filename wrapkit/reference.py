@@ -31,7 +31,7 @@ from ._registry import adapt
 from .adapters import Adapter
 from .adapters._base import model_class_name
 
-__all__ = ["prepare_reference", "AdapterDisabledView"]
+__all__ = ["prepare_reference", "AdapterDisabledView", "block_classes", "fully_shard_per_block"]
 
 _REPLICATED = ("plain", "dp", "ddp")
 
@@ -235,7 +235,7 @@ def _wrap_like(pol: Adapter, ref_model: Any, ds_config: dict[str, Any] | None) -
     return adapt(module.to(device))  # type: ignore[no-any-return]
 
 
-def _blocks(model: torch.nn.Module) -> set[type[torch.nn.Module]]:
+def block_classes(model: torch.nn.Module) -> set[type[torch.nn.Module]]:
     """Transformer block classes from ``_no_split_modules``; empty means "the root alone"."""
     names: set[str] = set()
     for m in model.modules():
@@ -243,11 +243,23 @@ def _blocks(model: torch.nn.Module) -> set[type[torch.nn.Module]]:
     return {type(m) for m in model.modules() if type(m).__name__ in names}
 
 
+def fully_shard_per_block(module: torch.nn.Module, mesh: Any, **kwargs: Any) -> torch.nn.Module:
+    """FSDP2 the usual way: ``fully_shard`` each transformer block, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    block_types = tuple(block_classes(module))
+    for m in list(module.modules()):
+        if block_types and isinstance(m, block_types):
+            fully_shard(m, mesh=mesh, **kwargs)
+    fully_shard(module, mesh=mesh, **kwargs)
+    return module
+
+
 def _fsdp1_wrap(pol: Adapter, module: torch.nn.Module, init_on: torch.device | None) -> Adapter:
     from torch.distributed.fsdp import FullyShardedDataParallel
     root: Any = pol._backend_obj
     device = pol.device
-    blocks = _blocks(module)
+    blocks = block_classes(module)
     kwargs: dict[str, Any] = {}
     if init_on is not None:
         # Meta skeleton: each unit gets real (uninitialised) storage only as it is sharded.
@@ -296,8 +308,6 @@ def _fsdp1_wrap_policy(module: torch.nn.Module, blocks: set[type[torch.nn.Module
 
 
 def _fsdp2_shard(pol: Adapter, module: torch.nn.Module) -> Adapter:
-    from torch.distributed.fsdp import fully_shard
-
     mesh = pol._mesh()  # type: ignore[attr-defined]
     root: Any = pol._backend_obj
     state = root._get_fsdp_state() if hasattr(root, "_get_fsdp_state") else None
@@ -305,11 +315,7 @@ def _fsdp2_shard(pol: Adapter, module: torch.nn.Module) -> Adapter:
     mp = getattr(state, "_mp_policy", None)
     if mp is not None:
         kwargs["mp_policy"] = mp
-    block_types = tuple(_blocks(module))
-    for m in list(module.modules()):
-        if block_types and isinstance(m, block_types):
-            fully_shard(m, mesh=mesh, **kwargs)
-    fully_shard(module, mesh=mesh, **kwargs)
+    fully_shard_per_block(module, mesh, **kwargs)
     # FSDP2 keeps the root's parameters gathered after forward, for the backward that a
     # frozen reference never runs: give that memory back after every forward.
     module.register_forward_hook(_reshard_root)
@@ -396,12 +402,10 @@ def _fresh_copy(pol: Adapter, ds_config: dict[str, Any] | None) -> Adapter:
 
 def _copy_buffers(src: torch.nn.Module, dst: torch.nn.Module) -> None:
     """Buffers are never sharded; non-persistent ones (rotary tables) are in no state dict."""
-    theirs = dict(src.named_buffers())
+    theirs = {canonical_name(k): v for k, v in src.named_buffers()}
     with torch.no_grad():
         for name, buf in dst.named_buffers():
-            other = theirs.get(name)
-            if other is None:
-                other = {canonical_name(k): v for k, v in theirs.items()}.get(canonical_name(name))
+            other = theirs.get(canonical_name(name))
             if other is not None:
                 buf.copy_(other)
 

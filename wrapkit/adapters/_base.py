@@ -431,8 +431,7 @@ class Adapter:
         # Placement first: it is the step that can fail, and it rolls itself back.
         self.place()
         self._module.eval()
-        for m in self._module.modules():
-            m.training = False  # also reaches modules whose train() override skips children
+        set_modes(self._module, False)  # also reaches modules whose train() override skips children
         for p in self._frozen_parameters():
             p.requires_grad_(False)
         return self

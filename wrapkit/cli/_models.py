@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ..reference import block_classes, fully_shard_per_block
+
 __all__ = ["tiny_llama", "toy_model", "build", "parse_stack", "ds_config", "BACKENDS", "block_classes"]
 
 BACKENDS = ("plain", "dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3")
@@ -87,14 +89,6 @@ def ds_config(stage: int, **extra: Any) -> dict[str, Any]:
     return cfg
 
 
-def block_classes(model: torch.nn.Module) -> set[type[torch.nn.Module]]:
-    """Classes of the transformer blocks (``_no_split_modules``) found in ``model``."""
-    names: set[str] = set()
-    for m in model.modules():
-        names.update(getattr(m, "_no_split_modules", None) or ())
-    return {type(m) for m in model.modules() if type(m).__name__ in names}
-
-
 def _apply(layer: str, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     if layer == "plain":
         return model.to(device)
@@ -125,16 +119,9 @@ def _apply(layer: str, model: torch.nn.Module, device: torch.device) -> torch.nn
         )
     if layer == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
 
-        model = model.to(device)
         mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
-        block_types = tuple(block_classes(model))
-        for m in list(model.modules()):
-            if block_types and isinstance(m, block_types):
-                fully_shard(m, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
+        return fully_shard_per_block(model.to(device), mesh)
     if layer.startswith("zero") and layer[4:].isdigit():
         import deepspeed
 
