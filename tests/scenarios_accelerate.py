@@ -2,36 +2,28 @@
 
 from __future__ import annotations
 
-import os
+import copy
 from typing import Any
 
 import torch
 
 import wrapkit
+from tests import accelerate_cpu
 from wrapkit.cli._models import tiny_llama
 
 TOKENS = torch.arange(16).reshape(2, 8) % 128
+PROMPT = TOKENS[:, :4]
+
+
+def _greedy(model: torch.nn.Module, new: int = 3, **kwargs: Any) -> torch.Tensor:
+    return model.generate(PROMPT, max_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)  # type: ignore
 
 
 def prepared(kind: str) -> dict[str, Any]:
-    """``adapt(accelerator.prepare(model))`` for accelerate's DDP (``ddp``) or DeepSpeed (``zero2``/``zero3``)
-    setup, then a reference, a training step and a generation through wrapkit."""
-    from accelerate import Accelerator
-    from accelerate.state import AcceleratorState
-    from accelerate.utils import DeepSpeedPlugin
-
-    saved_env = dict(os.environ)
-    AcceleratorState._reset_state(True)
-    try:
-        if kind == "ddp":
-            # On a machine without accelerators accelerate's multi-process mode is DDP over gloo.
-            accelerator = Accelerator(cpu=True)
-        else:
-            plugin = DeepSpeedPlugin(hf_ds_config={
-                "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-                "zero_optimization": {"stage": int(kind[-1])},
-            })
-            accelerator = Accelerator(deepspeed_plugin=plugin)
+    """``adapt(accelerator.prepare(model))`` for one of accelerate's setups, then a reference,
+    a training step and a generation through wrapkit."""
+    with accelerate_cpu.clean_state():
+        accelerator = accelerate_cpu.accelerator(kind)
         model = tiny_llama()
         expected = sum(p.numel() for p in model.parameters())
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -45,9 +37,9 @@ def prepared(kind: str) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
         with wm.generation() as m:
-            out = m.generate(TOKENS[:, :4], max_new_tokens=3, do_sample=False, pad_token_id=0)
+            out = _greedy(m)
         return {
-            "distributed_type": str(accelerator.distributed_type),
+            "distributed_type": str(accelerator.distributed_type).split(".")[-1],
             "backend": wm.backend,
             "zero_stage": wm.zero_stage,
             "is_sharded": wm.is_sharded,
@@ -60,12 +52,84 @@ def prepared(kind: str) -> dict[str, Any]:
             "generated": tuple(out.shape),
             "training_after": all(m.training for m in wm.unwrap().modules()),
         }
-    finally:
-        AcceleratorState._reset_state(True)
-        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
 
-        # accelerate registers its DeepSpeed config with transformers and in the environment;
-        # later scenarios on the same ranks must not see it.
-        unset_hf_deepspeed_config()
-        os.environ.clear()
-        os.environ.update(saved_env)
+
+def trl_dropins(kind: str) -> dict[str, Any]:
+    """wrapkit's TRL drop-ins next to an accelerate-prepared policy: the reference that
+    ``prepare_deepspeed``/``prepare_fsdp`` return, and ``unwrap_model_for_generation``."""
+    from wrapkit.integrations.trl import prepare_deepspeed, prepare_fsdp, unwrap_model_for_generation
+
+    with accelerate_cpu.clean_state():
+        accelerator = accelerate_cpu.accelerator(kind)
+        model = tiny_llama()
+        model.gradient_checkpointing_enable()
+        plain = copy.deepcopy(model).eval()
+        with torch.no_grad():
+            want_logits = plain(TOKENS).logits
+            want_tokens = _greedy(plain)
+        full_bytes = sum(p.numel() * p.element_size() for p in plain.parameters())
+        prepare = prepare_deepspeed if kind.startswith("zero") else prepare_fsdp
+        ref = prepare(copy.deepcopy(model), accelerator)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        policy = wrapkit.adapt(model)
+
+        rw = wrapkit.adapt(ref)
+        with torch.no_grad():
+            ref_diff = float((ref(TOKENS).logits - want_logits).abs().max())
+        obs: dict[str, Any] = {
+            "ref_type": type(ref).__name__,
+            "ref_backend": rw.backend,
+            "ref_stage": rw.zero_stage,
+            "ref_diff": ref_diff,
+            "ref_frozen": not any(p.requires_grad for p in ref.parameters()),
+            "ref_eval": not any(m.training for m in ref.modules()),
+            "ref_resident": rw.resident_parameter_bytes() / full_bytes,
+            "outside_blocks": 1 - sum(p.numel() for p in plain.model.layers.parameters())
+                              / sum(p.numel() for p in plain.parameters()),
+            "ref_sharded_blocks": sum(hasattr(m, "reshard") and type(m).__name__.startswith("FSDP")
+                                      for m in rw.unwrap().model.layers),
+        }
+
+        ckpt_before = [m.gradient_checkpointing for m in policy.unwrap().modules()
+                       if "gradient_checkpointing" in m.__dict__]
+        inner = policy.unwrap()
+        old_config = inner.generation_config
+        with unwrap_model_for_generation(model, accelerator, generation_kwargs={"max_new_tokens": 2}) as m:
+            obs["inside_training"] = any(x.training for x in m.modules())
+            obs["inside_ckpt"] = any(getattr(x, "gradient_checkpointing", False) for x in m.modules())
+            obs["tokens_equal"] = bool(torch.equal(_greedy(m), want_tokens))
+            obs["override_len"] = int(m.generate(PROMPT, do_sample=False, pad_token_id=0).shape[1])  # type: ignore
+        obs["config_restored"] = inner.generation_config is old_config
+        obs["training_after"] = all(x.training for x in policy.unwrap().modules())
+        obs["ckpt_restored"] = ckpt_before == [m.gradient_checkpointing for m in policy.unwrap().modules()
+                                               if "gradient_checkpointing" in m.__dict__] and any(ckpt_before)
+        # Modes come back when generation raises, too.
+        try:
+            with unwrap_model_for_generation(model, accelerator):
+                raise KeyError("inside")
+        except KeyError:
+            pass
+        obs["training_after_error"] = all(x.training for x in policy.unwrap().modules())
+        # And the policy still trains after all that.
+        loss = policy(TOKENS, labels=TOKENS).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        obs["loss_finite"] = bool(torch.isfinite(loss.detach()))
+        return obs
+
+
+def trl_dropin_errors(kind: str) -> list[str]:
+    """Bad input to the drop-ins: typed errors, raised before any collective."""
+    from wrapkit.integrations.trl import prepare_deepspeed, prepare_fsdp
+
+    errors = []
+    with accelerate_cpu.clean_state():
+        accelerator = accelerate_cpu.accelerator(kind)
+        for fn, arg in ((prepare_deepspeed, None), (prepare_fsdp, None),
+                        (prepare_deepspeed if kind != "zero3" else prepare_fsdp, tiny_llama())):
+            try:
+                fn(arg, accelerator)  # type: ignore[arg-type]
+            except wrapkit.ReferenceModelError as exc:
+                errors.append(str(exc))
+    return errors

@@ -296,3 +296,24 @@ def uneven(backend: str) -> dict[str, Any]:
             for i, n in enumerate(want)
         ),
     }
+
+
+def generation_registered_generate(spec: str) -> dict[str, Any]:
+    """FSDP2 with ``generate`` registered as a forward method (transformers' Trainer does this),
+    generating before the first forward ever ran: the wrapper must not run inside generation()."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    wm = wrapkit.adapt(build(spec))
+    register_fsdp_forward_method(wm.module, "generate")
+    registered = wm.module.__dict__.get("generate")
+    want = _generate(_reference(spec).eval())
+    before = _state(wm)
+    with wm.generation() as m:
+        got = _generate(m)
+    return {
+        "registered": registered is not None,
+        "same_tokens": bool(torch.equal(got, want)),
+        "after_equal": _state(wm) == before,
+        "wrapper_back": wm.module.__dict__.get("generate") is registered,
+        "loss_after": _train_step(wm),
+    }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -100,3 +101,10 @@ def test_uneven_shards(group: Any, backend: str) -> None:
     # Shards of unequal size (and empty ones): gathering and writing back must still be exact.
     for obs in group.run(sg.uneven, backend, timeout=60):
         assert obs == {"full_equal": True, "gathered_equal": True, "written_equal": True}, f"{backend}: {obs}"
+
+
+def test_generation_with_registered_generate(group: Any) -> None:
+    for obs in group.run(sg.generation_registered_generate, "fsdp2", timeout=180):
+        assert obs["registered"] and obs["wrapper_back"]
+        assert obs["same_tokens"] and obs["after_equal"]
+        assert math.isfinite(obs["loss_after"])  # the model still trains

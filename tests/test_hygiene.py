@@ -7,7 +7,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-OPTIONAL = ("deepspeed", "accelerate", "transformers", "peft")
+OPTIONAL = ("deepspeed", "accelerate", "transformers", "peft", "trl")
 PACKAGE = Path(__file__).resolve().parent.parent / "wrapkit"
 
 

@@ -144,6 +144,7 @@ def bypassed(root: torch.nn.Module, replace: Replace | None = None) -> Iterator[
     param_dicts: list[tuple[torch.nn.Module, Any]] = []
     hook_dicts: list[tuple[dict[int, Any], list[tuple[int, Any]]]] = []
     managed: list[torch.nn.Module] = []
+    methods: list[tuple[torch.nn.Module, str, Any]] = []
     try:
         todo, seen = [root], set()
         while todo:
@@ -176,8 +177,17 @@ def bypassed(root: torch.nn.Module, replace: Replace | None = None) -> Iterator[
                     hook_dicts.append((hooks, list(hooks.items())))
                     for k in foreign:
                         del hooks[k]
+            # FSDP2's register_fsdp_forward_method (transformers' Trainer applies it to
+            # ``generate``) puts a bound wrapper in the instance dict that runs the sharding
+            # hooks around the method; the class's own method is what a plain module calls.
+            for name, value in list(mod.__dict__.items()):
+                if _is_fsdp_method_wrapper(mod, value):
+                    methods.append((mod, name, value))
+                    del mod.__dict__[name]
         yield root
     finally:
+        for mod, name, value in reversed(methods):
+            mod.__dict__[name] = value
         # Put the same objects back in place (same dicts, same order), so hook handles keep working.
         for hooks, items in reversed(hook_dicts):
             hooks.clear()
@@ -188,6 +198,14 @@ def bypassed(root: torch.nn.Module, replace: Replace | None = None) -> Iterator[
             parent._modules[name] = child
         for mod in managed:
             mod.__dict__["_is_fsdp_managed_module"] = True
+
+
+def _is_fsdp_method_wrapper(mod: torch.nn.Module, value: Any) -> bool:
+    if getattr(value, "__self__", None) is not mod:
+        return False
+    # functools.wraps copies the wrapped method's __module__; the globals tell where it was defined.
+    defined_in = getattr(getattr(value, "__func__", None), "__globals__", {}).get("__name__", "")
+    return str(defined_in).startswith("torch.distributed.fsdp")
 
 
 def set_modes(root: torch.nn.Module, training: bool) -> list[tuple[torch.nn.Module, bool]]:

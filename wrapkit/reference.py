@@ -17,7 +17,7 @@ state dict), so no rank ever holds the full model.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -204,20 +204,27 @@ def _shares_parameters(pol: Adapter, ref_model: Any) -> bool:
 
 
 # -- wrapping a given module like the policy --------------------------------------------------
-def _wrap_like(pol: Adapter, ref_model: Any, ds_config: dict[str, Any] | None) -> Adapter:
-    ref: Adapter = adapt(ref_model)
-    backend = pol.backend
+def bare_module(ref: Adapter, backend: str) -> torch.nn.Module | Adapter:
+    """What wrapping ``ref`` the ``backend`` way starts from: the module itself, unwrapped from a
+    replicated wrapper (which adds nothing to a frozen model); or ``ref`` when it is already
+    wrapped that way. Any other wrapper is refused."""
     if ref.backend in ("dp", "ddp"):
-        module = ref.unwrap(keep_peft=True)  # a replicated wrapper adds nothing to a frozen model
-    elif ref.backend == "plain":
-        module = ref.module
-    elif ref.backend == backend:
-        return ref  # already sharded the policy's way
-    else:
-        raise ReferenceModelError(
-            f"ref_model is wrapped in {ref.backend} but the policy uses {backend}; pass the unwrapped "
-            "model and prepare_reference shards it the policy's way."
-        )
+        return ref.unwrap(keep_peft=True)
+    if ref.backend == "plain":
+        return ref.module
+    if ref.backend == backend:
+        return ref
+    raise ReferenceModelError(
+        f"ref_model is wrapped in {ref.backend} but the policy uses {backend}; pass the unwrapped "
+        "model and it is sharded the policy's way."
+    )
+
+
+def _wrap_like(pol: Adapter, ref_model: Any, ds_config: dict[str, Any] | None) -> Adapter:
+    backend = pol.backend
+    module = bare_module(adapt(ref_model), backend)
+    if isinstance(module, Adapter):
+        return module
     device = pol.device
     if backend == "deepspeed":
         if (pol.zero_stage or 0) == 3:
@@ -256,29 +263,39 @@ def fully_shard_per_block(module: torch.nn.Module, mesh: Any, **kwargs: Any) -> 
 
 
 def _fsdp1_wrap(pol: Adapter, module: torch.nn.Module, init_on: torch.device | None) -> Adapter:
-    from torch.distributed.fsdp import FullyShardedDataParallel
     root: Any = pol._backend_obj
-    device = pol.device
-    blocks = block_classes(module)
-    kwargs: dict[str, Any] = {}
-    if init_on is not None:
-        # Meta skeleton: each unit gets real (uninitialised) storage only as it is sharded.
-        kwargs["param_init_fn"] = lambda m: m.to_empty(device=init_on, recurse=False)
-    wrapped = FullyShardedDataParallel(
+    return wrap_fsdp1(
         module,
+        device=pol.device,
         process_group=pol._process_group(),
         sharding_strategy=getattr(root, "sharding_strategy", None),
         mixed_precision=getattr(root, "mixed_precision", None),
-        auto_wrap_policy=_fsdp1_wrap_policy(module, blocks),
+        init_on=init_on,
+    )
+
+
+def wrap_fsdp1(module: torch.nn.Module, *, device: torch.device, init_on: torch.device | None = None,
+               embedding_units: bool = True, **fsdp_kwargs: Any) -> Adapter:
+    """FSDP1 for a frozen model: one unit per transformer block, on ``device``; with
+    ``embedding_units`` also one per untied input/output embedding (see ``_fsdp1_wrap_policy``).
+    ``init_on``: ``module`` is a meta skeleton to materialise there unit by unit."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if init_on is not None:
+        # Meta skeleton: each unit gets real (uninitialised) storage only as it is sharded.
+        fsdp_kwargs["param_init_fn"] = lambda m: m.to_empty(device=init_on, recurse=False)
+    wrapped = FullyShardedDataParallel(
+        module,
+        auto_wrap_policy=_fsdp1_wrap_policy(module, block_classes(module), embedding_units),
         device_id=device,
         use_orig_params=True,
-        **kwargs,
+        **fsdp_kwargs,
     )
     out: Adapter = adapt(wrapped)
     return out
 
 
-def _fsdp1_wrap_policy(module: torch.nn.Module, blocks: set[type[torch.nn.Module]]) -> Any:
+def _fsdp1_wrap_policy(module: torch.nn.Module, blocks: set[type[torch.nn.Module]], embedding_units: bool) -> Any:
     """Blocks, and untied input/output embeddings, each their own unit.
 
     FSDP1 leaves the root unit's parameters gathered after a forward without backward,
@@ -294,7 +311,7 @@ def _fsdp1_wrap_policy(module: torch.nn.Module, blocks: set[type[torch.nn.Module
     extra: set[int] = set()
     emb_in = get_in() if callable(get_in) else None
     emb_out = get_out() if callable(get_out) else None
-    if isinstance(emb_in, torch.nn.Module) and isinstance(emb_out, torch.nn.Module):
+    if embedding_units and isinstance(emb_in, torch.nn.Module) and isinstance(emb_out, torch.nn.Module):
         if getattr(emb_in, "weight", None) is not getattr(emb_out, "weight", None):
             extra = {id(emb_in), id(emb_out)}
     if not blocks and not extra:
@@ -308,13 +325,17 @@ def _fsdp1_wrap_policy(module: torch.nn.Module, blocks: set[type[torch.nn.Module
 
 
 def _fsdp2_shard(pol: Adapter, module: torch.nn.Module) -> Adapter:
-    mesh = pol._mesh()  # type: ignore[attr-defined]
     root: Any = pol._backend_obj
     state = root._get_fsdp_state() if hasattr(root, "_get_fsdp_state") else None
     kwargs: dict[str, Any] = {}
     mp = getattr(state, "_mp_policy", None)
     if mp is not None:
         kwargs["mp_policy"] = mp
+    return shard_fsdp2(module, pol._mesh(), **kwargs)  # type: ignore[attr-defined]
+
+
+def shard_fsdp2(module: torch.nn.Module, mesh: Any, **kwargs: Any) -> Adapter:
+    """FSDP2 for a frozen model: ``fully_shard`` per block, then the root, resharded after every forward."""
     fully_shard_per_block(module, mesh, **kwargs)
     # FSDP2 keeps the root's parameters gathered after forward, for the backward that a
     # frozen reference never runs: give that memory back after every forward.
@@ -336,11 +357,16 @@ def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def _reference_ds_config(pol: Adapter, overrides: dict[str, Any] | None) -> dict[str, Any]:
-    """The policy engine's config minus what only training needs, with ``overrides`` merged over it."""
     engine: Any = pol._backend_obj
     raw = getattr(engine, "config", None)
     if not isinstance(raw, dict):
         raw = getattr(getattr(engine, "_config", None), "_param_dict", {})
+    return inference_ds_config(raw, overrides)
+
+
+def inference_ds_config(raw: Mapping[str, Any], overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A training config minus what only training needs (optimizer, scheduler, optimizer
+    offload), at ZeRO stage 3, with ``overrides`` merged over it."""
     cfg = copy.deepcopy(dict(raw))
     for key in ("optimizer", "scheduler"):
         cfg.pop(key, None)
@@ -354,16 +380,23 @@ def _reference_ds_config(pol: Adapter, overrides: dict[str, Any] | None) -> dict
 def _engine_dtype(pol: Adapter, overrides: dict[str, Any] | None) -> torch.dtype:
     """The engine's compute dtype (what its forward runs in), ``ds_config`` overriding."""
     engine: Any = pol._backend_obj
-    over = overrides or {}
-    if (over.get("bf16") or {}).get("enabled", False):
-        return torch.bfloat16
-    if (over.get("fp16") or {}).get("enabled", False):
-        return torch.float16
+    chosen = config_dtype(overrides or {})
+    if chosen is not None:
+        return chosen
     if callable(getattr(engine, "bfloat16_enabled", None)) and engine.bfloat16_enabled():
         return torch.bfloat16
     if callable(getattr(engine, "fp16_enabled", None)) and engine.fp16_enabled():
         return torch.float16
     return torch.float32
+
+
+def config_dtype(cfg: Mapping[str, Any]) -> torch.dtype | None:
+    """The compute dtype a DeepSpeed config enables, or ``None`` if it enables neither half type."""
+    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+        section = cfg.get(key)
+        if isinstance(section, Mapping) and section.get("enabled") is True:
+            return dtype
+    return None
 
 
 # -- fresh frozen copies ------------------------------------------------------------------------

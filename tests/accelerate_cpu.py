@@ -1,0 +1,116 @@
+"""accelerate's DDP, FSDP1, FSDP2 and DeepSpeed setups on CPU gloo ranks.
+
+accelerate decides the distributed type from the devices it finds: on a machine without
+accelerators it only offers DDP over gloo, and maps an FSDP plugin to "no distribution". The
+FSDP code paths themselves (accelerate's ``prepare``, torch's FSDP, TRL's FSDP branches) run
+on the CPU. So for FSDP the state is built normally and then told it is FSDP, which is the
+one value the device check would have set; everything downstream is the real code. DeepSpeed
+needs no such step, only the ``gloo`` backend named, so that accelerate counts the ranks
+instead of assuming a single process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+KINDS = ("ddp", "fsdp", "fsdp2", "zero2", "zero3")
+
+
+def ds_config(stage: int) -> dict[str, Any]:
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        # What transformers writes for a config built from TrainingArguments: sized from the model later.
+        "zero_optimization": {"stage": stage, **({
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+        } if stage == 3 else {})},
+    }
+
+
+def fsdp_plugin(kind: str) -> Any:
+    from accelerate.utils import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin(
+        fsdp_version=2 if kind == "fsdp2" else 1,
+        auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        cpu_ram_efficient_loading=False,
+        sync_module_states=False,  # needs an accelerator device to materialise on
+    )
+
+
+def accelerator(kind: str) -> Any:
+    """An ``Accelerator`` set up for ``kind`` on the CPU ranks of this process group."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    if kind == "ddp":
+        return Accelerator(cpu=True)  # DDP over gloo: accelerate's multi-CPU mode
+    _partial_state(kind)
+    if kind.startswith("zero"):
+        return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(int(kind[-1]))))
+    plugin = fsdp_plugin(kind)
+    _declare_fsdp(plugin)
+    return Accelerator(fsdp_plugin=plugin)
+
+
+def trainer_arguments(kind: str) -> dict[str, Any]:
+    """Set up accelerate's state for a transformers/TRL trainer on ``kind``; returns the
+    ``TrainingArguments`` keywords that select it."""
+    if kind == "ddp":
+        return {"use_cpu": True}
+    _partial_state(kind)
+    common = {"accelerator_config": {"use_configured_state": True}, "ddp_backend": "gloo"}
+    if kind.startswith("zero"):
+        return {"deepspeed": ds_config(int(kind[-1])), **common}
+    plugin = fsdp_plugin(kind)
+    _declare_fsdp(plugin)
+    fsdp_config = {"fsdp_version": plugin.fsdp_version, "sync_module_states": False,
+                   "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+    return {"fsdp": "full_shard", "fsdp_config": fsdp_config, **common}
+
+
+def _partial_state(kind: str) -> None:
+    from accelerate import PartialState
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    if kind.startswith("zero"):
+        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
+    PartialState(backend="gloo")
+
+
+def _declare_fsdp(plugin: Any) -> None:
+    from accelerate import Accelerator, PartialState
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType
+
+    Accelerator(fsdp_plugin=plugin)  # initialises the process-wide state, without FSDP on this machine
+    # The device check left FSDP out (see the module docstring); set what it would have set.
+    # Accelerators created from here on see an FSDP setup.
+    for state in (PartialState(), AcceleratorState()):
+        state.distributed_type = DistributedType.FSDP
+    AcceleratorState().fsdp_plugin = plugin
+
+
+@contextmanager
+def clean_state() -> Iterator[None]:
+    """Leave no accelerate, transformers-DeepSpeed or environment state behind (the ranks are shared)."""
+    from accelerate.state import AcceleratorState
+
+    saved_env = dict(os.environ)
+    AcceleratorState._reset_state(True)
+    try:
+        yield
+    finally:
+        AcceleratorState._reset_state(True)
+        from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+        unset_hf_deepspeed_config()
+        os.environ.clear()
+        os.environ.update(saved_env)

@@ -1,0 +1,276 @@
+"""Drop-ins for TRL's model-preparation helpers, built on wrapkit.
+
+Same names, signatures and return types as ``trl.models`` (``prepare_deepspeed``,
+``prepare_fsdp``, ``unwrap_model_for_generation``), so a trainer changes one import.
+What they add over TRL's own:
+
+* a ``None`` model is refused with a ``ReferenceModelError`` that says what to do, instead of
+  reaching ``deepspeed.initialize(model=None)`` (with PEFT there is often no separate reference:
+  ``wrapkit.prepare_reference(policy)`` gives the adapter-disabled view);
+* references are frozen (``requires_grad=False``), in eval mode and verified on the
+  accelerator's device, never left where they were loaded;
+* FSDP2 references are sharded per transformer block and resharded after every forward,
+  so a forward never holds more than one block gathered (TRL shards the root only);
+* ``unwrap_model_for_generation`` gathers FSDP1 and FSDP2 models too, runs ``generate()``
+  outside the sharding hooks, and restores every submodule's training flag and the gradient
+  checkpointing setting exactly, on every backend, also when generation raises.
+
+``patch_trl()`` points TRL's own trainers (DPO, GRPO, RLOO, KTO, ...) at these functions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from types import ModuleType, TracebackType
+from typing import Any
+
+import torch
+
+from .._errors import ReferenceModelError
+from .._gather import restore_checkpointing, restore_modes, set_checkpointing, set_modes
+from .._imports import require
+from .._registry import adapt
+from ..adapters import Adapter
+from ..reference import bare_module, config_dtype, inference_ds_config, shard_fsdp2, wrap_fsdp1
+
+__all__ = ["prepare_deepspeed", "prepare_fsdp", "unwrap_model_for_generation", "patch_trl", "TRLPatch"]
+
+# DeepSpeed tuning values that transformers/accelerate leave as "auto" until they see the model.
+_HIDDEN_SIZED: dict[str, Callable[[int], int]] = {
+    "reduce_bucket_size": lambda h: h * h,
+    "stage3_prefetch_bucket_size": lambda h: int(0.9 * h * h),
+    "stage3_param_persistence_threshold": lambda h: 10 * h,
+}
+
+
+def prepare_deepspeed(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
+    """A frozen copy of ``model`` for inference next to the accelerator's DeepSpeed policy.
+
+    ZeRO-3: a DeepSpeed inference engine at stage 3 from the accelerator's config (optimizer,
+    scheduler and optimizer offload removed, ``"auto"`` sizes filled from the model's hidden
+    size). ZeRO-0/1/2: the module itself, on the accelerator's device in the config's compute
+    dtype, with no engine (it is replicated anyway). Either way frozen and in eval mode. An
+    engine is returned as is, frozen. Call on every rank.
+    """
+    _check_model(model, "prepare_deepspeed")
+    plugin = _plugin(accelerator, "deepspeed_plugin", "DeepSpeed")
+    cfg = dict(copy.deepcopy(plugin.deepspeed_config))
+    stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
+    module = bare_module(adapt(model), "deepspeed")
+    if isinstance(module, Adapter):
+        return module.to_eval_frozen().module
+    ref: Adapter
+    if stage == 3:
+        deepspeed = require("deepspeed", feature="prepare_deepspeed at ZeRO-3", extra="deepspeed")
+        engine, *_ = deepspeed.initialize(model=module, config=_resolve_auto(inference_ds_config(cfg), module))
+        ref = adapt(engine)
+    else:
+        dtype = config_dtype(cfg) or next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
+        ref = adapt(module.to(device=accelerator.device, dtype=dtype))
+    return ref.to_eval_frozen().module
+
+
+def prepare_fsdp(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
+    """A frozen copy of ``model`` sharded like the accelerator's FSDP policy.
+
+    FSDP1: one unit per transformer block, with the plugin's sharding strategy, mixed
+    precision and CPU offload. FSDP2: ``fully_shard`` per block and
+    on the root, on the accelerator's mesh, with the plugin's mixed precision and offload
+    policy, resharded after every forward (a reference never runs backward, so there is
+    nothing to keep gathered for). A model already wrapped in FSDP is returned as is, frozen.
+    Call on every rank.
+    """
+    _check_model(model, "prepare_fsdp")
+    plugin = _plugin(accelerator, "fsdp_plugin", "FSDP")
+    version = int(getattr(plugin, "fsdp_version", 1) or 1)
+    backend = "fsdp2" if version == 2 else "fsdp"
+    module = bare_module(adapt(model), backend)
+    if isinstance(module, Adapter):
+        return module.to_eval_frozen().module
+    device = torch.device(accelerator.device)
+    ref: Adapter
+    if version == 2:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        module.to(device)
+        kwargs: dict[str, Any] = {"mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
+        if plugin.cpu_offload is not None and not isinstance(plugin.cpu_offload, bool):
+            kwargs["offload_policy"] = plugin.cpu_offload
+        ref = shard_fsdp2(module, _fsdp_mesh(accelerator, device), **kwargs)
+    else:
+        ref = wrap_fsdp1(
+            module,
+            device=device,
+            sharding_strategy=plugin.sharding_strategy or plugin.reshard_after_forward,
+            mixed_precision=plugin.mixed_precision_policy,
+            cpu_offload=plugin.cpu_offload if not isinstance(plugin.cpu_offload, bool) else None,
+            # TRL's fused LM head reads the head's weight from the model's own forward, outside
+            # the head's forward, so the head must be gathered with the root unit.
+            embedding_units=False,
+        )
+    return ref.to_eval_frozen().module
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(
+    model: torch.nn.Module,
+    accelerator: Any,
+    gather_deepspeed3_params: bool = True,
+    generation_kwargs: dict[str, Any] | None = None,
+    gradient_checkpointing_kwargs: dict[str, Any] | None = None,
+) -> Iterator[torch.nn.Module]:
+    """Yield the bare model of ``model`` (any wrapper) ready for ``generate()``. Collective.
+
+    Full parameters are gathered on every sharded backend (ZeRO-3, FSDP1, FSDP2) and the
+    model runs outside the sharding hooks, at unsharded speed; ``gather_deepspeed3_params=False``
+    keeps a ZeRO-3 model sharded (slower, less memory). Inside: eval mode, no autograd, gradient
+    checkpointing off. ``generation_kwargs`` override the model's ``generation_config`` for the
+    duration. On exit every submodule's training flag, the checkpointing setting and the
+    generation config are restored exactly, so ``gradient_checkpointing_kwargs`` is accepted for
+    TRL compatibility but not needed.
+    """
+    wm: Adapter = adapt(model)
+    gather = gather_deepspeed3_params or not (wm.backend == "deepspeed" and wm.zero_stage == 3)
+    context = wm.generation() if gather else _modes_for_generation(wm)
+    with context as inner, _generation_config(inner, generation_kwargs):
+        yield inner
+
+
+@contextlib.contextmanager
+def _modes_for_generation(wm: Adapter) -> Iterator[torch.nn.Module]:
+    """What ``generation()`` does to modes, without gathering."""
+    with torch.no_grad():
+        modes = set_modes(wm.module, False)
+        ckpt = set_checkpointing(wm.module, False)
+        try:
+            yield wm.unwrap()
+        finally:
+            restore_checkpointing(ckpt)
+            restore_modes(modes)
+
+
+@contextlib.contextmanager
+def _generation_config(model: torch.nn.Module, overrides: Mapping[str, Any] | None) -> Iterator[None]:
+    get_base = getattr(model, "get_base_model", None)
+    target = get_base() if callable(get_base) else model  # PEFT: the config lives on the base model
+    original = getattr(target, "generation_config", None)
+    if not overrides or original is None:
+        yield
+        return
+    updated = copy.deepcopy(original)
+    updated.update(**overrides)
+    target.generation_config = updated
+    try:
+        yield
+    finally:
+        target.generation_config = original
+
+
+class TRLPatch:
+    """The module attributes ``patch_trl`` replaced; ``undo()`` (or leaving the ``with`` block) puts them back."""
+
+    def __init__(self, swaps: list[tuple[ModuleType, str, Any]]) -> None:
+        self.swaps = swaps
+
+    def undo(self) -> None:
+        for module, name, original in reversed(self.swaps):
+            setattr(module, name, original)
+        self.swaps = []
+
+    def __enter__(self) -> TRLPatch:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.undo()
+
+
+def patch_trl() -> TRLPatch:
+    """Make TRL's trainers call this module's drop-ins instead of TRL's own.
+
+    Replaces the three functions in ``trl.models.utils`` and in every loaded ``trl`` module
+    that imported them (matched by identity, so nothing else is touched); trainer modules
+    imported later pick up the replacements from ``trl.models``. Call once in every process,
+    before building the trainer. Returns a ``TRLPatch`` to undo it; patching twice is a no-op.
+    """
+    require("trl", feature="patch_trl", extra="trl")
+    source = importlib.import_module("trl.models.utils")
+    ours = {"prepare_deepspeed": prepare_deepspeed, "prepare_fsdp": prepare_fsdp,
+            "unwrap_model_for_generation": unwrap_model_for_generation}
+    originals = {name: getattr(source, name) for name in ours if getattr(source, name, None) is not ours[name]}
+    swaps: list[tuple[ModuleType, str, Any]] = []
+    modules = [m for key, m in list(sys.modules.items()) if (key == "trl" or key.startswith("trl.")) and m]
+    for module in modules:
+        namespace = vars(module)
+        for name, original in originals.items():
+            if namespace.get(name) is original:
+                swaps.append((module, name, original))
+                setattr(module, name, ours[name])
+    return TRLPatch(swaps)
+
+
+# -- helpers -----------------------------------------------------------------------------------
+def _check_model(model: Any, caller: str) -> None:
+    if model is None:
+        raise ReferenceModelError(
+            f"{caller} got None instead of a model. With a PEFT policy there is no separate reference "
+            "model: use wrapkit.prepare_reference(policy), which gives the policy with its adapters "
+            "disabled; otherwise pass the reference model (e.g. loaded again from the policy's checkpoint)."
+        )
+
+
+def _plugin(accelerator: Any, attr: str, what: str) -> Any:
+    state = getattr(accelerator, "state", None)
+    plugin = getattr(state, attr, None)
+    if plugin is None:
+        raise ReferenceModelError(
+            f"the accelerator is not set up for {what} (accelerator.state.{attr} is None); use the helper for "
+            "the accelerator's backend (prepare_deepspeed or prepare_fsdp), or wrapkit.prepare_reference(policy, "
+            "ref_model), which shards a reference like any prepared policy."
+        )
+    return plugin
+
+
+def _hidden_size(model: torch.nn.Module) -> int | None:
+    cfg = getattr(model, "config", None)
+    sizes = getattr(cfg, "hidden_sizes", None)
+    if sizes:
+        return int(max(sizes))
+    size = getattr(cfg, "hidden_size", None)
+    return int(size) if isinstance(size, int) else None
+
+
+def _resolve_auto(cfg: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """Fill the ``"auto"`` values an inference engine needs; drop the rest (DeepSpeed's defaults apply)."""
+    hidden = _hidden_size(model)
+    zero = cfg["zero_optimization"]
+    for key, size in _HIDDEN_SIZED.items():
+        if zero.get(key) == "auto":
+            if hidden is None:
+                del zero[key]
+            else:
+                zero[key] = size(hidden)
+
+    def strip(node: dict[str, Any]) -> dict[str, Any]:
+        return {k: strip(v) if isinstance(v, dict) else v for k, v in node.items() if v != "auto"}
+
+    out = strip(cfg)
+    if "train_batch_size" not in out and "train_micro_batch_size_per_gpu" not in out:
+        out["train_micro_batch_size_per_gpu"] = 1  # never used for inference, but DeepSpeed requires one
+        out.pop("gradient_accumulation_steps", None)
+    return out
+
+
+def _fsdp_mesh(accelerator: Any, device: torch.device) -> Any:
+    mesh = getattr(accelerator, "torch_device_mesh", None)
+    parallelism = getattr(accelerator, "parallelism_config", None)
+    if mesh is not None and parallelism is not None:
+        return mesh[tuple(parallelism.fsdp_dim_names)]
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device.type, (dist.get_world_size(),))
