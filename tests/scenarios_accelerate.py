@@ -82,7 +82,8 @@ def trl_dropins(kind: str) -> dict[str, Any]:
             "ref_backend": rw.backend,
             "ref_stage": rw.zero_stage,
             "ref_diff": ref_diff,
-            "ref_frozen": not any(p.requires_grad for p in ref.parameters()),
+            # As TRL's: requires_grad untouched (TRL passes policies through prepare_deepspeed too).
+            "ref_requires_grad": all(p.requires_grad for p in ref.parameters()),
             "ref_eval": not any(m.training for m in ref.modules()),
             "ref_resident": rw.resident_parameter_bytes() / full_bytes,
             "outside_blocks": 1 - sum(p.numel() for p in plain.model.layers.parameters())

@@ -57,10 +57,9 @@ def test_dpo_trainer(tiny_model: Path, tmp_path: Path, backend: str, distributed
         assert "trl.models.utils.prepare_deepspeed" in obs["patched"]
         assert obs["trainer_sees"] == ["prepare_deepspeed", "prepare_fsdp"]
         assert obs["distributed_type"] == distributed_type and obs["policy_backend"] == ref_backend
-        # The reference TRL's DPOTrainer holds is the one wrapkit prepared: frozen (TRL's own
-        # helpers leave requires_grad on), in eval mode, sharded over the two ranks, and per
-        # block under FSDP2 (TRL's own shards the root only).
-        assert obs["ref_backend"] == ref_backend and obs["ref_frozen"] and obs["ref_eval"]
+        # The reference TRL's DPOTrainer holds is the one wrapkit prepared: in eval mode, sharded
+        # over the two ranks, per block under FSDP (TRL's own FSDP2 path shards the root only).
+        assert obs["ref_backend"] == ref_backend and obs["ref_eval"]
         if backend == "fsdp":
             # FSDP1 keeps its root unit (embeddings, head) gathered after a forward without
             # backward, next to the root's shard; TRL's fused LM head needs the head in the root,
@@ -80,6 +79,18 @@ def test_dpo_trainer(tiny_model: Path, tmp_path: Path, backend: str, distributed
 
 
 @pytest.mark.timeout(300)
+def test_dpo_trainer_precomputed_reference(tiny_model: Path, tmp_path: Path) -> None:
+    """Without a reference model DPOTrainer passes the policy itself through prepare_deepspeed to
+    precompute reference log-probs; the drop-in must leave it trainable."""
+    pytest.importorskip("deepspeed")
+    for obs in _launch("dpo-precompute", "zero3", tiny_model, tmp_path):
+        assert obs["policy_backend"] == "deepspeed" and obs["policy_trainable"] > 0
+        losses = obs["losses"]
+        assert len(losses) == 3 and abs(losses[0] - obs["ln2"]) < 1e-4, losses
+        assert losses[-1] < losses[0] and obs["train_modes"] == [True] * 3
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(("backend", "policy_backend"), [("zero3", "deepspeed"), ("fsdp2", "fsdp2")])
 def test_grpo_trainer(tiny_model: Path, tmp_path: Path, backend: str, policy_backend: str) -> None:
     """GRPO generates every step through ``unwrap_model_for_generation`` and scores against the
@@ -88,7 +99,7 @@ def test_grpo_trainer(tiny_model: Path, tmp_path: Path, backend: str, policy_bac
         pytest.importorskip("deepspeed")
     for obs in _launch("grpo", backend, tiny_model, tmp_path):
         assert obs["trainer_sees"] == ["prepare_deepspeed", "prepare_fsdp", "unwrap_model_for_generation"]
-        assert obs["policy_backend"] == policy_backend and obs["ref_frozen"] and obs["ref_eval"]
+        assert obs["policy_backend"] == policy_backend and obs["ref_eval"]
         # Generation ran right before every loss, and the policy was back in training mode each time.
         assert obs["train_modes"] == [True] * 3
         assert len(obs["rewards"]) == 3

@@ -60,13 +60,25 @@ def _recording(cls: type) -> type:
     return Recording
 
 
+def _shared_dataset(rows: list[dict[str, Any]], path: Path) -> Any:
+    """The rows as a dataset stored on disk, so the cache files TRL writes on rank 0 (precomputed
+    log-probs) are found by every rank; an in-memory dataset caches in a per-process temp dir."""
+    import torch.distributed as dist
+    from datasets import Dataset, load_from_disk
+
+    if dist.get_rank() == 0:
+        Dataset.from_list(rows).save_to_disk(str(path))
+    dist.barrier()
+    return load_from_disk(str(path))
+
+
 def _numel(module: Any) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--trainer", choices=["dpo", "grpo"], required=True)
+    p.add_argument("--trainer", choices=["dpo", "dpo-precompute", "grpo"], required=True)
     p.add_argument("--backend", required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--json", required=True)
@@ -90,18 +102,22 @@ def main() -> None:
         **accelerate_cpu.trainer_arguments(a.backend),
     )
     tokenizer = AutoTokenizer.from_pretrained(a.model)
-    if a.trainer == "dpo":
+    if a.trainer.startswith("dpo"):
         from trl import DPOConfig, DPOTrainer
 
         rows = [{"prompt": f"w{i % 8} w{(i + 1) % 8}", "chosen": f" w{3 + i % 5} w4", "rejected": f" w{40 + i % 5} w50"}
                 for i in range(16)]
-        args = DPOConfig(max_length=16, **common)
+        # precompute: no reference model; DPOTrainer runs the policy itself through
+        # prepare_deepspeed once for the reference log-probs, then trains it.
+        precompute = a.trainer == "dpo-precompute"
+        args = DPOConfig(max_length=16, precompute_ref_log_probs=precompute, **common)
         # Models are loaded after the arguments, as in a training script: under ZeRO-3 they come
         # out of from_pretrained already partitioned.
-        policy, ref_model = (AutoModelForCausalLM.from_pretrained(a.model) for _ in range(2))
+        policy = AutoModelForCausalLM.from_pretrained(a.model)
+        ref_model = None if precompute else AutoModelForCausalLM.from_pretrained(a.model)
         trainer: Any = _recording(DPOTrainer)(
             model=policy, ref_model=ref_model, args=args,
-            train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+            train_dataset=_shared_dataset(rows, Path(a.json).parent / "data"), processing_class=tokenizer,
         )
     else:
         from trl import GRPOConfig, GRPOTrainer
@@ -111,9 +127,6 @@ def main() -> None:
         trainer = _recording(GRPOTrainer)(model=a.model, reward_funcs=_reward, args=args,
                               train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
 
-    ref = trainer.ref_model
-    rw = wrapkit.adapt(ref)
-    full = rw.num_parameters() * 4  # float32 bytes of the whole model
     from wrapkit.integrations import trl as dropins
 
     trainer_module = sys.modules[type(trainer).__mro__[1].__module__]  # TRL's class, under the recorder
@@ -123,26 +136,31 @@ def main() -> None:
         "trainer_sees": sorted(n for n in ("prepare_deepspeed", "prepare_fsdp", "unwrap_model_for_generation")
                                if getattr(trainer_module, n, None) is getattr(dropins, n)),
         "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],
-        "ref_type": type(ref).__name__,
-        "ref_backend": rw.backend,
-        "ref_frozen": not any(p.requires_grad for p in ref.parameters()),
-        "ref_blocks_sharded": sum(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel"))
-                                  for m in rw.unwrap().model.layers),
         # Share of the parameters outside the decoder layers (embeddings, head, final norm).
         "outside_blocks": 1 - _numel(trainer.model.model.layers) / _numel(trainer.model),
+        "ln2": math.log(2),
     }
+    ref = trainer.ref_model
+    rw = wrapkit.adapt(ref) if ref is not None else None
+    if rw is not None:
+        obs.update({
+            "ref_type": type(ref).__name__,
+            "ref_backend": rw.backend,
+            "ref_blocks_sharded": sum(type(m).__name__.startswith(("FSDP", "FullyShardedDataParallel"))
+                                      for m in rw.unwrap().model.layers),
+        })
     trainer.train()
-    policy = wrapkit.adapt(trainer.model_wrapped)
     obs.update({
-        "policy_backend": policy.backend,
+        "policy_backend": wrapkit.adapt(trainer.model_wrapped).backend,
+        "policy_trainable": sum(p.requires_grad for p in trainer.model.parameters()),
         "train_modes": trainer.train_modes,
-        "ref_eval": not any(m.training for m in ref.modules()),
-        "ref_resident": rw.resident_parameter_bytes() / full,
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h],
         "kl": [h["kl"] for h in trainer.state.log_history if "kl" in h],
-        "ln2": math.log(2),
     })
+    if rw is not None:
+        obs["ref_eval"] = not any(m.training for m in ref.modules())
+        obs["ref_resident"] = rw.resident_parameter_bytes() / (rw.num_parameters() * 4)  # of the float32 model
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, obs)
     if dist.get_rank() == 0:

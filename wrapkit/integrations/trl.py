@@ -7,10 +7,11 @@ What they add over TRL's own:
 * a ``None`` model is refused with a ``ReferenceModelError`` that says what to do, instead of
   reaching ``deepspeed.initialize(model=None)`` (with PEFT there is often no separate reference:
   ``wrapkit.prepare_reference(policy)`` gives the adapter-disabled view);
-* references are frozen (``requires_grad=False``), in eval mode and verified on the
-  accelerator's device, never left where they were loaded;
-* FSDP2 references are sharded per transformer block and resharded after every forward,
-  so a forward never holds more than one block gathered (TRL shards the root only);
+* models come back in eval mode and verified on the accelerator's device, never left where
+  they were loaded;
+* FSDP2 references are sharded per transformer block and resharded after every forward, so
+  blocks are gathered one by one during a forward and nothing stays gathered after it (TRL
+  shards the root only, which gathers the whole model at once);
 * ``unwrap_model_for_generation`` gathers FSDP1 and FSDP2 models too, runs ``generate()``
   outside the sharding hooks, and restores every submodule's training flag and the gradient
   checkpointing setting exactly, on every backend, also when generation raises.
@@ -48,13 +49,14 @@ _HIDDEN_SIZED: dict[str, Callable[[int], int]] = {
 
 
 def prepare_deepspeed(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
-    """A frozen copy of ``model`` for inference next to the accelerator's DeepSpeed policy.
+    """``model`` prepared for inference next to the accelerator's DeepSpeed policy.
 
     ZeRO-3: a DeepSpeed inference engine at stage 3 from the accelerator's config (optimizer,
     scheduler and optimizer offload removed, ``"auto"`` sizes filled from the model's hidden
     size). ZeRO-0/1/2: the module itself, on the accelerator's device in the config's compute
-    dtype, with no engine (it is replicated anyway). Either way frozen and in eval mode. An
-    engine is returned as is, frozen. Call on every rank.
+    dtype, with no engine (it is replicated anyway). Either way in eval mode; ``requires_grad``
+    is left as it is, as TRL does (it passes policies through here too). An engine is returned
+    as is, in eval mode. Call on every rank.
     """
     _check_model(model, "prepare_deepspeed")
     plugin = _plugin(accelerator, "deepspeed_plugin", "DeepSpeed")
@@ -62,7 +64,7 @@ def prepare_deepspeed(model: torch.nn.Module, accelerator: Any) -> torch.nn.Modu
     stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
     module = bare_module(adapt(model), "deepspeed")
     if isinstance(module, Adapter):
-        return module.to_eval_frozen().module
+        return _for_inference(module)
     ref: Adapter
     if stage == 3:
         deepspeed = require("deepspeed", feature="prepare_deepspeed at ZeRO-3", extra="deepspeed")
@@ -71,18 +73,18 @@ def prepare_deepspeed(model: torch.nn.Module, accelerator: Any) -> torch.nn.Modu
     else:
         dtype = config_dtype(cfg) or next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
         ref = adapt(module.to(device=accelerator.device, dtype=dtype))
-    return ref.to_eval_frozen().module
+    return _for_inference(ref)
 
 
 def prepare_fsdp(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
-    """A frozen copy of ``model`` sharded like the accelerator's FSDP policy.
+    """``model`` prepared for inference, sharded like the accelerator's FSDP policy.
 
     FSDP1: one unit per transformer block, with the plugin's sharding strategy, mixed
-    precision and CPU offload. FSDP2: ``fully_shard`` per block and
-    on the root, on the accelerator's mesh, with the plugin's mixed precision and offload
-    policy, resharded after every forward (a reference never runs backward, so there is
-    nothing to keep gathered for). A model already wrapped in FSDP is returned as is, frozen.
-    Call on every rank.
+    precision and CPU offload. FSDP2: ``fully_shard`` per block and on the root, on the
+    accelerator's mesh, with the plugin's mixed precision and offload policy, resharded after
+    every forward (a reference never runs backward, so nothing needs to stay gathered). In eval
+    mode, ``requires_grad`` left as it is. A model already wrapped in FSDP is returned as is,
+    in eval mode. Call on every rank.
     """
     _check_model(model, "prepare_fsdp")
     plugin = _plugin(accelerator, "fsdp_plugin", "FSDP")
@@ -90,7 +92,7 @@ def prepare_fsdp(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
     backend = "fsdp2" if version == 2 else "fsdp"
     module = bare_module(adapt(model), backend)
     if isinstance(module, Adapter):
-        return module.to_eval_frozen().module
+        return _for_inference(module)
     device = torch.device(accelerator.device)
     ref: Adapter
     if version == 2:
@@ -112,7 +114,7 @@ def prepare_fsdp(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
             # the head's forward, so the head must be gathered with the root unit.
             embedding_units=False,
         )
-    return ref.to_eval_frozen().module
+    return _for_inference(ref)
 
 
 @contextlib.contextmanager
@@ -214,6 +216,17 @@ def patch_trl() -> TRLPatch:
 
 
 # -- helpers -----------------------------------------------------------------------------------
+def _for_inference(wm: Adapter) -> torch.nn.Module:
+    """Placed on its compute device (verified) and in eval mode, returned as the native module.
+
+    Not frozen, unlike ``prepare_reference``: TRL also passes the policy itself through
+    ``prepare_deepspeed`` (DPO/KTO precomputing reference log-probs), and that one must keep training.
+    TRL runs these models under ``torch.no_grad()``, so nothing is lost."""
+    wm.place()
+    set_modes(wm.module, False)  # also reaches modules whose train() override skips children
+    return wm.module
+
+
 def _check_model(model: Any, caller: str) -> None:
     if model is None:
         raise ReferenceModelError(
