@@ -105,6 +105,13 @@ def trl_dropins(kind: str) -> dict[str, Any]:
         obs["training_after"] = all(x.training for x in policy.unwrap().modules())
         obs["ckpt_restored"] = ckpt_before == [m.gradient_checkpointing for m in policy.unwrap().modules()
                                                if "gradient_checkpointing" in m.__dict__] and any(ckpt_before)
+        if kind == "zero3":
+            # Without gathering, generation runs through ZeRO-3's hooks: slower, same tokens, same restoring.
+            with unwrap_model_for_generation(model, accelerator, gather_deepspeed3_params=False) as m:
+                obs["ungathered_sharded"] = policy.resident_parameter_bytes() < full_bytes
+                obs["ungathered_equal"] = bool(torch.equal(_greedy(m), want_tokens))
+                obs["ungathered_training"] = any(x.training for x in m.modules())
+            obs["ungathered_after"] = all(x.training for x in policy.unwrap().modules())
         # Modes come back when generation raises, too.
         try:
             with unwrap_model_for_generation(model, accelerator):

@@ -64,6 +64,9 @@ def test_trl_dropins(group: Any, kind: str, backend: str, stage: int | None) -> 
         assert obs["override_len"] == 4 + 2 and obs["config_restored"]
         assert obs["training_after"] and obs["ckpt_restored"] and obs["training_after_error"]
         assert obs["loss_finite"]
+        if kind == "zero3":
+            assert obs["ungathered_sharded"] and obs["ungathered_equal"]
+            assert not obs["ungathered_training"] and obs["ungathered_after"]
 
 
 @pytest.mark.parametrize("kind", ["ddp", "zero3"])

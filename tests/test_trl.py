@@ -44,6 +44,25 @@ def _launch(trainer: str, backend: str, model: Path, out: Path) -> list[dict[str
     return result
 
 
+def test_patch_trl_swaps_and_undoes() -> None:
+    import trl.models
+    import trl.models.utils as utils
+
+    from wrapkit.integrations import trl as dropins
+
+    names = ("prepare_deepspeed", "prepare_fsdp", "unwrap_model_for_generation")
+    originals = {n: getattr(utils, n) for n in names}
+    with dropins.patch_trl() as patch:
+        assert all(getattr(utils, n) is getattr(dropins, n) for n in names)
+        assert all(getattr(trl.models, n) is getattr(dropins, n) for n in names)
+        assert all(m.__name__.startswith("trl") for m, _, _ in patch.swaps)
+        assert dropins.patch_trl().swaps == []  # patching again changes nothing
+    # Undone everywhere, also where the drop-ins were picked up during the patch (trl.models
+    # resolves its attributes lazily, and cached ours above).
+    assert all(getattr(utils, n) is originals[n] for n in names)
+    assert all(getattr(trl.models, n) is originals[n] for n in names)
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("backend", "distributed_type", "ref_backend"), [
     ("zero3", "DEEPSPEED", "deepspeed"),

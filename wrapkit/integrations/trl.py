@@ -173,15 +173,20 @@ def _generation_config(model: torch.nn.Module, overrides: Mapping[str, Any] | No
 
 
 class TRLPatch:
-    """The module attributes ``patch_trl`` replaced; ``undo()`` (or leaving the ``with`` block) puts them back."""
+    """What ``patch_trl`` replaced; ``undo()`` (or leaving the ``with`` block) puts TRL's functions back."""
 
-    def __init__(self, swaps: list[tuple[ModuleType, str, Any]]) -> None:
-        self.swaps = swaps
+    def __init__(self, originals: dict[str, Any], swaps: list[tuple[ModuleType, str, Any]]) -> None:
+        self.originals = originals
+        self.swaps = swaps  # (module, name, original) replaced when patching
 
     def undo(self) -> None:
-        for module, name, original in reversed(self.swaps):
-            setattr(module, name, original)
-        self.swaps = []
+        """Restore TRL's functions everywhere, also in trl modules imported since the patch."""
+        for module in _trl_modules():
+            namespace = vars(module)
+            for name, original in self.originals.items():
+                if namespace.get(name) is _DROP_INS[name]:
+                    setattr(module, name, original)
+        self.originals, self.swaps = {}, []
 
     def __enter__(self) -> TRLPatch:
         return self
@@ -201,18 +206,27 @@ def patch_trl() -> TRLPatch:
     """
     require("trl", feature="patch_trl", extra="trl")
     source = importlib.import_module("trl.models.utils")
-    ours = {"prepare_deepspeed": prepare_deepspeed, "prepare_fsdp": prepare_fsdp,
-            "unwrap_model_for_generation": unwrap_model_for_generation}
-    originals = {name: getattr(source, name) for name in ours if getattr(source, name, None) is not ours[name]}
+    originals = {name: getattr(source, name) for name, ours in _DROP_INS.items()
+                 if getattr(source, name, None) is not ours}
     swaps: list[tuple[ModuleType, str, Any]] = []
-    modules = [m for key, m in list(sys.modules.items()) if (key == "trl" or key.startswith("trl.")) and m]
-    for module in modules:
+    for module in _trl_modules():
         namespace = vars(module)
         for name, original in originals.items():
             if namespace.get(name) is original:
                 swaps.append((module, name, original))
-                setattr(module, name, ours[name])
-    return TRLPatch(swaps)
+                setattr(module, name, _DROP_INS[name])
+    return TRLPatch(originals, swaps)
+
+
+def _trl_modules() -> list[ModuleType]:
+    return [m for key, m in list(sys.modules.items()) if (key == "trl" or key.startswith("trl.")) and m is not None]
+
+
+_DROP_INS: dict[str, Any] = {
+    "prepare_deepspeed": prepare_deepspeed,
+    "prepare_fsdp": prepare_fsdp,
+    "unwrap_model_for_generation": unwrap_model_for_generation,
+}
 
 
 # -- helpers -----------------------------------------------------------------------------------
