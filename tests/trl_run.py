@@ -85,7 +85,6 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     a = p.parse_args()
 
-    import torch
     import torch.distributed as dist
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -165,7 +164,9 @@ def main() -> None:
     dist.all_gather_object(everyone, obs)
     if dist.get_rank() == 0:
         Path(a.json).write_text(json.dumps(everyone))
-    torch.distributed.barrier()
+    dist.barrier()
+    # Without this, gloo's worker threads can outlive the interpreter and abort the process at exit.
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
