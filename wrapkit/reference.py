@@ -296,7 +296,7 @@ def wrap_fsdp1(module: torch.nn.Module, *, device: torch.device, init_on: torch.
 
 
 def _fsdp1_wrap_policy(module: torch.nn.Module, blocks: set[type[torch.nn.Module]], embedding_units: bool) -> Any:
-    """Blocks, and untied input/output embeddings, each their own unit.
+    """Blocks, and with ``embedding_units`` untied input/output embeddings, each their own unit.
 
     FSDP1 leaves the root unit's parameters gathered after a forward without backward,
     which for a reference model is every forward; embeddings and head are the largest
