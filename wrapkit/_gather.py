@@ -24,7 +24,7 @@ from ._imports import lookup
 
 __all__ = [
     "agree_flags", "agree_any", "settle", "check_modifier_rank", "bypassed", "broadcast_", "Replace",
-    "set_modes", "restore_modes", "set_checkpointing", "restore_checkpointing",
+    "set_modes", "restore_modes", "set_checkpointing", "restore_checkpointing", "generation_modes",
 ]
 
 # Returns the tensor to put in place of ``module._parameters[name]``, or None to keep it.
@@ -233,3 +233,17 @@ def set_checkpointing(root: torch.nn.Module, enabled: bool) -> list[tuple[torch.
 def restore_checkpointing(saved: list[tuple[torch.nn.Module, Any]]) -> None:
     for m, value in saved:
         m.__dict__["gradient_checkpointing"] = value
+
+
+@contextlib.contextmanager
+def generation_modes(root: torch.nn.Module) -> Iterator[None]:
+    """No autograd, every submodule in eval mode, gradient checkpointing off; the flags and
+    settings put back exactly on exit, exception or not."""
+    with torch.no_grad():
+        modes = set_modes(root, False)
+        ckpt = set_checkpointing(root, False)
+        try:
+            yield
+        finally:
+            restore_checkpointing(ckpt)
+            restore_modes(modes)

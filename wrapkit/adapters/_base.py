@@ -22,15 +22,14 @@ from .._gather import (
     broadcast_,
     bypassed,
     check_modifier_rank,
-    restore_checkpointing,
+    generation_modes,
     restore_modes,
-    set_checkpointing,
     set_modes,
     settle,
 )
 from .._names import canonical_name
 
-__all__ = ["Adapter", "ReplicatedAdapter", "Entry", "model_class_name"]
+__all__ = ["Adapter", "ReplicatedAdapter", "Entry", "model_class_name", "move_buffers"]
 
 # One peeled layer: (layer or backend name, the object at that level).
 Entry = tuple[str, torch.nn.Module]
@@ -305,14 +304,8 @@ class Adapter:
         normal or by exception, every submodule's ``training`` flag and checkpointing
         setting are restored exactly; hooks and backend state were never changed.
         """
-        with self.gathered() as inner, torch.no_grad():
-            modes = set_modes(self._module, False)
-            ckpt = set_checkpointing(self._module, False)
-            try:
-                yield inner
-            finally:
-                restore_checkpointing(ckpt)
-                restore_modes(modes)
+        with self.gathered() as inner, generation_modes(self._module):
+            yield inner
 
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(canonical_name, full tensor)`` for every parameter, gathering one at a time. Collective.
@@ -496,6 +489,14 @@ class Adapter:
         """``flag`` or-ed over the group, so that every rank takes the same branch."""
         # Non-distributed adapters may live in a distributed process: they never vote.
         return agree_any(flag, self._process_group(), self.world_size) if self.distributed else flag
+
+
+def move_buffers(root: torch.nn.Module, target: torch.device, copy: bool) -> None:
+    """Move every buffer under ``root``, for backends that move their parameters themselves."""
+    for module in root.modules():
+        for key, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[key] = buf.to(target, copy=copy)
 
 
 # Attribute on the innermost model recording its compute device while it is offloaded.

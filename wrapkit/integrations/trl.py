@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from .._errors import ReferenceModelError
-from .._gather import restore_checkpointing, restore_modes, set_checkpointing, set_modes
+from .._gather import generation_modes, set_modes
 from .._imports import require
 from .._registry import adapt
 from ..adapters import Adapter
@@ -136,23 +136,14 @@ def unwrap_model_for_generation(
     TRL compatibility but not needed.
     """
     wm: Adapter = adapt(model)
-    gather = gather_deepspeed3_params or not (wm.backend == "deepspeed" and wm.zero_stage == 3)
-    context = wm.generation() if gather else _modes_for_generation(wm)
-    with context as inner, _generation_config(inner, generation_kwargs):
-        yield inner
-
-
-@contextlib.contextmanager
-def _modes_for_generation(wm: Adapter) -> Iterator[torch.nn.Module]:
-    """What ``generation()`` does to modes, without gathering."""
-    with torch.no_grad():
-        modes = set_modes(wm.module, False)
-        ckpt = set_checkpointing(wm.module, False)
-        try:
-            yield wm.unwrap()
-        finally:
-            restore_checkpointing(ckpt)
-            restore_modes(modes)
+    if gather_deepspeed3_params or not (wm.backend == "deepspeed" and wm.zero_stage == 3):
+        with wm.generation() as inner, _generation_config(inner, generation_kwargs):
+            yield inner
+    else:
+        # What generation() does to modes, without gathering: ZeRO-3's hooks stay in the call path.
+        inner = wm.unwrap()
+        with generation_modes(wm.module), _generation_config(inner, generation_kwargs):
+            yield inner
 
 
 @contextlib.contextmanager
