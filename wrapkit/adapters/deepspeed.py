@@ -17,7 +17,7 @@ import torch.distributed as dist
 from .._gather import agree_any
 from .._imports import is_instance, lookup, require
 from .._names import canonical_name
-from ._base import Adapter
+from ._base import Adapter, move_buffers
 
 
 class DeepSpeedAdapter(Adapter):
@@ -193,10 +193,7 @@ class DeepSpeedAdapter(Adapter):
         else:
             engine.module._apply(lambda t: t.to(target, copy=copy))  # type: ignore[no-untyped-call]
             return
-        for module in engine.module.modules():
-            for key, buf in module._buffers.items():
-                if buf is not None:
-                    module._buffers[key] = buf.to(target, copy=copy)
+        move_buffers(engine.module, target, copy)
 
     def _placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.zero_stage != 3:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .._gather import broadcast_, settle
 from .._imports import is_instance, lookup
 from .._names import canonical_name
-from ._base import Adapter
+from ._base import Adapter, move_buffers
 
 
 class FSDPAdapter(Adapter):
@@ -80,10 +80,9 @@ class FSDPAdapter(Adapter):
         # With use_orig_params=True each original parameter is a 1-D view of this
         # rank's slice outside of forward; its real shape is recorded in the FlatParameter.
         shapes: dict[int, tuple[int, ...]] = {}
-        for unit in self._units():
-            flat = getattr(getattr(unit, "_handle", None), "flat_param", None)
+        for flat in self._flat_params():
             originals = getattr(flat, "_params", None)
-            if flat is not None and originals is not None:
+            if originals is not None:
                 for p, shape in zip(originals, flat._shapes, strict=True):
                     shapes[id(p)] = tuple(shape)
         return shapes
@@ -223,10 +222,7 @@ class FSDPAdapter(Adapter):
                 handle._use_sharded_views()
                 if flat.grad is not None and had_grads:
                     handle._use_sharded_grad_views()
-        for module in self._module.modules():
-            for key, buf in module._buffers.items():
-                if buf is not None:
-                    module._buffers[key] = buf.to(target, copy=copy)
+        move_buffers(self._module, target, copy)
 
     def _placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         fsdp_cls = lookup("torch.distributed.fsdp", "FullyShardedDataParallel")
