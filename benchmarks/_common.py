@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 from wrapkit.cli._workers import WorkerGroup
@@ -17,6 +18,18 @@ def two_ranks() -> WorkerGroup:
 
 def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
+
+
+def interleaved(a: Callable[[], float], b: Callable[[], float], reps: int) -> tuple[list[float], list[float]]:
+    """``reps`` timings of each of ``a`` and ``b`` (each returns its own time), run in pairs whose
+    order alternates (``a`` first on odd pairs), so drift and noise hit both alike."""
+    times_a: list[float] = []
+    times_b: list[float] = []
+    for i in range(reps):
+        order = ((a, times_a), (b, times_b)) if i % 2 else ((b, times_b), (a, times_a))
+        for fn, out in order:
+            out.append(fn())
+    return times_a, times_b
 
 
 def row(case: str, wrapkit_value: float, baseline: float, goal: float, *, better: str = "lower",

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import torch
-from _common import median, print_rows, row, two_ranks
+from _common import interleaved, median, print_rows, row, two_ranks
 
 NAME = "overhead"
 GOAL = 1.01
@@ -52,13 +52,8 @@ def _steps(backend: str, reps: int) -> tuple[list[float], list[float]]:
         step(wm)
     # Blocks of steps, alternating which path goes first: single steps on two ranks sharing
     # two cores jitter by several percent, blocks average that out.
-    raw: list[float] = []
-    through: list[float] = []
-    for i in range(reps):
-        for call in ((model, wm) if i % 2 else (wm, model)):
-            total = sum(step(call) for _ in range(BLOCK))
-            (raw if call is model else through).append(total / BLOCK)
-    return raw, through
+    return interleaved(lambda: sum(step(model) for _ in range(BLOCK)) / BLOCK,
+                       lambda: sum(step(wm) for _ in range(BLOCK)) / BLOCK, reps)
 
 
 def _dispatch_cost(number: int) -> float:

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import torch
-from _common import median, print_rows, row, two_ranks
+from _common import interleaved, median, print_rows, row, two_ranks
 
 NAME = "sync"
 GOAL = 1.5
@@ -50,13 +50,7 @@ def _times(backend: str, reps: int) -> tuple[list[float], list[float]]:
     for _ in range(2):
         timed(sync)
         timed(local_copy)
-    through: list[float] = []
-    base: list[float] = []
-    for i in range(reps):
-        order = (sync, local_copy) if i % 2 else (local_copy, sync)
-        for fn in order:
-            (through if fn is sync else base).append(timed(fn))
-    return through, base
+    return interleaved(lambda: timed(sync), lambda: timed(local_copy), reps)
 
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
