@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,9 +10,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from wrapkit.cli._workers import free_port  # noqa: E402
+from tests.launch import ROOT, torchrun  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "online_dpo.py"
 STEPS = 20
 
@@ -27,15 +23,7 @@ def test_online_dpo_example(backend: str, tmp_path: Path) -> None:
         pytest.importorskip("deepspeed")
     ckpt = tmp_path / "out" / "policy.safetensors"
     summary = tmp_path / "summary.json"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node", "2", "--master_port", str(free_port()),
-        str(SCRIPT), "--backend", backend, "--steps", str(STEPS),
-        "--save", str(ckpt), "--json", str(summary),
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    proc = torchrun(SCRIPT, "--backend", backend, "--steps", str(STEPS), "--save", str(ckpt), "--json", str(summary))
     assert "reward first=" in proc.stdout
 
     result = json.loads(summary.read_text())

@@ -4,9 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +12,9 @@ import pytest
 pytest.importorskip("trl")
 pytest.importorskip("accelerate")
 
+from tests.launch import ROOT, torchrun  # noqa: E402
 from tests.trl_run import LAYERS, save_tiny  # noqa: E402
-from wrapkit.cli._workers import free_port  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "trl_run.py"
 
 
@@ -31,15 +27,8 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _launch(trainer: str, backend: str, model: Path, out: Path) -> list[dict[str, Any]]:
     summary = out / "summary.json"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--nproc_per_node", "2", "--master_port", str(free_port()),
-        str(SCRIPT), "--trainer", trainer, "--backend", backend, "--model", str(model), "--json", str(summary),
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
-    env["HF_HUB_OFFLINE"] = "1"
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    torchrun(SCRIPT, "--trainer", trainer, "--backend", backend, "--model", str(model), "--json", str(summary),
+             HF_HUB_OFFLINE="1")
     result: list[dict[str, Any]] = json.loads(summary.read_text())
     return result
 

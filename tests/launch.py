@@ -1,0 +1,28 @@
+"""Running a script under torchrun on two local ranks, for the tests that need a launched job."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from wrapkit.cli._workers import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def torchrun(script: Path, *args: str, timeout: float = 280, **env_extra: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script args`` under ``torchrun --nproc_per_node 2`` from the repository root, with a
+    fresh port and none of this process's rank variables; fails the test on a non-zero exit,
+    showing the end of both outputs."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nproc_per_node", "2", "--master_port", str(free_port()),
+        str(script), *args,
+    ]  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
+    env.update(env_extra)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
