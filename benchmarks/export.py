@@ -72,10 +72,18 @@ def collect() -> dict[str, tuple[int, int, float, int]]:
     from wrapkit.cli._workers import WorkerGroup
 
     # Every tensor above 64 KiB gets its own mmap, returned when freed: the resident set
-    # then follows live tensor memory closely enough to read a peak from it.
+    # then follows live tensor memory closely enough to read a peak from it. Only for these
+    # workers: allocation gets slower, and the benchmarks run after this one time their work.
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
     os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    with WorkerGroup(2, "gloo", preload=("transformers", "deepspeed")) as group:
-        per_rank = group.run("benchmarks.export:measure", timeout=600)
+    try:
+        with WorkerGroup(2, "gloo", preload=("transformers", "deepspeed")) as group:
+            per_rank = group.run("benchmarks.export:measure", timeout=600)
+    finally:
+        if saved is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     return {
         backend: (max(r[backend][0] for r in per_rank), largest, secs, seen)
         for backend, (_, largest, secs, seen) in per_rank[0].items()
