@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tempfile
 import time
 
 import torch
@@ -24,7 +25,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import wrapkit
-from wrapkit.cli import _models
 
 BACKENDS = ("ddp", "fsdp", "fsdp2", "zero2", "zero3")
 
@@ -41,22 +41,56 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sync-every", type=int, default=5, help="soft-update the reference every K steps")
     p.add_argument("--alpha", type=float, default=0.5, help="ref = alpha * policy + (1 - alpha) * ref")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save", default="online_dpo_out/policy.safetensors")
+    p.add_argument("--save", default=os.path.join(tempfile.gettempdir(), "online_dpo", "policy.safetensors"))
     p.add_argument("--json", default=None, help="write a summary of the run to this file")
     return p.parse_args()
 
 
+def tiny_llama() -> torch.nn.Module:
+    """A 2-layer Llama built from a config (nothing downloaded), the same on every rank."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config)
+
+
 def wrap(backend: str, lr: float) -> tuple[torch.nn.Module, torch.optim.Optimizer | None]:
     """The tiny Llama wrapped for ``backend``, and the optimizer (None: the DeepSpeed engine owns it)."""
-    model = _models.tiny_llama(seed=0, vocab=128)
+    model = tiny_llama()
     if backend.startswith("zero"):
         import deepspeed
 
-        optimizer = {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}}
-        config = _models.ds_config(int(backend[4:]), optimizer=optimizer)
+        config = {
+            "train_micro_batch_size_per_gpu": 1,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": {"stage": int(backend[4:])},
+            # torch's AdamW: DeepSpeed's fused CPU Adam would need a C++ build.
+            "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.0, "torch_adam": True}},
+            "steps_per_print": 10**9,
+        }
         engine, *_ = deepspeed.initialize(model=model, config=config)
         return engine, None
-    wrapped = _models.build(backend, model=model, device="cpu")
+    wrapped: torch.nn.Module
+    if backend == "ddp":
+        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    elif backend == "fsdp":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        wrapped = FullyShardedDataParallel(model, device_id=torch.device("cpu"), use_orig_params=True,
+                                           auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}))
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        wrapped = fully_shard(model, mesh=mesh)
     return wrapped, torch.optim.AdamW(wrapped.parameters(), lr=lr, weight_decay=0.0)
 
 

@@ -10,6 +10,7 @@ import torch
 
 import wrapkit
 from wrapkit.cli._models import build, ds_config, parse_stack, tiny_llama
+from wrapkit.view import AdapterDisabledView
 
 TOKENS = torch.arange(16).reshape(2, 8) % 128
 
@@ -95,10 +96,11 @@ def placement_error() -> str:
 
 
 def _frozen_facts(wm: Any) -> dict[str, Any]:
+    holder = wm._policy if isinstance(wm, AdapterDisabledView) else wm  # a view's tensors are the policy's
     return {
         "training_modules": sum(1 for m in wm.module.modules() if m.training),
-        "trainable_parameters": sum(1 for p in wm._frozen_parameters() if p.requires_grad),
-        "devices": sorted({str(t.device) for _, t in wm._placement_tensors()}),
+        "trainable_parameters": wm.num_parameters(trainable_only=True),
+        "devices": sorted({str(t.device) for _, t in holder._placement_tensors()}),
     }
 
 

@@ -169,6 +169,7 @@ def bypassed(root: torch.nn.Module, replace: Replace | None = None) -> Iterator[
             if mod.__dict__.get("_is_fsdp_managed_module"):
                 # transformers' generate() sees this flag and syncs every rank at every step
                 # (synced_gpus), an all-reduce per token that a plain module does not need.
+                # (transformers/generation/utils.py: is_fsdp_managed_module(self) sets synced_gpus.)
                 managed.append(mod)
                 mod.__dict__["_is_fsdp_managed_module"] = False
             for hooks in (mod._forward_pre_hooks, mod._forward_hooks):

@@ -5,11 +5,24 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["WrappedModel"]
+if TYPE_CHECKING:
+    from .adapters._base import Adapter
+
+__all__ = ["WrappedModel", "Handle"]
+
+
+class Handle:
+    """Base of the package's own ``WrappedModel`` classes: the backend adapters, and views
+    composed over one (the PEFT reference view). ``adapt()`` returns a ``Handle`` as it is."""
+
+    def _as_adapter(self, purpose: str) -> Adapter:
+        """The adapter to run ``purpose`` (e.g. "copy_to into it") on; a view that cannot
+        serve it raises a ``WrapkitError`` saying why."""
+        raise NotImplementedError
 
 
 @runtime_checkable

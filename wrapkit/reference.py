@@ -23,20 +23,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._errors import PlacementError, ReferenceModelError
-from ._gather import restore_modes, set_modes
+from ._errors import ReferenceModelError
 from ._imports import require
 from ._names import canonical_name
-from ._registry import adapt
+from ._protocol import WrappedModel
+from ._registry import as_adapter
 from .adapters import Adapter
 from .adapters._base import model_class_name
+from .view import AdapterDisabledView, view_possible
 
 __all__ = ["prepare_reference", "AdapterDisabledView", "block_classes", "fully_shard_per_block"]
 
 _REPLICATED = ("plain", "dp", "ddp")
 
 
-def prepare_reference(policy: Any, ref_model: Any = None, *, ds_config: dict[str, Any] | None = None) -> Adapter:
+def prepare_reference(policy: Any, ref_model: Any = None, *,
+                      ds_config: dict[str, Any] | None = None) -> WrappedModel:
     """A frozen reference for ``policy``, sharded and placed as the policy is. Call on every rank.
 
     ZeRO-3 gives a DeepSpeed inference engine at stage 3 (the policy's config without
@@ -50,7 +52,7 @@ def prepare_reference(policy: Any, ref_model: Any = None, *, ds_config: dict[str
     current weights. A ``ref_model`` that is the policy or shares its parameters is refused
     with ``ReferenceModelError``.
     """
-    pol: Adapter = adapt(policy)
+    pol = as_adapter(policy, "using it as the policy of another reference")
     if ds_config is not None and pol.backend != "deepspeed":
         raise ReferenceModelError(
             f"ds_config only applies to a DeepSpeed policy, and this policy's backend is {pol.backend!r}; "
@@ -65,123 +67,9 @@ def prepare_reference(policy: Any, ref_model: Any = None, *, ds_config: dict[str
                 "let prepare_reference build one."
             )
         return _wrap_like(pol, ref_model, ds_config).to_eval_frozen()
-    if _adapter_view_possible(pol):
+    if view_possible(pol):
         return AdapterDisabledView(pol)
     return _fresh_copy(pol, ds_config).to_eval_frozen()
-
-
-# -- the PEFT view --------------------------------------------------------------------------
-class AdapterDisabledView(Adapter):
-    """The reference a PEFT policy already contains: its forward runs the policy with every
-    adapter disabled, every submodule in eval mode and no autograd graph, then restores the
-    modes. It owns no parameters; placing it means placing the policy."""
-
-    name = "adapters-off"
-
-    def __init__(self, policy: Adapter) -> None:
-        self._policy = policy
-        super().__init__(_ViewModule(policy), list(policy._entries), policy._backend_obj, policy._innermost)
-
-    @property
-    def backend(self) -> str:
-        return self._policy.backend
-
-    @property
-    def stack(self) -> tuple[str, ...]:
-        return (self.name, *self._policy.stack)
-
-    @property
-    def device(self) -> torch.device:
-        return self._policy.device
-
-    @property
-    def zero_stage(self) -> int | None:
-        return self._policy.zero_stage
-
-    @property
-    def is_sharded(self) -> bool:
-        return self._policy.is_sharded
-
-    @property
-    def world_size(self) -> int:
-        return self._policy.world_size
-
-    @property
-    def rank(self) -> int:
-        return self._policy.rank
-
-    def unwrap(self, keep_peft: bool = True, keep_compile: bool = False) -> torch.nn.Module:
-        return self._policy.unwrap(keep_peft, keep_compile)
-
-    def num_parameters(self, trainable_only: bool = False) -> int:
-        # The frozen base weights: everything the policy has except its (trainable) adapters.
-        return 0 if trainable_only else self._policy.num_parameters() - self._policy.num_parameters(True)
-
-    def place(self, device: torch.device | str | int | None = None) -> AdapterDisabledView:
-        """Verify (and restore) the policy's placement; moving elsewhere would move the policy."""
-        if device is not None and torch.device(device).type != self._policy.device.type:
-            raise PlacementError(
-                f"this reference is a view of the policy's weights and cannot move to {device} on its own; "
-                "place the policy (or build a separate reference with prepare_reference(policy, ref_model))."
-            )
-        self._policy.place()
-        return self
-
-    def to_eval_frozen(self) -> AdapterDisabledView:
-        return self.place()
-
-    def _process_group(self) -> Any:
-        return self._policy._process_group()
-
-    def _placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self._policy._placement_tensors()
-
-    def _frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
-        return iter(())  # the view's forward runs without autograd; the policy's flags stay as they are
-
-    def _check_group(self) -> None:
-        pass  # the policy's adapter checked it
-
-
-class _ViewModule(torch.nn.Module):
-    """The callable behind ``AdapterDisabledView.module``; the policy is held, not registered,
-    so that nothing walking this module's parameters can freeze or move the policy."""
-
-    def __init__(self, policy: Adapter) -> None:
-        super().__init__()
-        object.__setattr__(self, "_policy", policy)
-        self.training = False
-
-    @property
-    def config(self) -> Any:
-        policy: Adapter = self.__dict__["_policy"]
-        return policy.config
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        policy: Adapter = self.__dict__["_policy"]
-        peft_model: Any = policy.unwrap(keep_peft=True)
-        modes = set_modes(policy.module, False)
-        try:
-            with peft_model.disable_adapter(), torch.no_grad():
-                return policy(*args, **kwargs)
-        finally:
-            restore_modes(modes)
-
-
-def _adapter_view_possible(pol: Adapter) -> bool:
-    """A PEFT policy whose trainable parameters are all adapter parameters: with the adapters
-    off it computes exactly the frozen base model, however far training has gone."""
-    if "peft" not in pol.stack:
-        return False
-    peft_model: Any = pol.unwrap(keep_peft=True)
-    names = [str(n) for n in getattr(peft_model, "peft_config", {})]
-    if not names or not hasattr(peft_model, "disable_adapter"):
-        return False
-    for name, p in peft_model.named_parameters():
-        parts = name.split(".")
-        if p.requires_grad and not any(n in parts for n in names):
-            return False
-    return True
 
 
 # -- identity checks -------------------------------------------------------------------------
@@ -193,7 +81,7 @@ def _storages(module: torch.nn.Module) -> Iterator[tuple[torch.device, int]]:
 
 
 def _shares_parameters(pol: Adapter, ref_model: Any) -> bool:
-    ref: Adapter = adapt(ref_model)
+    ref = as_adapter(ref_model, "using it as a reference")
     if ref.module is pol.module or ref._innermost is pol._innermost:
         return True
     pol_root = pol.unwrap(keep_peft=True)
@@ -222,7 +110,7 @@ def bare_module(ref: Adapter, backend: str) -> torch.nn.Module | Adapter:
 
 def _wrap_like(pol: Adapter, ref_model: Any, ds_config: dict[str, Any] | None) -> Adapter:
     backend = pol.backend
-    module = bare_module(adapt(ref_model), backend)
+    module = bare_module(as_adapter(ref_model, "using it as a reference"), backend)
     if isinstance(module, Adapter):
         return module
     device = pol.device
@@ -230,16 +118,15 @@ def _wrap_like(pol: Adapter, ref_model: Any, ds_config: dict[str, Any] | None) -
         if (pol.zero_stage or 0) == 3:
             deepspeed = require("deepspeed", feature="a ZeRO-3 reference model", extra="deepspeed")
             engine, *_ = deepspeed.initialize(model=module, config=_reference_ds_config(pol, ds_config))
-            wrapped: Adapter = adapt(engine)
-            return wrapped
+            return as_adapter(engine)
         dtype = _engine_dtype(pol, ds_config)
-        return adapt(module.to(device=device, dtype=dtype))  # type: ignore[no-any-return]
+        return as_adapter(module.to(device=device, dtype=dtype))
     if backend == "fsdp":
         return _fsdp1_wrap(pol, module, init_on=None)
     if backend == "fsdp2":
         module.to(device)
         return _fsdp2_shard(pol, module)
-    return adapt(module.to(device))  # type: ignore[no-any-return]
+    return as_adapter(module.to(device))
 
 
 def block_classes(model: torch.nn.Module) -> set[type[torch.nn.Module]]:
@@ -291,8 +178,7 @@ def wrap_fsdp1(module: torch.nn.Module, *, device: torch.device, init_on: torch.
         use_orig_params=True,
         **fsdp_kwargs,
     )
-    out: Adapter = adapt(wrapped)
-    return out
+    return as_adapter(wrapped)
 
 
 def _fsdp1_wrap_policy(module: torch.nn.Module, blocks: set[type[torch.nn.Module]], embedding_units: bool) -> Any:
@@ -340,8 +226,7 @@ def shard_fsdp2(module: torch.nn.Module, mesh: Any, **kwargs: Any) -> Adapter:
     # FSDP2 keeps the root's parameters gathered after forward, for the backward that a
     # frozen reference never runs: give that memory back after every forward.
     module.register_forward_hook(_reshard_root)
-    out: Adapter = adapt(module)
-    return out
+    return as_adapter(module)
 
 
 def _reshard_root(module: Any, args: Any, output: Any) -> None:
@@ -349,10 +234,10 @@ def _reshard_root(module: Any, args: Any, output: Any) -> None:
 
 
 # -- DeepSpeed configuration ----------------------------------------------------------------
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in over.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 
@@ -374,7 +259,7 @@ def inference_ds_config(raw: Mapping[str, Any], overrides: dict[str, Any] | None
     zero.pop("offload_optimizer", None)
     zero["stage"] = 3
     cfg["zero_optimization"] = zero
-    return _merge(cfg, overrides or {})
+    return _deep_merge(cfg, overrides or {})
 
 
 def _engine_dtype(pol: Adapter, overrides: dict[str, Any] | None) -> torch.dtype:
@@ -503,5 +388,4 @@ def _zero3_copy(pol: Adapter, ds_config: dict[str, Any] | None) -> Adapter:
                         b.data.copy_(a.data)
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     _copy_buffers(pol.unwrap(keep_peft=False), engine.module)
-    out: Adapter = adapt(engine)
-    return out
+    return as_adapter(engine)

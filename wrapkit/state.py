@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,11 +28,15 @@ from ._errors import StateDictError, UnsupportedModelError
 from ._gather import agree_flags
 from ._imports import is_instance, require
 from ._names import canonical_name
+from .layers.peft import base_key_map
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
 
-__all__ = ["full_state_dict", "load_full_state_dict", "save", "load", "copy_to", "read_checkpoint"]
+__all__ = [
+    "full_state_dict", "load_full_state_dict", "save", "load", "copy_to", "read_checkpoint", "copy_stream_to",
+    "write_checkpoint", "expected_shapes", "source_stream",
+]
 
 Shape = tuple[int, ...]
 
@@ -157,7 +161,7 @@ def full_state_dict(wm: Adapter, rank0_only: bool = True, *, merge_adapters: boo
     """
     if merge_adapters:
         # Validate before any gather: an unsupported PEFT layer must fail on every rank alike.
-        plan = _merge_plan(wm)
+        plan = _lora_fold_plan(wm)
     keep = not rank0_only or wm.rank == 0
     out: dict[str, torch.Tensor] = {}
     # Tied parameters come once per name; they stay one tensor, as in state_dict().
@@ -184,25 +188,24 @@ def full_state_dict(wm: Adapter, rank0_only: bool = True, *, merge_adapters: boo
     order = dict.fromkeys(name for name, _ in _live_entries(wm.unwrap()))
     out = {k: out[k] for k in order if k in out} | {k: v for k, v in out.items() if k not in order}
     if merge_adapters and plan is not None:
-        out = _merge(out, plan)
+        out = _fold_lora(out, plan)
     return out
 
 
 # -- PEFT merge ------------------------------------------------------------------------
-class _MergePlan:
-    """What ``merge_adapters`` needs to know of the live PEFT model, read without touching it."""
+class _LoraFoldPlan:
+    """What ``merge_adapters`` needs to know of the live PEFT model, read without touching it:
+    how its keys map to the base model's, and the LoRA layers to fold."""
 
-    def __init__(self, base_prefix: str, layers: list[tuple[str, Any]]) -> None:
-        self.base_prefix = base_prefix
+    def __init__(self, rename: Callable[[str], str | None], layers: list[tuple[str, Any]]) -> None:
+        self.rename = rename
         self.layers = layers
 
 
-def _merge_plan(wm: Adapter) -> _MergePlan | None:
+def _lora_fold_plan(wm: Adapter) -> _LoraFoldPlan | None:
     peft_root = wm.unwrap(keep_peft=True)
-    base = wm.unwrap(keep_peft=False)
-    if peft_root is base:
+    if peft_root is wm.unwrap(keep_peft=False):
         return None  # no PEFT layer: nothing to merge
-    base_prefix = next(canonical_name(n) for n, m in peft_root.named_modules() if m is base)
     layers: list[tuple[str, Any]] = []
     problems: list[str] = []
     for mod_name, mod in peft_root.named_modules():
@@ -224,22 +227,15 @@ def _merge_plan(wm: Adapter) -> _MergePlan | None:
             + "; ".join(problems)
             + ". Export with merge_adapters=False, or merge with PEFT's merge_and_unload() on an unsharded copy."
         )
-    return _MergePlan(base_prefix, layers)
+    return _LoraFoldPlan(base_key_map(peft_root), layers)
 
 
-def _merge(sd: dict[str, torch.Tensor], plan: _MergePlan) -> dict[str, torch.Tensor]:
+def _fold_lora(sd: dict[str, torch.Tensor], plan: _LoraFoldPlan) -> dict[str, torch.Tensor]:
     """``sd`` of the PEFT model -> the base model's state dict with the adapters folded in."""
-    renamed: dict[str, str] = {}
-    dropped: set[str] = set()
-    merged: dict[str, torch.Tensor] = {}
+    folded: dict[str, torch.Tensor] = {}
     for name, mod in plan.layers:
-        for key in sd:
-            if key.startswith(name + "."):
-                dropped.add(key)
-        for key in sd:
-            if key.startswith(f"{name}.base_layer."):
-                renamed[key] = f"{name}.{key[len(name) + len('.base_layer.'):]}"
-        weight = sd[f"{name}.base_layer.weight"]
+        key = f"{name}.base_layer.weight"
+        weight = sd[key]
         if not mod.merged and not mod.disable_adapters:
             acc = weight.float()
             for adapter in mod.active_adapters:
@@ -252,18 +248,8 @@ def _merge(sd: dict[str, torch.Tensor], plan: _MergePlan) -> dict[str, torch.Ten
                     delta = delta.T
                 acc = acc + delta * mod.scaling[adapter]
             weight = acc.to(weight.dtype)
-        merged[f"{name}.weight"] = weight.contiguous()
-    out: dict[str, torch.Tensor] = {}
-    prefix = plan.base_prefix + "." if plan.base_prefix else ""
-    for key, value in sd.items():
-        if key in renamed:
-            key = renamed[key]
-            value = merged.get(key, value)
-        elif key in dropped:
-            continue
-        if key.startswith(prefix):
-            out[key[len(prefix):]] = value
-    return out
+        folded[key] = weight.contiguous()
+    return {new: folded.get(key, value) for key, value in sd.items() if (new := plan.rename(key)) is not None}
 
 
 # -- writing ---------------------------------------------------------------------------
@@ -322,17 +308,29 @@ def load_full_state_dict(wm: Adapter, sd: Mapping[str, torch.Tensor], strict: bo
     _write(wm, sd.items(), 1.0)
 
 
+def _copy_problems(alpha: float, same: str | None) -> list[str]:
+    """What is wrong with copy_to's arguments themselves; ``same``: why the target is the source."""
+    problems: list[str] = []
+    if not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
+        problems.append(f"alpha must be a number in [0, 1], got {alpha!r}")
+    if same is not None:
+        problems.append(same)
+    return problems
+
+
+_COPY_FIX = ("copy_to matches weights by canonical name: source and target must be the same architecture, "
+             "with the same PEFT layers, and alpha in [0, 1].")
+
+
 def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
     """``target = alpha * source + (1 - alpha) * target`` for every parameter and persistent buffer.
 
     Matched by canonical name; any backend to any backend. Integer buffers are copied.
     ``requires_grad`` and training flags of the target are not touched.
     """
-    problems: list[str] = []
-    if not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
-        problems.append(f"alpha must be a number in [0, 1], got {alpha!r}")
-    if target is source or target.module is source.module:
-        problems.append("the target is the source model itself; pass another model (e.g. the reference)")
+    same = target is source or target.module is source.module
+    problems = _copy_problems(
+        alpha, "the target is the source model itself; pass another model (e.g. the reference)" if same else None)
     pairs = None if problems else _shard_pairs(source, target)
     if not problems:
         # Same parameter names and shard layouts imply the same shapes: then only the
@@ -350,8 +348,7 @@ def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
     # rank can take the shard-to-shard path (which has no collective; the general one has many).
     any_problem, any_slow = _any_ranks([bool(problems), pairs is None], source, target)
     _raise_agreed(problems, f"copy_to from {' > '.join(source.stack)} to {' > '.join(target.stack)}",
-                  "copy_to matches weights by canonical name: source and target must be the same architecture, "
-                  "with the same PEFT layers, and alpha in [0, 1].", source, target, agreed=any_problem)
+                  _COPY_FIX, source, target, agreed=any_problem)
     if not any_slow:
         assert pairs is not None
         with torch.no_grad():
@@ -360,7 +357,19 @@ def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
         target._shards_written()
         target._weights_written()
         return
-    _write(target, _source_stream(source), float(alpha))
+    _write(target, source_stream(source), float(alpha))
+
+
+def copy_stream_to(group: Adapter, source: str, shapes: Mapping[str, Shape], stream: Iterable[tuple[str, torch.Tensor]],
+                   target: Adapter, alpha: float = 1.0, same: str | None = None) -> None:
+    """``copy_to`` from a source that is not an adapter of its own (a view over ``group``'s
+    model): ``shapes`` are its full shapes by name, ``stream`` its full tensors, gathered
+    lazily. ``same``: set when the target is the model the source is a view of."""
+    problems = _copy_problems(alpha, same)
+    if not problems:
+        problems = _check(dict(shapes), expected_shapes(target), True, ("the source", "the target"))
+    _raise_agreed(problems, f"copy_to from {source} to {' > '.join(target.stack)}", _COPY_FIX, group, target)
+    _write(target, stream, float(alpha))
 
 
 def _shard_pairs(source: Adapter, target: Adapter) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
@@ -379,7 +388,7 @@ def _shard_pairs(source: Adapter, target: Adapter) -> list[tuple[torch.Tensor, t
     return pairs
 
 
-def _source_stream(source: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
+def source_stream(source: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
     yield from source.named_full_parameters()
     yield from _live_buffers(source.unwrap())
 
@@ -441,8 +450,15 @@ def save(wm: Adapter, path: str | os.PathLike[str]) -> None:
     fsyncs it and renames it over ``path``, so an interrupted save never leaves a
     partial file at ``path``. Returns on every rank once the file is in place.
     """
+    write_checkpoint(wm, path, lambda: full_state_dict(wm, rank0_only=True))
+
+
+def write_checkpoint(group: Adapter, path: str | os.PathLike[str],
+                     state: Callable[[], dict[str, torch.Tensor]]) -> None:
+    """``save`` of the state dict that ``state()`` returns (collective over ``group``'s ranks;
+    full on its rank 0, ``{}`` elsewhere): checked, written and agreed on as ``save`` says."""
     path = os.fspath(path)
-    writer = wm.rank == 0
+    writer = group.rank == 0
     problems: list[str] = []
     if writer:
         directory = os.path.dirname(os.path.abspath(path))
@@ -451,15 +467,15 @@ def save(wm: Adapter, path: str | os.PathLike[str]) -> None:
         elif os.path.isdir(path):
             example = os.path.join(path, "model.safetensors")
             problems.append(f"{path!r} is a directory; pass a file path such as {example!r}")
-    _raise_agreed(problems, f"save to {path!r}", "Pass the path of a file in an existing directory.", wm)
-    sd = full_state_dict(wm, rank0_only=True)
+    _raise_agreed(problems, f"save to {path!r}", "Pass the path of a file in an existing directory.", group)
+    sd = state()
     error: BaseException | None = None
     if writer:
         try:
             _atomic_write(sd, path)
         except Exception as exc:
             error = exc
-    if _any_rank(error is not None, wm):
+    if _any_rank(error is not None, group):
         cause = f"{type(error).__name__}: {error}" if error is not None else "see rank 0's error"
         raise StateDictError(
             f"rank 0 could not write {path!r} ({cause}); any earlier file there is untouched and the "

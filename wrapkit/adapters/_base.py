@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
-from .._errors import DistributedStateError, MissingConfigError, PlacementError
+from .._errors import DistributedStateError, MissingConfigError, PlacementError, UnsupportedModelError
 from .._gather import (
     agree_any,
     broadcast_,
@@ -28,8 +28,9 @@ from .._gather import (
     settle,
 )
 from .._names import canonical_name
+from .._protocol import Handle
 
-__all__ = ["Adapter", "ReplicatedAdapter", "Entry", "model_class_name", "move_buffers"]
+__all__ = ["Adapter", "ReplicatedAdapter", "Entry", "model_class_name", "move_buffers", "resolve_device"]
 
 # One peeled layer: (layer or backend name, the object at that level).
 Entry = tuple[str, torch.nn.Module]
@@ -43,7 +44,7 @@ def model_class_name(obj: object) -> str:
     return type(obj).__name__
 
 
-class Adapter:
+class Adapter(Handle):
     """Base of every backend adapter; an instance is a ``WrappedModel``.
 
     Subclasses set ``name`` and implement ``matches`` (and ``inner`` when the
@@ -83,6 +84,9 @@ class Adapter:
         self._is_encoder_decoder = bool(getattr(cfg, "is_encoder_decoder", False)) if cfg is not None else bool(
             getattr(innermost, "is_encoder_decoder", False)
         )
+
+    def _as_adapter(self, purpose: str) -> Adapter:
+        return self
 
     # -- identity ------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -234,14 +238,13 @@ class Adapter:
 
     def copy_to(self, target: Any, alpha: float = 1.0) -> None:
         """``target = alpha*self + (1-alpha)*target``, by canonical name, any backend to any backend."""
-        from .._errors import StateDictError
         from ..state import copy_to
 
-        if not isinstance(target, Adapter):
-            raise StateDictError(
+        if not isinstance(target, Handle):
+            raise UnsupportedModelError(
                 f"copy_to needs a WrappedModel target, got {type(target).__name__}; pass adapt(target)."
             )
-        copy_to(self, target, alpha)
+        copy_to(self, target._as_adapter("copy_to into it"), alpha)
 
     def _full_shapes(self) -> dict[int, tuple[int, ...]]:
         """id(parameter) -> full shape, for parameters whose local tensor is only a shard."""
@@ -409,7 +412,7 @@ class Adapter:
         Raises ``PlacementError`` naming the tensors that are elsewhere. Returns ``self``.
         """
         home = self._home_device()
-        target = home if device is None else _resolve_device(device)
+        target = home if device is None else resolve_device(device)
         self._place(target, copy=False)
         if target == home:
             self._innermost.__dict__.pop(_HOME_ATTR, None)
@@ -431,7 +434,7 @@ class Adapter:
 
     def _home_device(self) -> torch.device:
         home = self._innermost.__dict__.get(_HOME_ATTR)
-        return home if isinstance(home, torch.device) else _resolve_device(self.device)
+        return home if isinstance(home, torch.device) else resolve_device(self.device)
 
     def _place(self, target: torch.device, copy: bool) -> None:
         """Move to ``target``, roll back on failure, verify, and agree on the outcome across ranks.
@@ -503,7 +506,7 @@ def move_buffers(root: torch.nn.Module, target: torch.device, copy: bool) -> Non
 _HOME_ATTR = "_placement_home_device"
 
 
-def _resolve_device(device: torch.device | str | int) -> torch.device:
+def resolve_device(device: torch.device | str | int) -> torch.device:
     """A concrete device: ``"cuda"`` becomes ``cuda:<current>``, an int a CUDA index."""
     dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
     if dev.type == "cuda" and dev.index is None:
@@ -517,9 +520,9 @@ class ReplicatedAdapter(Adapter):
     def to_eval_frozen(self) -> Adapter:
         # A replicated wrapper only exists to average gradients (DDP refuses a model with
         # none to average), so the frozen model is the module inside it, on the same device.
-        from .._registry import adapt
+        from .._registry import as_adapter
 
         assert self._backend_obj is not None
-        inner: Adapter = adapt(self.inner(self._backend_obj))
+        inner = as_adapter(self.inner(self._backend_obj))
         inner.place(self.device)
         return inner.to_eval_frozen()

@@ -82,6 +82,8 @@ class DeepSpeedAdapter(Adapter):
     def _shards_written(self) -> None:
         # ZeRO-3 keeps small ("persistent") parameters gathered between forwards once it has
         # traced the model; their full copies were built before the partitions changed.
+        # (DeepSpeed: mark_persistent_parameters in deepspeed/runtime/zero/parameter_offload.py,
+        # sized by stage3_param_persistence_threshold.)
         # Drop them and gather again from the partitions (the same set on every rank).
         if self.zero_stage != 3:
             return
@@ -131,7 +133,8 @@ class DeepSpeedAdapter(Adapter):
         deepspeed = require("deepspeed", feature="gathered() under ZeRO-3")
         params: list[Any] = [p for p in self._unique_parameters() if hasattr(p, "ds_id")]
         # Small "persistent" parameters stay gathered between steps; GatheredParameters
-        # re-partitions them on exit, so they are gathered again afterwards.
+        # re-partitions them on exit, so they are gathered again afterwards (see
+        # mark_persistent_parameters in deepspeed/runtime/zero/parameter_offload.py).
         persistent = [p for p in params if getattr(p.ds_status, "name", "") == "AVAILABLE"]
         ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
         ctx.__enter__()

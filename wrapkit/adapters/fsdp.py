@@ -33,7 +33,12 @@ class FSDPAdapter(Adapter):
                 yield m
 
     def _flat_params(self) -> Iterator[Any]:
-        """The FlatParameter of every unit that has parameters."""
+        """The FlatParameter of every unit that has parameters.
+
+        Its private fields read in this file (``_shapes``, ``_numels``, ``_fqns``,
+        ``_param_infos``, ``_shard_param_infos``, ``_params``, ``_local_shard``) are
+        documented on ``FlatParameter`` in torch/distributed/fsdp/_flat_param.py; FSDP1
+        has no public API for per-parameter shapes or shard ranges."""
         for unit in self._units():
             handle = getattr(unit, "_handle", None)
             if handle is not None:

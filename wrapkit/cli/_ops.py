@@ -100,7 +100,7 @@ def _prepare_reference(wm: Any, ctx: dict[str, Any]) -> None:
 
     ref = prepare_reference(wm.module, None)
     assert ref.is_sharded == wm.is_sharded, "the reference is not sharded the policy's way"
-    assert not any(p.requires_grad for p in ref._frozen_parameters()), "the reference is trainable"
+    assert ref.num_parameters(trainable_only=True) == 0, "the reference is trainable"
     _on_device(ref, "prepare_reference()")
     _forward(ref, ctx)
     try:

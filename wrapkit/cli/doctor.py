@@ -156,7 +156,7 @@ def _format_table(rows: dict[str, dict[str, Any]], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def _merge(per_rank: list[list[Any]]) -> list[Any]:
+def _worst_of_ranks(per_rank: list[list[Any]]) -> list[Any]:
     """A cell fails if it failed on any rank; the time is the slowest rank's."""
     bad = next((r for r in per_rank if not r[0]), None)
     cell = list(bad or per_rank[0])
@@ -195,12 +195,12 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
                 res: dict[str, Any] = {}
                 rows[backend] = res
                 try:
-                    res["adapt"] = _merge(group.run(setup_backend, backend, use_llama, device, timeout=300))
+                    res["adapt"] = _worst_of_ranks(group.run(setup_backend, backend, use_llama, device, timeout=300))
                     advance(f"{backend}: adapt")
                     if not res["adapt"][0]:
                         continue
                     for name in op_names:
-                        res[name] = _merge(group.run(run_op, backend, name, timeout=_OP_TIMEOUT))
+                        res[name] = _worst_of_ranks(group.run(run_op, backend, name, timeout=_OP_TIMEOUT))
                         advance(f"{backend}: {name}")
                     group.run(teardown_backend, backend, timeout=60)
                 except WorkerError as exc:

@@ -34,7 +34,7 @@ import torch
 from .._errors import ReferenceModelError
 from .._gather import generation_modes, set_modes
 from .._imports import require
-from .._registry import adapt
+from .._registry import as_adapter
 from ..adapters import Adapter
 from ..reference import bare_module, config_dtype, inference_ds_config, shard_fsdp2, wrap_fsdp1
 
@@ -62,17 +62,17 @@ def prepare_deepspeed(model: torch.nn.Module, accelerator: Any) -> torch.nn.Modu
     plugin = _plugin(accelerator, "deepspeed_plugin", "DeepSpeed")
     cfg = dict(copy.deepcopy(plugin.deepspeed_config))
     stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
-    module = bare_module(adapt(model), "deepspeed")
+    module = bare_module(as_adapter(model), "deepspeed")
     if isinstance(module, Adapter):
         return _for_inference(module)
     ref: Adapter
     if stage == 3:
         deepspeed = require("deepspeed", feature="prepare_deepspeed at ZeRO-3", extra="deepspeed")
         engine, *_ = deepspeed.initialize(model=module, config=_resolve_auto(inference_ds_config(cfg), module))
-        ref = adapt(engine)
+        ref = as_adapter(engine)
     else:
         dtype = config_dtype(cfg) or next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-        ref = adapt(module.to(device=accelerator.device, dtype=dtype))
+        ref = as_adapter(module.to(device=accelerator.device, dtype=dtype))
     return _for_inference(ref)
 
 
@@ -90,7 +90,7 @@ def prepare_fsdp(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
     plugin = _plugin(accelerator, "fsdp_plugin", "FSDP")
     version = int(getattr(plugin, "fsdp_version", 1) or 1)
     backend = "fsdp2" if version == 2 else "fsdp"
-    module = bare_module(adapt(model), backend)
+    module = bare_module(as_adapter(model), backend)
     if isinstance(module, Adapter):
         return _for_inference(module)
     device = torch.device(accelerator.device)
@@ -135,7 +135,7 @@ def unwrap_model_for_generation(
     generation config are restored exactly, so ``gradient_checkpointing_kwargs`` is accepted for
     TRL compatibility but not needed.
     """
-    wm: Adapter = adapt(model)
+    wm = as_adapter(model)
     if gather_deepspeed3_params or not (wm.backend == "deepspeed" and wm.zero_stage == 3):
         with wm.generation() as inner, _generation_config(inner, generation_kwargs):
             yield inner

@@ -1,0 +1,48 @@
+"""The adapter-disabled reference of a PEFT policy (``prepare_reference(policy, None)``): every
+operation sees the base model with the adapters off, under the base model's names, on every
+backend; what would write or move the policy's weights is refused with ReferenceModelError."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import scenarios_view as sc
+
+SPECS = ["peft", "ddp>peft", "zero2>peft", "zero3>peft", "fsdp>peft", "fsdp2>peft"]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_view_sees_the_base_model(request: pytest.FixtureRequest, spec: str, tmp_path: Path) -> None:
+    if spec == "peft":
+        results = [sc.view_operations(spec, str(tmp_path))]
+    else:
+        group: Any = request.getfixturevalue("group")
+        results = group.run(sc.view_operations, spec, str(tmp_path), timeout=240)
+    for obs in results:
+        assert obs["type"] == "AdapterDisabledView" and obs["stack"][0] == "adapters-off"
+        assert obs["is_protocol"] and obs["adapt_is_same"]
+        # The policy trained away from the base model; the view still computes the base model.
+        assert obs["policy_differs"] > 1e-2
+        assert obs["forward"] < 1e-5
+        assert obs["gathered_logits"] < 1e-5 and obs["generation_logits"] < 1e-5
+        assert obs["generation_tokens"], f"{spec}: greedy tokens differ from the base model's"
+        # generation() puts the policy in eval mode and gives back its modes and flags.
+        assert obs["policy_training_inside"] == 0
+        assert obs["modes_restored"] and obs["requires_grad_restored"] and obs["requires_grad_final"]
+        assert obs["named_full_names"] and obs["named_full_diff"] == 0.0
+        if "state_keys" in obs:  # rank 0
+            assert obs["state_keys"] and obs["lora_keys"] == [] and obs["state_diff"] == 0.0
+        assert obs["merge_same"] and obs["num_parameters"]
+        assert obs["saved_diff"] == 0.0
+        assert obs["copy_diff"] == 0.0 and obs["ema_diff"] < 1e-6
+        assert "adapters off" in obs["describe"] and "owns no parameters" in obs["describe"]
+        refused = obs["refused"]
+        for op in ("load_full_state_dict", "load", "copy_into", "gathered_modifier", "place_elsewhere", "as_policy"):
+            assert refused[op].startswith("ReferenceModelError: "), f"{op}: {refused[op]}"
+        assert "the policy this reference is a view of" in refused["copy_into_policy"]
+        assert refused["copy_to_dict"].startswith("UnsupportedModelError: ")
+        assert obs["place_home"]
+        assert obs["policy_unchanged"] == 0.0

@@ -1,0 +1,276 @@
+"""The reference a PEFT policy already contains: the policy with its adapters off.
+
+``prepare_reference(policy, None)`` on a PEFT policy whose only trainable weights are its
+adapters returns an ``AdapterDisabledView``. It is composed over the policy's adapter and
+owns no parameters: every operation is the policy's own, run with every adapter disabled
+(``adapters_off``), and everything it reports is named as the base model names it (no
+``base_layer``, no LoRA keys). What would write the policy's weights or move them
+(``load``, ``copy_to`` into the view, ``place`` elsewhere) is refused with
+``ReferenceModelError``: those belong to the policy, or to a reference of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ClassVar
+
+import torch
+
+from ._errors import ReferenceModelError, UnsupportedModelError
+from ._gather import check_modifier_rank, restore_modes, set_modes
+from ._protocol import Handle
+from .adapters import Adapter
+from .adapters._base import resolve_device
+from .layers.peft import adapters_off, base_key_map
+from .state import copy_stream_to, expected_shapes, source_stream, write_checkpoint
+
+__all__ = ["AdapterDisabledView", "view_possible"]
+
+_OWN_REFERENCE = "prepare_reference(policy, ref_model) for a reference with weights of its own"
+
+
+class AdapterDisabledView(Handle):
+    """A PEFT policy seen with its adapters off: the frozen base model, at no memory cost.
+
+    Forward, ``gathered()``, ``generation()``, ``named_full_parameters()``,
+    ``full_state_dict()``, ``save()`` and ``copy_to()`` run the policy's own operation with
+    every adapter disabled, set eval mode and no autograd where they run the model, and
+    restore the policy's modes, adapters and ``requires_grad`` flags on exit. Names are
+    the base model's."""
+
+    name: ClassVar[str] = "adapters-off"
+
+    def __init__(self, policy: Adapter) -> None:
+        self._policy = policy
+        self._view_module = _ViewModule(policy)
+
+    def _as_adapter(self, purpose: str) -> Adapter:
+        raise _refusal(purpose)
+
+    # -- identity ------------------------------------------------------------------
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} of {self._policy!r}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AdapterDisabledView) and other._policy == self._policy
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._policy))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._view_module(*args, **kwargs)
+
+    # -- read-only protocol: the policy's, as a frozen base model -------------------
+    @property
+    def backend(self) -> str:
+        return self._policy.backend
+
+    @property
+    def stack(self) -> tuple[str, ...]:
+        return (self.name, *self._policy.stack)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._view_module
+
+    @property
+    def config(self) -> Any:
+        return self._policy.config
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self._policy.is_encoder_decoder
+
+    @property
+    def device(self) -> torch.device:
+        return self._policy.device
+
+    @property
+    def zero_stage(self) -> int | None:
+        return self._policy.zero_stage
+
+    @property
+    def is_sharded(self) -> bool:
+        return self._policy.is_sharded
+
+    @property
+    def world_size(self) -> int:
+        return self._policy.world_size
+
+    @property
+    def rank(self) -> int:
+        return self._policy.rank
+
+    def unwrap(self, keep_peft: bool = True, keep_compile: bool = False) -> torch.nn.Module:
+        """The policy's module (the adapters are off only inside this view's calls)."""
+        return self._policy.unwrap(keep_peft, keep_compile)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """The base model's global count; nothing is trainable through a view."""
+        if trainable_only:
+            return 0
+        # The policy's count less its adapters' (which are never tied, so counted once each).
+        rename = self._rename()
+        adapters = sum(math.prod(shape) for name, shape in self._policy._param_shapes().items()
+                       if rename(name) is None)
+        return self._policy.num_parameters() - adapters
+
+    def resident_parameter_bytes(self) -> int:
+        """0: the weights belong to the policy and are counted there."""
+        return 0
+
+    def describe(self) -> str:
+        p = self._policy
+        peft: Any = p.unwrap(keep_peft=True)
+        lines = [
+            "view:         the policy with its adapters off; owns no parameters",
+            f"backend:      {p.backend}" + (f" (ZeRO stage {p.zero_stage})" if p.zero_stage is not None else ""),
+            f"stack:        {' > '.join(self.stack)}",
+            f"device:       {self.device}",
+            f"group:        rank {self.rank} of {self.world_size}",
+            f"sharded:      {'yes' if self.is_sharded else 'no'}",
+            f"parameters:   {self.num_parameters():,} (0 trainable), the base model's",
+            f"adapters:     {', '.join(map(str, getattr(peft, 'peft_config', {}))) or '-'} (off in every call)",
+            "mode:         eval and no autograd in every call; the policy's modes are left as they are",
+            f"config:       {type(getattr(p.unwrap(keep_peft=False), 'config', None)).__name__}",
+        ]
+        return "\n".join(lines)
+
+    # -- placement: the policy's ------------------------------------------------------
+    def place(self, device: torch.device | str | int | None = None) -> AdapterDisabledView:
+        """Verify that the policy's weights are on ``device`` (default: where the policy computes).
+        A view cannot move them: ``ReferenceModelError`` if they are elsewhere."""
+        target = self._policy.device if device is None else resolve_device(device)
+        off = [name for name, t in self._policy._placement_tensors() if t.device != target]
+        if self._policy._agree_any(bool(off)):
+            raise ReferenceModelError(
+                f"this reference is a view of the policy's weights, which are not all on {target} "
+                f"({', '.join(off[:4]) or 'on another rank'}); a view cannot move them. Place the policy, or use "
+                f"{_OWN_REFERENCE}."
+            )
+        return self
+
+    def to_eval_frozen(self) -> AdapterDisabledView:
+        """The view itself: every call through it already runs frozen, in eval mode."""
+        return self.place()
+
+    # -- full parameters ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def gathered(self, modifier_rank: int | None = None) -> Iterator[torch.nn.Module]:
+        """The policy's ``gathered()`` with the adapters off. Read-only: a ``modifier_rank``
+        would write the policy's base weights and is refused (on every rank alike)."""
+        p = self._policy
+        check_modifier_rank(modifier_rank, p.world_size, p._process_group())  # agreed before refusing
+        if modifier_rank is not None:
+            raise ReferenceModelError(
+                f"gathered(modifier_rank={modifier_rank}) on a view would write the policy's base weights; "
+                f"gather the policy to change them, or use {_OWN_REFERENCE}."
+            )
+        with p.gathered() as inner, adapters_off(p.unwrap(keep_peft=True)):
+            yield inner
+
+    @contextlib.contextmanager
+    def generation(self) -> Iterator[torch.nn.Module]:
+        """The policy's ``generation()`` with the adapters off: the base model generates, and the
+        policy's modes, checkpointing, adapters and ``requires_grad`` flags come back on exit."""
+        p = self._policy
+        with p.generation() as inner, adapters_off(p.unwrap(keep_peft=True)):
+            yield inner
+
+    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The base model's parameters under its own names (the adapters' are gathered and skipped)."""
+        rename = self._rename()
+        for name, t in self._policy.named_full_parameters():
+            new = rename(name)
+            if new is not None:
+                yield new, t
+
+    # -- weights out (and refused in) ----------------------------------------------------
+    def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:
+        """The base model's state dict. ``merge_adapters`` changes nothing: the adapters are off."""
+        rename = self._rename()
+        out: dict[str, torch.Tensor] = {}
+        for name, t in self._policy.full_state_dict(rank0_only).items():
+            new = rename(name)
+            if new is not None:
+                out[new] = t
+        return out
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """The base model's weights in one safetensors file, written atomically by rank 0."""
+        write_checkpoint(self._policy, path, lambda: self.full_state_dict(rank0_only=True))
+
+    def copy_to(self, target: Any, alpha: float = 1.0) -> None:
+        """``target = alpha*base + (1-alpha)*target``, into a model of the base architecture."""
+        if not isinstance(target, Handle):
+            raise UnsupportedModelError(
+                f"copy_to needs a WrappedModel target, got {type(target).__name__}; pass adapt(target)."
+            )
+        tgt = target._as_adapter("copy_to into it")
+        rename = self._rename()
+        shapes = {new: s for n, s in expected_shapes(self._policy).items() if (new := rename(n)) is not None}
+        stream = ((new, t) for n, t in source_stream(self._policy) if (new := rename(n)) is not None)
+        same = (f"the target is the policy this reference is a view of; use {_OWN_REFERENCE}"
+                if tgt.module is self._policy.module else None)
+        copy_stream_to(self._policy, " > ".join(self.stack), shapes, stream, tgt, alpha, same)
+
+    def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        raise _refusal("load_full_state_dict() into it")
+
+    def load(self, path: str | os.PathLike[str], strict: bool = True) -> None:
+        raise _refusal("load() into it")
+
+    def _rename(self) -> Callable[[str], str | None]:
+        # Built per call: cheap (one walk of the modules) and never stale if adapters change.
+        return base_key_map(self._policy.unwrap(keep_peft=True))
+
+
+def _refusal(purpose: str) -> ReferenceModelError:
+    return ReferenceModelError(
+        f"this reference is the policy itself with its adapters switched off, so {purpose} would act on the "
+        f"policy's weights; act on the policy, or use {_OWN_REFERENCE}."
+    )
+
+
+class _ViewModule(torch.nn.Module):
+    """The callable behind ``AdapterDisabledView.module``. The policy is held, not registered,
+    so that nothing walking this module's parameters can freeze or move the policy."""
+
+    def __init__(self, policy: Adapter) -> None:
+        super().__init__()
+        object.__setattr__(self, "_policy", policy)
+        self.training = False
+
+    @property
+    def config(self) -> Any:
+        policy: Adapter = self.__dict__["_policy"]
+        return policy.config
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        policy: Adapter = self.__dict__["_policy"]
+        modes = set_modes(policy.module, False)
+        try:
+            with adapters_off(policy.unwrap(keep_peft=True)), torch.no_grad():
+                return policy(*args, **kwargs)
+        finally:
+            restore_modes(modes)
+
+
+def view_possible(pol: Adapter) -> bool:
+    """A PEFT policy whose trainable parameters are all adapter parameters: with the adapters
+    off it computes exactly the frozen base model, however far training has gone."""
+    if "peft" not in pol.stack:
+        return False
+    peft_model: Any = pol.unwrap(keep_peft=True)
+    names = [str(n) for n in getattr(peft_model, "peft_config", {})]
+    if not names or not hasattr(peft_model, "disable_adapter"):
+        return False
+    for name, p in peft_model.named_parameters():
+        parts = name.split(".")
+        if p.requires_grad and not any(n in parts for n in names):
+            return False
+    return True
+
