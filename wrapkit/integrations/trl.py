@@ -38,7 +38,10 @@ from .._registry import as_adapter
 from ..adapters import Adapter
 from ..reference import bare_module, config_dtype, inference_ds_config, shard_fsdp2, wrap_fsdp1
 
-__all__ = ["prepare_deepspeed", "prepare_fsdp", "unwrap_model_for_generation", "patch_trl", "TRLPatch"]
+__all__ = [
+    "prepare_deepspeed", "prepare_fsdp", "unwrap_model_for_generation", "patch_trl", "TRLPatch",
+    "deepspeed_for_inference", "check_model", "plugin_of", "DROP_INS",
+]
 
 # DeepSpeed tuning values that transformers/accelerate leave as "auto" until they see the model.
 _HIDDEN_SIZED: dict[str, Callable[[int], int]] = {
@@ -58,9 +61,14 @@ def prepare_deepspeed(model: torch.nn.Module, accelerator: Any) -> torch.nn.Modu
     is left as it is, as TRL does (it passes policies through here too). An engine is returned
     as is, in eval mode. Call on every rank.
     """
-    _check_model(model, "prepare_deepspeed")
-    plugin = _plugin(accelerator, "deepspeed_plugin", "DeepSpeed")
-    cfg = dict(copy.deepcopy(plugin.deepspeed_config))
+    check_model(model, "prepare_deepspeed")
+    plugin = plugin_of(accelerator, "deepspeed_plugin", "DeepSpeed")
+    return deepspeed_for_inference(model, plugin.deepspeed_config, accelerator.device)
+
+
+def deepspeed_for_inference(model: torch.nn.Module, config: Mapping[str, Any], device: Any) -> torch.nn.Module:
+    """``prepare_deepspeed``'s work for a given DeepSpeed ``config`` (the policy's training config)."""
+    cfg = dict(copy.deepcopy(config))
     stage = int((cfg.get("zero_optimization") or {}).get("stage", 0))
     module = bare_module(as_adapter(model), "deepspeed")
     if isinstance(module, Adapter):
@@ -72,7 +80,7 @@ def prepare_deepspeed(model: torch.nn.Module, accelerator: Any) -> torch.nn.Modu
         ref = as_adapter(engine)
     else:
         dtype = config_dtype(cfg) or next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
-        ref = as_adapter(module.to(device=accelerator.device, dtype=dtype))
+        ref = as_adapter(module.to(device=device, dtype=dtype))
     return _for_inference(ref)
 
 
@@ -86,8 +94,8 @@ def prepare_fsdp(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
     mode, ``requires_grad`` left as it is. A model already wrapped in FSDP is returned as is,
     in eval mode. Call on every rank.
     """
-    _check_model(model, "prepare_fsdp")
-    plugin = _plugin(accelerator, "fsdp_plugin", "FSDP")
+    check_model(model, "prepare_fsdp")
+    plugin = plugin_of(accelerator, "fsdp_plugin", "FSDP")
     version = int(getattr(plugin, "fsdp_version", 1) or 1)
     backend = "fsdp2" if version == 2 else "fsdp"
     module = bare_module(as_adapter(model), backend)
@@ -175,7 +183,7 @@ class TRLPatch:
         for module in _trl_modules():
             namespace = vars(module)
             for name, original in self.originals.items():
-                if namespace.get(name) is _DROP_INS[name]:
+                if namespace.get(name) is DROP_INS[name]:
                     setattr(module, name, original)
         self.originals, self.swaps = {}, []
 
@@ -197,7 +205,7 @@ def patch_trl() -> TRLPatch:
     """
     require("trl", feature="patch_trl", extra="trl")
     source = importlib.import_module("trl.models.utils")
-    originals = {name: getattr(source, name) for name, ours in _DROP_INS.items()
+    originals = {name: getattr(source, name) for name, ours in DROP_INS.items()
                  if getattr(source, name, None) is not ours}
     swaps: list[tuple[ModuleType, str, Any]] = []
     for module in _trl_modules():
@@ -205,7 +213,7 @@ def patch_trl() -> TRLPatch:
         for name, original in originals.items():
             if namespace.get(name) is original:
                 swaps.append((module, name, original))
-                setattr(module, name, _DROP_INS[name])
+                setattr(module, name, DROP_INS[name])
     return TRLPatch(originals, swaps)
 
 
@@ -213,7 +221,7 @@ def _trl_modules() -> list[ModuleType]:
     return [m for key, m in list(sys.modules.items()) if (key == "trl" or key.startswith("trl.")) and m is not None]
 
 
-_DROP_INS: dict[str, Any] = {
+DROP_INS: dict[str, Any] = {
     "prepare_deepspeed": prepare_deepspeed,
     "prepare_fsdp": prepare_fsdp,
     "unwrap_model_for_generation": unwrap_model_for_generation,
@@ -232,7 +240,7 @@ def _for_inference(wm: Adapter) -> torch.nn.Module:
     return wm.module
 
 
-def _check_model(model: Any, caller: str) -> None:
+def check_model(model: Any, caller: str) -> None:
     if model is None:
         raise ReferenceModelError(
             f"{caller} got None instead of a model. With a PEFT policy there is no separate reference "
@@ -241,7 +249,7 @@ def _check_model(model: Any, caller: str) -> None:
         )
 
 
-def _plugin(accelerator: Any, attr: str, what: str) -> Any:
+def plugin_of(accelerator: Any, attr: str, what: str) -> Any:
     state = getattr(accelerator, "state", None)
     plugin = getattr(state, attr, None)
     if plugin is None:

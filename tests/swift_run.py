@@ -1,0 +1,203 @@
+"""ms-swift's own DPO pipeline (``swift.pipelines.rlhf_main``) for a few steps on two CPU ranks,
+with or without wrapkit's drop-ins patched in.
+
+    torchrun --nproc_per_node 2 tests/swift_run.py --backend zero3 --model DIR --data FILE --json OUT [--no-patch]
+
+``DIR`` holds a tiny Llama and a byte-level BPE tokenizer saved by ``save_tiny``, ``FILE`` the
+preference rows written by ``write_rows`` (nothing is downloaded). Rank 0 writes what both
+ranks observed to ``OUT``: the losses, the training flag of every module at every loss
+computation (the backward follows it with no mode change in between), and the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+LAYERS = 2
+_WORDS = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sits", "flies", "the", "a", "big", "small"]
+
+
+def save_tiny(path: str | Path) -> None:
+    """A 2-layer Llama and a byte-level BPE tokenizer trained on a made-up corpus, saved with
+    ``save_pretrained``."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [" ".join(_WORDS[(i * k) % len(_WORDS)] for k in range(1, 9)) for i in range(200)]
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<pad>", "<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(str(path))
+    tokenizer.save_pretrained(str(path))
+
+
+def write_rows(path: str | Path, n: int = 16) -> None:
+    """Preference rows in ms-swift's format: messages with the chosen answer, and the rejected one."""
+    with open(path, "w") as f:
+        for i in range(n):
+            a, b, c = (_WORDS[(i + k) % len(_WORDS)] for k in (0, 3, 7))
+            row = {"messages": [{"role": "user", "content": f"the {a} {b}"},
+                                {"role": "assistant", "content": f"a {c} {a} sits"}],
+                   "rejected_response": f"{b} {b} flies big"}
+            f.write(json.dumps(row) + "\n")
+
+
+def _fsdp2_config(path: Path) -> str:
+    """ms-swift's FSDP2 preset without what a CPU run cannot use (RAM-efficient loading needs an
+    accelerator device to materialise on; activation checkpointing is off to keep the run small)."""
+    fsdp_config = {"fsdp_version": 2, "reshard_after_forward": True, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                   "cpu_ram_efficient_loading": False, "state_dict_type": "SHARDED_STATE_DICT",
+                   "activation_checkpointing": False}
+    cfg = {"fsdp": "full_shard auto_wrap", "fsdp_config": fsdp_config}
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+def _generate_then_step(trainer: Any, seen: dict[str, Any], helper: Any) -> dict[str, Any]:
+    """Generation between two training steps, as ms-swift's trainers do it: inside ``helper``
+    (an ``unwrap_model_for_generation``) the model is put in eval mode the way ms-swift's
+    ``TransformersEngine._infer`` does (``self.model.eval()``), then a DPO loss and backward follow."""
+    import torch
+
+    import wrapkit
+
+    trainer.model_wrapped.train()
+    batch = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    ids = batch["input_ids"][:1, :8]
+    with helper(trainer.model_wrapped, trainer.accelerator) as m:
+        trainer.model.eval()  # what TransformersEngine._infer does to the model it holds
+        tokens = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    modules = list(wrapkit.adapt(trainer.model_wrapped).unwrap().modules())
+    out = {
+        "generated": int(tokens.shape[1] - ids.shape[1]),
+        "eval_after_generation": sum(not x.training for x in modules),
+        "modules": len(modules),
+    }
+    count = len(seen["modes"])
+    loss = trainer.compute_loss(trainer.model_wrapped, batch)
+    trainer.accelerator.backward(loss)
+    out["modes_at_next_backward"] = seen["modes"][count:]
+    trainer.model_wrapped.train()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--backend", choices=["zero3", "fsdp2"], required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--json", required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--no-patch", dest="patch", action="store_false")
+    a = p.parse_args()
+    out = Path(a.json).parent
+
+    import torch.distributed as dist
+
+    import wrapkit
+    from tests import accelerate_cpu
+
+    # accelerate sees no accelerator here: set up the CPU state its device check would have set
+    # (tests/accelerate_cpu.py); ms-swift's trainer then uses it as configured.
+    accelerate_cpu.trainer_arguments(a.backend)
+    import swift.utils.transformers_utils
+
+    helpers = {"ms-swift": swift.utils.transformers_utils.unwrap_model_for_generation}
+    patched: list[str] = []
+    if a.patch:
+        from wrapkit.integrations.swift import patch_swift
+
+        patched = [f"{m.__name__}.{n}" for m, n, _ in patch_swift().swaps]
+        helpers["wrapkit"] = swift.utils.unwrap_model_for_generation  # what ms-swift's trainers now call
+
+    from swift.rlhf_trainers.dpo_trainer import DPOTrainer
+
+    seen: dict[str, Any] = {"modes": [], "trainer": None}
+    compute_loss = DPOTrainer.compute_loss
+
+    def recording(self: Any, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        # Every module of the policy, read at each loss computation: the backward follows.
+        seen["trainer"] = self
+        seen["modes"].append(all(m.training for m in wrapkit.adapt(model).unwrap().modules()))
+        return compute_loss(self, model, inputs, *args, **kwargs)
+
+    DPOTrainer.compute_loss = recording  # type: ignore[method-assign]
+
+    from swift.pipelines import rlhf_main
+
+    argv = [
+        "--rlhf_type", "dpo", "--model", a.model, "--model_type", "llama", "--template", "default",
+        "--dataset", a.data, "--tuner_type", "full", "--torch_dtype", "float32", "--max_steps", str(a.steps),
+        "--per_device_train_batch_size", "2", "--max_length", "64", "--save_strategy", "no",
+        "--split_dataset_ratio", "0", "--dataset_num_proc", "1", "--report_to", "none", "--logging_steps", "1",
+        "--learning_rate", "1e-3", "--fp16", "false", "--bf16", "false", "--output_dir", str(out / "out"),
+        "--accelerator_config", json.dumps({"use_configured_state": True}), "--ddp_backend", "gloo", "--seed", "0",
+    ]
+    if a.backend == "zero3":
+        argv += ["--deepspeed", "zero3"]
+    else:
+        argv += ["--fsdp", _fsdp2_config(out / "fsdp2.json")]
+    error = None
+    try:
+        rlhf_main(argv)
+    except Exception as exc:  # the unpatched run may fail: report it, as the test compares both
+        error = f"{type(exc).__name__}: {exc}"
+    trainer = seen["trainer"]
+    obs: dict[str, Any] = {"patched": patched, "error": error, "modes": list(seen["modes"])}
+    if trainer is not None and error is None:
+        obs["generation"] = {name: _generate_then_step(trainer, seen, h) for name, h in helpers.items()}
+        import swift.rlhf_trainers.rlhf_mixin as mixin
+
+        from wrapkit.integrations import swift as swift_dropins
+        from wrapkit.integrations import trl as trl_dropins
+
+        # The trainer modules were imported after the patch, and still see the drop-ins.
+        obs["sees_wrapkit"] = {
+            "rlhf_mixin.prepare_deepspeed": mixin.prepare_deepspeed is trl_dropins.prepare_deepspeed,
+            "swift.utils.unwrap_model_for_generation":
+                helpers.get("wrapkit") is swift_dropins.unwrap_model_for_generation,
+        }
+    if trainer is not None:
+        ref = trainer.ref_model
+        policy = wrapkit.adapt(trainer.model_wrapped)
+        obs.update({
+            "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "policy_backend": policy.backend,
+            "policy_sharded": policy.is_sharded,
+            "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],
+        })
+        if ref is not None:
+            rw = wrapkit.adapt(ref)
+            obs.update({"ref_type": type(ref).__name__, "ref_backend": rw.backend, "ref_sharded": rw.is_sharded,
+                        "ref_zero_stage": rw.zero_stage,
+                        "ref_eval": not any(m.training for m in rw.unwrap().modules())})
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obs)
+    if dist.get_rank() == 0:
+        Path(a.json).write_text(json.dumps(everyone))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    main()

@@ -1,0 +1,98 @@
+"""ms-swift's own DPO pipeline on two CPU ranks with wrapkit's drop-ins patched in
+(``tests/swift_run.py`` under torchrun), and ``patch_swift`` itself.
+
+ms-swift pins its own transformers, TRL and PEFT, so these tests run in an environment of their
+own; ``.ci/run`` builds it. By hand::
+
+    python3 -m venv .venv-swift && . .venv-swift/bin/activate && pip install torch==2.13.0 \\
+        && pip install -e ".[swift]" pytest pytest-timeout && python -m pytest tests/test_swift.py
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "swift.pipelines", reason="ms-swift is not installed here (it needs an environment of its own: see "
+    "tests/test_swift.py's docstring, or run .ci/run, which builds one)")
+
+from tests.launch import ROOT, torchrun  # noqa: E402
+from tests.swift_run import save_tiny, write_rows  # noqa: E402
+
+SCRIPT = ROOT / "tests" / "swift_run.py"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("swift-tiny")
+    save_tiny(root / "model")
+    write_rows(root / "rows.jsonl")
+    return root / "model", root / "rows.jsonl"
+
+
+def test_patch_swift_swaps_and_undoes() -> None:
+    import swift.rlhf_trainers.utils as rlhf_utils
+    import swift.utils
+    import swift.utils.transformers_utils as tf_utils
+    import trl.models.utils as trl_utils
+
+    from wrapkit.integrations import swift as dropins
+    from wrapkit.integrations import trl as trl_dropins
+
+    sources = [(tf_utils, "unwrap_model_for_generation"), (swift.utils, "unwrap_model_for_generation"),
+               (rlhf_utils, "prepare_deepspeed"), (rlhf_utils, "prepare_fsdp")]
+    originals = {(m.__name__, n): getattr(m, n) for m, n in sources}
+    trl_original = trl_utils.prepare_deepspeed
+    with dropins.patch_swift() as patch:
+        for module, name in sources:
+            assert getattr(module, name) is getattr(dropins, name), f"{module.__name__}.{name} not patched"
+        assert trl_utils.prepare_deepspeed is trl_dropins.prepare_deepspeed  # TRL's, which ms-swift imports
+        assert {f"{m.__name__}.{n}" for m, n, _ in patch.swaps} >= {
+            "swift.utils.unwrap_model_for_generation", "swift.rlhf_trainers.utils.prepare_deepspeed"}
+        assert dropins.patch_swift().swaps == []  # patching again changes nothing
+    for module, name in sources:
+        assert getattr(module, name) is originals[(module.__name__, name)], f"{module.__name__}.{name} not restored"
+    assert trl_utils.prepare_deepspeed is trl_original
+
+
+def test_prepare_deepspeed_refuses_none() -> None:
+    import wrapkit
+    from wrapkit.integrations.swift import prepare_deepspeed
+
+    with pytest.raises(wrapkit.ReferenceModelError, match="prepare_reference"):
+        prepare_deepspeed(None, accelerator=None)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(("backend", "ref_backend"), [("zero3", "deepspeed"), ("fsdp2", "fsdp2")])
+def test_swift_dpo_run(tiny: tuple[Path, Path], tmp_path: Path, backend: str, ref_backend: str) -> None:
+    model, rows = tiny
+    summary = tmp_path / "summary.json"
+    torchrun(SCRIPT, "--backend", backend, "--model", str(model), "--data", str(rows), "--json", str(summary),
+             "--steps", str(STEPS), timeout=400, DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+    ranks: list[dict[str, Any]] = json.loads(summary.read_text())
+    for obs in ranks:
+        print(f"{backend}: losses {obs['losses']}; generation {obs['generation']}")
+        assert obs["error"] is None
+        assert all(obs["sees_wrapkit"].values()), obs["sees_wrapkit"]
+        losses = obs["losses"]
+        assert len(losses) == STEPS
+        # The reference starts as the policy: the first DPO loss is ln 2; then the policy learns.
+        assert abs(losses[0] - math.log(2)) < 1e-4 and len(set(losses)) > 1 and losses[-1] < losses[0]
+        # Failure #4 inside ms-swift: every module trains at every backward.
+        assert obs["modes"] and all(obs["modes"])
+        # The reference is sharded like the policy, frozen in eval mode.
+        assert obs["policy_backend"] == ref_backend and obs["policy_sharded"]
+        assert obs["ref_backend"] == ref_backend and obs["ref_sharded"] and obs["ref_eval"]
+        # Generation between steps, the way ms-swift's inference engine does it (model.eval() inside):
+        ours, theirs = obs["generation"]["wrapkit"], obs["generation"]["ms-swift"]
+        assert ours["generated"] == theirs["generated"] == 4
+        assert ours["eval_after_generation"] == 0 and ours["modes_at_next_backward"] == [True]
+        # ms-swift's own helper, on the same run, leaves every module in eval mode for the next backward.
+        assert theirs["eval_after_generation"] == theirs["modules"] and theirs["modes_at_next_backward"] == [False]

@@ -1,0 +1,178 @@
+"""Drop-ins for ms-swift's model helpers, built on wrapkit.
+
+Same names, signatures and meaning as ms-swift's own (4.x):
+
+* ``unwrap_model_for_generation(model, accelerator, gather_deepspeed3_params=True,
+  gather_parameters=None)`` (``swift.utils``): ms-swift's gathers ZeRO-3 only, and leaves every
+  mode as the generation left it; ms-swift's ``TransformersEngine`` calls ``model.eval()``
+  inside it, and nothing sets the modes back (failure #4, ms-swift issue 3107). This one gathers
+  ZeRO-3, FSDP1 and FSDP2, runs outside the sharding hooks, and restores every submodule's
+  training flag, gradient checkpointing and the generation config on exit.
+* ``prepare_deepspeed(model, accelerator, deepspeed_config=None, deepspeed_plugin=None,
+  training_args=None)`` (``swift.rlhf_trainers.utils``, for teacher and reward models) and
+  ``prepare_fsdp(model, accelerator, evaluation_mode=True)``: a ``None`` model is refused with a
+  ``ReferenceModelError``; ZeRO-3 gives an inference engine, ZeRO-0/1/2 the bare module on the
+  device (ms-swift wraps it in a stage-0 engine for nothing); FSDP references are sharded per
+  transformer block and resharded after every forward.
+
+ms-swift also calls TRL's ``prepare_deepspeed`` / ``prepare_fsdp`` for reference models;
+``patch_swift()`` replaces those with ``wrapkit.integrations.trl``'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+from collections.abc import Iterator, Mapping
+from types import ModuleType, TracebackType
+from typing import Any
+
+import torch
+
+from .._errors import ReferenceModelError
+from .._imports import require
+from . import trl as _trl
+
+__all__ = ["unwrap_model_for_generation", "prepare_deepspeed", "prepare_fsdp", "patch_swift", "SwiftPatch"]
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(
+    model: torch.nn.Module,
+    accelerator: Any,
+    gather_deepspeed3_params: bool = True,
+    gather_parameters: list[Any] | None = None,
+) -> Iterator[torch.nn.Module]:
+    """Yield the bare model of ``model`` (any wrapper), full parameters in place, for generation.
+    Collective.
+
+    The yielded module is the very object ms-swift's inference engine holds, so generating
+    through either runs on the gathered weights without the sharding hooks. ``gather_parameters``
+    (a subset of names to gather) is accepted; every parameter is gathered, a superset.
+    ``gather_deepspeed3_params=False`` keeps a ZeRO-3 model sharded. Every submodule's mode is
+    restored on exit, whatever the generation code set.
+    """
+    with _trl.unwrap_model_for_generation(model, accelerator, gather_deepspeed3_params) as inner:
+        yield inner
+
+
+def prepare_deepspeed(model: torch.nn.Module, accelerator: Any, deepspeed_config: dict[str, Any] | None = None,
+                      deepspeed_plugin: Any = None, training_args: Any = None) -> torch.nn.Module:
+    """``model`` prepared for inference next to a DeepSpeed policy, in eval mode. Call on every rank.
+
+    The configuration comes from ``deepspeed_config`` (its ``"auto"`` values resolved from
+    ``training_args`` as transformers does), else ``deepspeed_plugin``, else the accelerator's
+    plugin. ZeRO-3: a DeepSpeed inference engine (training-only sections removed); ZeRO-0/1/2:
+    the module on the accelerator's device in the config's compute dtype.
+    """
+    _trl.check_model(model, "prepare_deepspeed")
+    config: Mapping[str, Any]
+    if deepspeed_config is not None:
+        if not isinstance(deepspeed_config, dict):
+            raise ReferenceModelError(
+                f"deepspeed_config must be a dict, got {type(deepspeed_config).__name__}; pass the parsed "
+                "DeepSpeed configuration, or deepspeed_plugin=."
+            )
+        hf_deepspeed = require("transformers.integrations.deepspeed", feature="prepare_deepspeed(deepspeed_config=)",
+                               extra="transformers")
+        hf_config = hf_deepspeed.HfTrainerDeepSpeedConfig(dict(deepspeed_config))
+        if training_args is not None:
+            hf_config.trainer_config_process(training_args)
+        config = hf_config.config
+    elif deepspeed_plugin is not None:
+        config = deepspeed_plugin.deepspeed_config
+    else:
+        config = _trl.plugin_of(accelerator, "deepspeed_plugin", "DeepSpeed").deepspeed_config
+    return _trl.deepspeed_for_inference(model, config, accelerator.device)
+
+
+def prepare_fsdp(model: torch.nn.Module, accelerator: Any, evaluation_mode: bool = True) -> torch.nn.Module:
+    """``model`` sharded like the accelerator's FSDP1/FSDP2 policy, per transformer block, in eval
+    mode. ``evaluation_mode`` (ms-swift's default) also freezes every parameter first."""
+    _trl.check_model(model, "prepare_fsdp")
+    if evaluation_mode:
+        for p in model.parameters():
+            p.requires_grad_(False)
+    return _trl.prepare_fsdp(model, accelerator)
+
+
+# -- patching ----------------------------------------------------------------------------------
+# Where ms-swift defines the helpers it has its own copies of.
+_SOURCES = {
+    "unwrap_model_for_generation": ("swift.utils.transformers_utils", unwrap_model_for_generation),
+    "prepare_deepspeed": ("swift.rlhf_trainers.utils", prepare_deepspeed),
+    "prepare_fsdp": ("swift.rlhf_trainers.utils", prepare_fsdp),
+}
+
+
+class SwiftPatch:
+    """What ``patch_swift`` replaced; ``undo()`` (or leaving the ``with`` block) puts it all back."""
+
+    def __init__(self, replaced: dict[int, tuple[Any, Any]], swaps: list[tuple[ModuleType, str, Any]],
+                 trl_patch: _trl.TRLPatch) -> None:
+        self.replaced = replaced  # id(original) -> (original, drop-in)
+        self.swaps = swaps  # (module, name, original) replaced when patching
+        self.trl_patch = trl_patch
+
+    def undo(self) -> None:
+        """Restore ms-swift's and TRL's functions everywhere, also where the drop-ins were picked up since."""
+        back = {id(ours): original for original, ours in self.replaced.values()}
+        for module in _swift_modules():
+            for name, value in _bindings(module):
+                if id(value) in back:
+                    setattr(module, name, back[id(value)])
+        self.trl_patch.undo()
+        self.replaced, self.swaps = {}, []
+
+    def __enter__(self) -> SwiftPatch:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.undo()
+
+
+def patch_swift() -> SwiftPatch:
+    """Make ms-swift's trainers use this module's drop-ins (and TRL's helpers ``wrapkit.integrations.trl``'s).
+
+    ms-swift's own ``unwrap_model_for_generation``, ``prepare_deepspeed`` and ``prepare_fsdp`` are
+    replaced where they are defined and in every loaded ``swift`` module that holds them (matched
+    by identity, lazily re-exporting modules such as ``swift.utils`` included); TRL's
+    ``prepare_deepspeed``, ``prepare_fsdp`` and ``unwrap_model_for_generation`` are replaced in TRL
+    (``patch_trl``) and in every ``swift`` module that imported them. Modules imported later pick
+    the drop-ins up from where they import them. Call once per process, before building the
+    trainer; patching twice is a no-op. Returns a ``SwiftPatch`` to undo it.
+    """
+    require("swift", feature="patch_swift", extra="swift")
+    trl_patch = _trl.patch_trl()
+    replaced: dict[int, tuple[Any, Any]] = {}
+    for name, (module_name, ours) in _SOURCES.items():
+        original = getattr(importlib.import_module(module_name), name)
+        if original is not ours:
+            replaced[id(original)] = (original, ours)
+    for name, original in trl_patch.originals.items():
+        replaced[id(original)] = (original, _trl.DROP_INS[name])
+    swaps: list[tuple[ModuleType, str, Any]] = []
+    for module in _swift_modules():
+        for name, value in _bindings(module):
+            if id(value) in replaced and replaced[id(value)][0] is value:
+                swaps.append((module, name, value))
+                setattr(module, name, replaced[id(value)][1])
+    return SwiftPatch(replaced, swaps, trl_patch)
+
+
+def _swift_modules() -> list[ModuleType]:
+    return [m for key, m in list(sys.modules.items())
+            if (key == "swift" or key.startswith("swift.")) and isinstance(m, ModuleType)]
+
+
+def _bindings(module: ModuleType) -> list[tuple[str, Any]]:
+    """The module's global names, and for a lazily importing module (``swift.utils``) also the
+    names it re-exports from submodules already imported."""
+    out = list(vars(module).items())
+    lazy: Mapping[str, str] = getattr(module, "_class_to_module", None) or {}
+    for name in _SOURCES:
+        if name in lazy and name not in vars(module) and f"{module.__name__}.{lazy[name]}" in sys.modules:
+            out.append((name, getattr(module, name)))
+    return out
