@@ -101,6 +101,7 @@ def _generate_then_step(trainer: Any, seen: dict[str, Any], helper: Any) -> dict
 
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--trainer", choices=["dpo", "grpo"], default="dpo")
     p.add_argument("--backend", choices=["zero3", "fsdp2"], required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
@@ -128,10 +129,22 @@ def main() -> None:
         patched = [f"{m.__name__}.{n}" for m, n, _ in patch_swift().swaps]
         helpers["wrapkit"] = swift.utils.unwrap_model_for_generation  # what ms-swift's trainers now call
 
-    from swift.rlhf_trainers.dpo_trainer import DPOTrainer
+    if a.trainer == "dpo":
+        from swift.rlhf_trainers.dpo_trainer import DPOTrainer as Trainer
+    else:
+        from swift.rewards import ORM, orms
+        from swift.rlhf_trainers.grpo_trainer import GRPOTrainer as Trainer
+
+        class ToyReward(ORM):
+            """How many vowels a completion has: random samples differ, so advantages are not all zero."""
+
+            def __call__(self, completions: list[str], **kwargs: Any) -> list[float]:
+                return [float(sum(ch in "aeiou" for ch in c)) for c in completions]
+
+        orms["toy_vowels"] = ToyReward
 
     seen: dict[str, Any] = {"modes": [], "trainer": None}
-    compute_loss = DPOTrainer.compute_loss
+    compute_loss = Trainer.compute_loss
 
     def recording(self: Any, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         # Every module of the policy, read at each loss computation: the backward follows.
@@ -139,18 +152,21 @@ def main() -> None:
         seen["modes"].append(all(m.training for m in wrapkit.adapt(model).unwrap().modules()))
         return compute_loss(self, model, inputs, *args, **kwargs)
 
-    DPOTrainer.compute_loss = recording  # type: ignore[method-assign]
+    Trainer.compute_loss = recording  # type: ignore[method-assign]
 
     from swift.pipelines import rlhf_main
 
     argv = [
-        "--rlhf_type", "dpo", "--model", a.model, "--model_type", "llama", "--template", "default",
+        "--rlhf_type", a.trainer, "--model", a.model, "--model_type", "llama", "--template", "default",
         "--dataset", a.data, "--tuner_type", "full", "--torch_dtype", "float32", "--max_steps", str(a.steps),
         "--per_device_train_batch_size", "2", "--max_length", "64", "--save_strategy", "no",
         "--split_dataset_ratio", "0", "--dataset_num_proc", "1", "--report_to", "none", "--logging_steps", "1",
         "--learning_rate", "1e-3", "--fp16", "false", "--bf16", "false", "--output_dir", str(out / "out"),
         "--accelerator_config", json.dumps({"use_configured_state": True}), "--ddp_backend", "gloo", "--seed", "0",
     ]
+    if a.trainer == "grpo":
+        argv += ["--num_generations", "2", "--max_completion_length", "4", "--reward_funcs", "toy_vowels",
+                 "--use_vllm", "false", "--beta", "0.04"]
     if a.backend == "zero3":
         argv += ["--deepspeed", "zero3"]
     else:
@@ -162,24 +178,27 @@ def main() -> None:
         error = f"{type(exc).__name__}: {exc}"
     trainer = seen["trainer"]
     obs: dict[str, Any] = {"patched": patched, "error": error, "modes": list(seen["modes"])}
-    if trainer is not None and error is None:
+    if trainer is not None and error is None and a.trainer == "dpo":
         obs["generation"] = {name: _generate_then_step(trainer, seen, h) for name, h in helpers.items()}
-        import swift.rlhf_trainers.rlhf_mixin as mixin
+    # The trainer modules were imported after the patch, and still see the drop-ins.
+    import swift.rlhf_trainers.rlhf_mixin as mixin
+    import swift.rlhf_trainers.rollout_mixin as rollout
 
-        from wrapkit.integrations import swift as swift_dropins
-        from wrapkit.integrations import trl as trl_dropins
+    from wrapkit.integrations import swift as swift_dropins
+    from wrapkit.integrations import trl as trl_dropins
 
-        # The trainer modules were imported after the patch, and still see the drop-ins.
-        obs["sees_wrapkit"] = {
-            "rlhf_mixin.prepare_deepspeed": mixin.prepare_deepspeed is trl_dropins.prepare_deepspeed,
-            "swift.utils.unwrap_model_for_generation":
-                helpers.get("wrapkit") is swift_dropins.unwrap_model_for_generation,
-        }
+    obs["sees_wrapkit"] = {
+        "rlhf_mixin.prepare_deepspeed": mixin.prepare_deepspeed is trl_dropins.prepare_deepspeed,
+        "rollout_mixin.unwrap_model_for_generation":
+            rollout.unwrap_model_for_generation is swift_dropins.unwrap_model_for_generation,
+        "rollout_mixin.prepare_deepspeed": rollout.prepare_deepspeed is swift_dropins.prepare_deepspeed,
+    }
     if trainer is not None:
         ref = trainer.ref_model
         policy = wrapkit.adapt(trainer.model_wrapped)
         obs.update({
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            "rewards": [h["reward"] for h in trainer.state.log_history if "reward" in h],
             "policy_backend": policy.backend,
             "policy_sharded": policy.is_sharded,
             "distributed_type": str(trainer.accelerator.distributed_type).split(".")[-1],

@@ -96,3 +96,22 @@ def test_swift_dpo_run(tiny: tuple[Path, Path], tmp_path: Path, backend: str, re
         assert ours["eval_after_generation"] == 0 and ours["modes_at_next_backward"] == [True]
         # ms-swift's own helper, on the same run, leaves every module in eval mode for the next backward.
         assert theirs["eval_after_generation"] == theirs["modules"] and theirs["modes_at_next_backward"] == [False]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize(("backend", "ref_backend"), [("zero3", "deepspeed"), ("fsdp2", "fsdp2")])
+def test_swift_grpo_run(tiny: tuple[Path, Path], tmp_path: Path, backend: str, ref_backend: str) -> None:
+    """GRPO generates with ms-swift's inference engine between steps, through the patched
+    ``unwrap_model_for_generation``: every module trains at every loss that follows."""
+    model, rows = tiny
+    summary = tmp_path / "summary.json"
+    torchrun(SCRIPT, "--trainer", "grpo", "--backend", backend, "--model", str(model), "--data", str(rows),
+             "--json", str(summary), "--steps", str(STEPS), timeout=400, DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+    for obs in json.loads(summary.read_text()):
+        print(f"{backend} GRPO: losses {obs['losses']}; rewards {obs['rewards']}")
+        assert obs["error"] is None
+        assert all(obs["sees_wrapkit"].values()), obs["sees_wrapkit"]
+        assert len(obs["losses"]) == STEPS and len(set(obs["rewards"])) > 1
+        assert len(obs["modes"]) >= STEPS and all(obs["modes"])
+        assert obs["policy_backend"] == ref_backend and obs["ref_backend"] == ref_backend
+        assert obs["ref_sharded"] and obs["ref_eval"]
