@@ -45,7 +45,7 @@ class _Trainer:
 
 
 def _snapshot(wm: Any) -> dict[str, torch.Tensor]:
-    tensors = dict(wm._placement_tensors())
+    tensors = dict(wm.placement_tensors())
     # A ZeRO-3 parameter's data is compared through its partition: gathered copies come and go.
     return {name: t.detach().cpu().clone() for name, t in tensors.items() if f"{name} (partition)" not in tensors}
 
@@ -58,14 +58,14 @@ def place_round_trip(spec: str, device: str = "cpu") -> dict[str, Any]:
     losses = [trainer.step() for _ in range(2)]
     twin_losses = [twin_trainer.step() for _ in range(2)]
     before = _snapshot(wm)
-    ptrs = {name: t.data_ptr() for name, t in wm._placement_tensors() if t.numel() > 0}
+    ptrs = {name: t.data_ptr() for name, t in wm.placement_tensors() if t.numel() > 0}
     if dev.type == "cpu":
         # One device only: force fresh storage, as an offload to another device would.
         wm._place(torch.device("cpu"), copy=True)
     else:
         assert wm.place("cpu") is wm
-    offloaded = sorted({str(t.device) for _, t in wm._placement_tensors()})
-    changed = sum(1 for name, t in wm._placement_tensors() if t.numel() > 0 and t.data_ptr() != ptrs.get(name))
+    offloaded = sorted({str(t.device) for _, t in wm.placement_tensors()})
+    changed = sum(1 for name, t in wm.placement_tensors() if t.numel() > 0 and t.data_ptr() != ptrs.get(name))
     returned = wm.place() is wm
     after = _snapshot(wm)
     losses += [trainer.step() for _ in range(2)]
@@ -75,7 +75,7 @@ def place_round_trip(spec: str, device: str = "cpu") -> dict[str, Any]:
         "storages_changed": changed,
         "storages": len(ptrs),
         "returned_self": returned,
-        "home_devices": sorted({str(t.device) for _, t in wm._placement_tensors()}),
+        "home_devices": sorted({str(t.device) for _, t in wm.placement_tensors()}),
         "compute_device": str(wm.device),
         "bitwise_equal": before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before),
         "losses": losses,
@@ -100,7 +100,7 @@ def _frozen_facts(wm: Any) -> dict[str, Any]:
     return {
         "training_modules": sum(1 for m in wm.module.modules() if m.training),
         "trainable_parameters": wm.num_parameters(trainable_only=True),
-        "devices": sorted({str(t.device) for _, t in holder._placement_tensors()}),
+        "devices": sorted({str(t.device) for _, t in holder.placement_tensors()}),
     }
 
 

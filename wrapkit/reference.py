@@ -60,7 +60,7 @@ def prepare_reference(policy: Any, ref_model: Any = None, *,
         )
     if ref_model is not None:
         shared = _shares_parameters(pol, ref_model)
-        if pol._agree_any(shared):
+        if pol.agree_any(shared):
             raise ReferenceModelError(
                 "ref_model is the policy or shares parameters with it, so it would train along with the "
                 "policy; pass a separate model (e.g. loaded again from the same checkpoint) or None to "
@@ -82,7 +82,7 @@ def _storages(module: torch.nn.Module) -> Iterator[tuple[torch.device, int]]:
 
 def _shares_parameters(pol: Adapter, ref_model: Any) -> bool:
     ref = as_adapter(ref_model, "using it as a reference")
-    if ref.module is pol.module or ref._innermost is pol._innermost:
+    if ref.module is pol.module or ref.unwrap(keep_peft=False) is pol.unwrap(keep_peft=False):
         return True
     pol_root = pol.unwrap(keep_peft=True)
     ref_root = ref.unwrap(keep_peft=True)
@@ -150,11 +150,11 @@ def fully_shard_per_block(module: torch.nn.Module, mesh: Any, **kwargs: Any) -> 
 
 
 def _fsdp1_wrap(pol: Adapter, module: torch.nn.Module, init_on: torch.device | None) -> Adapter:
-    root: Any = pol._backend_obj
+    root: Any = pol.backend_object
     return wrap_fsdp1(
         module,
         device=pol.device,
-        process_group=pol._process_group(),
+        process_group=pol.process_group(),
         sharding_strategy=getattr(root, "sharding_strategy", None),
         mixed_precision=getattr(root, "mixed_precision", None),
         init_on=init_on,
@@ -211,13 +211,13 @@ def _fsdp1_wrap_policy(module: torch.nn.Module, blocks: set[type[torch.nn.Module
 
 
 def _fsdp2_shard(pol: Adapter, module: torch.nn.Module) -> Adapter:
-    root: Any = pol._backend_obj
+    root: Any = pol.backend_object
     state = root._get_fsdp_state() if hasattr(root, "_get_fsdp_state") else None
     kwargs: dict[str, Any] = {}
     mp = getattr(state, "_mp_policy", None)
     if mp is not None:
         kwargs["mp_policy"] = mp
-    return shard_fsdp2(module, pol._mesh(), **kwargs)  # type: ignore[attr-defined]
+    return shard_fsdp2(module, pol.mesh(), **kwargs)
 
 
 def shard_fsdp2(module: torch.nn.Module, mesh: Any, **kwargs: Any) -> Adapter:
@@ -242,7 +242,7 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def _reference_ds_config(pol: Adapter, overrides: dict[str, Any] | None) -> dict[str, Any]:
-    engine: Any = pol._backend_obj
+    engine: Any = pol.backend_object
     raw = getattr(engine, "config", None)
     if not isinstance(raw, dict):
         raw = getattr(getattr(engine, "_config", None), "_param_dict", {})
@@ -264,7 +264,7 @@ def inference_ds_config(raw: Mapping[str, Any], overrides: dict[str, Any] | None
 
 def _engine_dtype(pol: Adapter, overrides: dict[str, Any] | None) -> torch.dtype:
     """The engine's compute dtype (what its forward runs in), ``ds_config`` overriding."""
-    engine: Any = pol._backend_obj
+    engine: Any = pol.backend_object
     chosen = config_dtype(overrides or {})
     if chosen is not None:
         return chosen
@@ -355,7 +355,7 @@ def _fsdp1_copy(pol: Adapter) -> Adapter:
     with torch.device("meta"):
         model = _skeleton(pol)
     ref = _fsdp1_wrap(pol, model, init_on=pol.device)
-    src: Any = pol._backend_obj
+    src: Any = pol.backend_object
     dst: Any = ref.module
     # Sharded state dicts move shard to shard, one unit at a time: the full model is never built.
     with FullyShardedDataParallel.state_dict_type(src, StateDictType.SHARDED_STATE_DICT), \
@@ -368,7 +368,7 @@ def _fsdp1_copy(pol: Adapter) -> Adapter:
 def _zero3_copy(pol: Adapter, ds_config: dict[str, Any] | None) -> Adapter:
     deepspeed = require("deepspeed", feature="a ZeRO-3 reference model", extra="deepspeed")
     cfg = _reference_ds_config(pol, ds_config)
-    group = pol._process_group()
+    group = pol.process_group()
     with deepspeed.zero.Init(config_dict_or_path=cfg, data_parallel_group=group):
         model = _skeleton(pol)
     theirs = dict(pol.unwrap(keep_peft=False).named_parameters())
@@ -377,7 +377,7 @@ def _zero3_copy(pol: Adapter, ds_config: dict[str, Any] | None) -> Adapter:
     # the fallback gathers (one parameter at a time).
     aligned = all(a.ds_tensor.shape == b.ds_tensor.shape for a, b in pairs)
     with torch.no_grad():
-        if not pol._agree_any(not aligned):
+        if not pol.agree_any(not aligned):
             for a, b in pairs:
                 b.ds_tensor.copy_(a.ds_tensor)
         else:

@@ -52,7 +52,7 @@ def _collective(*wms: Adapter) -> tuple[bool, Any]:
         return False, None
     for wm in wms:
         if wm.distributed:
-            return True, wm._process_group()
+            return True, wm.process_group()
     return False, None
 
 
@@ -121,7 +121,7 @@ def _live_buffers(root: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 def expected_shapes(wm: Adapter) -> dict[str, Shape]:
     """Canonical name -> full shape of every state-dict entry, read without gathering anything."""
-    out = wm._param_shapes()
+    out = wm.param_shapes()
     out.update((name, tuple(b.shape)) for name, b in _live_buffers(wm.unwrap()))
     return out
 
@@ -282,7 +282,7 @@ def _write(target: Adapter, values: Iterable[tuple[str, torch.Tensor]], alpha: f
         # Its parameters are full and local to this process, which may be the only one
         # calling (rank 0 loading a plain copy): no collective may be entered.
         _write_into(target.unwrap(), values, alpha)
-        target._weights_written()
+        target.weights_written()
         return
     # modifier_rank=0: every rank writes the same values and rank 0's reach every shard,
     # replica and optimizer master copy on exit (gathered() refreshes those itself).
@@ -354,8 +354,8 @@ def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
         with torch.no_grad():
             for dst, src_tensor in pairs:  # shards, then the (unsharded) buffers
                 _assign(dst, src_tensor, float(alpha))
-        target._shards_written()
-        target._weights_written()
+        target.shards_written()
+        target.weights_written()
         return
     _write(target, source_stream(source), float(alpha))
 
@@ -376,7 +376,7 @@ def _shard_pairs(source: Adapter, target: Adapter) -> list[tuple[torch.Tensor, t
     """(target shard, source shard) for every parameter when both models hold the same slice of
     each parameter on this rank (ZeRO-3 to ZeRO-3, FSDP2 to FSDP2 over the same ranks): a sync is
     then a local copy, with nothing gathered. ``None`` when the layouts differ anywhere."""
-    src, dst = source._local_shards(), target._local_shards()
+    src, dst = source.local_shards(), target.local_shards()
     if src is None or dst is None or src.keys() != dst.keys():
         return None
     pairs = []

@@ -114,7 +114,7 @@ class AdapterDisabledView(Handle):
             return 0
         # The policy's count less its adapters' (which are never tied, so counted once each).
         rename = self._rename()
-        adapters = sum(math.prod(shape) for name, shape in self._policy._param_shapes().items()
+        adapters = sum(math.prod(shape) for name, shape in self._policy.param_shapes().items()
                        if rename(name) is None)
         return self._policy.num_parameters() - adapters
 
@@ -144,8 +144,8 @@ class AdapterDisabledView(Handle):
         """Verify that the policy's weights are on ``device`` (default: where the policy computes).
         A view cannot move them: ``ReferenceModelError`` if they are elsewhere."""
         target = self._policy.device if device is None else resolve_device(device)
-        off = [name for name, t in self._policy._placement_tensors() if t.device != target]
-        if self._policy._agree_any(bool(off)):
+        off = [name for name, t in self._policy.placement_tensors() if t.device != target]
+        if self._policy.agree_any(bool(off)):
             raise ReferenceModelError(
                 f"this reference is a view of the policy's weights, which are not all on {target} "
                 f"({', '.join(off[:4]) or 'on another rank'}); a view cannot move them. Place the policy, or use "
@@ -163,7 +163,7 @@ class AdapterDisabledView(Handle):
         """The policy's ``gathered()`` with the adapters off. Read-only: a ``modifier_rank``
         would write the policy's base weights and is refused (on every rank alike)."""
         p = self._policy
-        check_modifier_rank(modifier_rank, p.world_size, p._process_group())  # agreed before refusing
+        check_modifier_rank(modifier_rank, p.world_size, p.process_group())  # agreed before refusing
         if modifier_rank is not None:
             raise ReferenceModelError(
                 f"gathered(modifier_rank={modifier_rank}) on a view would write the policy's base weights; "

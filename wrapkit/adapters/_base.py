@@ -29,6 +29,7 @@ from .._gather import (
 )
 from .._names import canonical_name
 from .._protocol import Handle
+from ._primitives import BackendPrimitives
 
 __all__ = ["Adapter", "ReplicatedAdapter", "Entry", "model_class_name", "move_buffers", "resolve_device"]
 
@@ -108,6 +109,15 @@ class Adapter(Handle):
         return self.name
 
     @property
+    def backend_object(self) -> torch.nn.Module | None:
+        """The native wrapper object (DDP, FSDP root, DeepSpeed engine, FSDP2 root module), or None."""
+        return self._backend_obj
+
+    def mesh(self) -> Any:
+        """The device mesh the model is sharded over (FSDP2), else None."""
+        return None
+
+    @property
     def stack(self) -> tuple[str, ...]:
         return tuple(name for name, _ in self._entries) + (model_class_name(self._innermost),)
 
@@ -171,7 +181,7 @@ class Adapter(Handle):
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Global parameter count, shared (tied) parameters counted once."""
         return sum(
-            self._global_numel(p) for p in self._unique_parameters() if p.requires_grad or not trainable_only
+            self.global_numel(p) for p in self._unique_parameters() if p.requires_grad or not trainable_only
         )
 
     def describe(self) -> str:
@@ -246,26 +256,26 @@ class Adapter(Handle):
             )
         copy_to(self, target._as_adapter("copy_to into it"), alpha)
 
-    def _full_shapes(self) -> dict[int, tuple[int, ...]]:
+    def full_shapes(self) -> dict[int, tuple[int, ...]]:
         """id(parameter) -> full shape, for parameters whose local tensor is only a shard."""
         return {}
 
-    def _param_shapes(self) -> dict[str, tuple[int, ...]]:
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Canonical name -> full shape of every parameter (tied ones under each name); nothing gathered."""
-        full = self._full_shapes()
+        full = self.full_shapes()
         return {
             canonical_name(name): full.get(id(p), tuple(p.shape))
             for name, p in self.unwrap().named_parameters(remove_duplicate=False)
         }
 
-    def _weights_written(self) -> None:
+    def weights_written(self) -> None:
         """Called after weights were written in place (load, copy_to): refresh any private copies."""
 
-    def _shards_written(self) -> None:
-        """Called after ``_local_shards()`` tensors were written in place: rebuild any full
+    def shards_written(self) -> None:
+        """Called after ``local_shards()`` tensors were written in place: rebuild any full
         copies the backend keeps of them. Collective where the backend's refresh is."""
 
-    def _local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
+    def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
         """Canonical name -> (this rank's shard, a layout key), for backends that keep one shard per
         parameter. Two models whose keys agree hold the same slice of every parameter on this rank,
         so weights can be synced between them shard to shard, with no communication. ``None``: no
@@ -285,12 +295,12 @@ class Adapter(Handle):
         anywhere. If the body raises on any rank, writes are discarded everywhere.
         Every submodule's ``training`` flag is restored on exit.
         """
-        check_modifier_rank(modifier_rank, self.world_size, self._process_group())
+        check_modifier_rank(modifier_rank, self.world_size, self.process_group())
         # Modes are restored too: code inside often calls eval() to run the model and forgets train().
         modes = [(m, m.training) for m in self._module.modules()]
         try:
-            with self._gather_full(modifier_rank) as replace:
-                if self._gather_bypass():
+            with self.gather_full(modifier_rank) as replace:
+                if self.gather_bypass():
                     with bypassed(self.unwrap(), replace) as inner:
                         yield inner
                 else:
@@ -320,20 +330,20 @@ class Adapter(Handle):
         fresh buffers otherwise: clone before writing into one.
         """
         for name, p in self.unwrap().named_parameters(remove_duplicate=False):
-            yield canonical_name(name), self._gather_one(p)
+            yield canonical_name(name), self.gather_one(p)
 
     # Backend hooks for the three above; the base serves every unsharded backend.
-    def _gather_bypass(self) -> bool:
+    def gather_bypass(self) -> bool:
         """Whether the module must be taken out of the backend's hooks to run on full parameters."""
         return False
 
-    def _gather_one(self, p: torch.Tensor) -> torch.Tensor:
+    def gather_one(self, p: torch.Tensor) -> torch.Tensor:
         return p.detach()
 
     @contextlib.contextmanager
-    def _gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
+    def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
         """Make the parameters full; yield a ``Replace`` for ``bypassed`` (or None)."""
-        group = self._process_group()
+        group = self.process_group()
         params = list(self._unique_parameters())
         # Replicas are written in place: keep a copy to undo a failed body.
         saved = [p.detach().clone() for p in params] if modifier_rank is not None else []
@@ -347,7 +357,7 @@ class Adapter(Handle):
                         p.copy_(old)
                 else:
                     broadcast_(params, modifier_rank, group, self.world_size)
-                    self._weights_written()
+                    self.weights_written()
 
         # Only a write-back needs every rank's verdict; without one the exit has no
         # collective at all, so no rank waits there for a slower one.
@@ -355,7 +365,7 @@ class Adapter(Handle):
             yield None
 
     # -- helpers for subclasses ----------------------------------------------------
-    def _process_group(self) -> Any:
+    def process_group(self) -> Any:
         """The group the model is replicated/sharded over, for distributed backends
         (``None``: the default group). DDP and FSDP1 keep it as ``process_group``."""
         return getattr(self._backend_obj, "process_group", None)
@@ -369,7 +379,7 @@ class Adapter(Handle):
                 "group (never initialised, or destroyed); call adapt() between init_process_group() and "
                 "destroy_process_group()."
             )
-        group = self._process_group()
+        group = self.process_group()
         try:
             # get_rank (unlike get_world_size) consults the registry of live groups.
             dist.get_rank(group)
@@ -380,7 +390,7 @@ class Adapter(Handle):
             ) from exc
 
     def _group_size_and_rank(self) -> tuple[int, int]:
-        group = self._process_group()
+        group = self.process_group()
         if not (dist.is_available() and dist.is_initialized()):
             return 1, 0
         return dist.get_world_size(group), dist.get_rank(group)
@@ -396,13 +406,13 @@ class Adapter(Handle):
                 seen.add(id(p))
                 yield p
 
-    def _global_numel(self, p: torch.Tensor) -> int:
+    def global_numel(self, p: torch.Tensor) -> int:
         """Elements of the full parameter ``p`` is (a shard of)."""
         return p.numel()
 
     # -- placement and freezing: place() / to_eval_frozen() ---------------------------
-    # Backends override ``_move`` (how this rank's parameters travel) and
-    # ``_placement_tensors`` (what must sit on the target afterwards); the checks,
+    # Backends override ``move`` (how this rank's parameters travel) and
+    # ``placement_tensors`` (what must sit on the target afterwards); the checks,
     # the rollback and the cross-rank agreement are shared here.
 
     def place(self, device: torch.device | str | int | None = None) -> Self:
@@ -428,7 +438,7 @@ class Adapter(Handle):
         self.place()
         self._module.eval()
         set_modes(self._module, False)  # also reaches modules whose train() override skips children
-        for p in self._frozen_parameters():
+        for p in self.frozen_parameters():
             p.requires_grad_(False)
         return self
 
@@ -443,22 +453,22 @@ class Adapter(Handle):
         (what an offload does between two devices), so the bookkeeping of every backend is
         exercised on a machine that has one device only.
         """
-        before = {name: t.device for name, t in self._placement_tensors()}
+        before = {name: t.device for name, t in self.placement_tensors()}
         sources = set(before.values())
         failure: BaseException | None = None
         rolled_back = False
         try:
-            self._move(target, copy)
+            self.move(target, copy)
         except Exception as exc:
             failure = exc
             if len(sources) == 1 and target not in sources:  # came from one device: go back there
                 try:
-                    self._move(next(iter(sources)), False)
+                    self.move(next(iter(sources)), False)
                     rolled_back = True
                 except Exception:
                     pass
-        off = [name for name, t in self._placement_tensors() if t.device != target]
-        if self._agree_any(failure is not None or bool(off)):
+        off = [name for name, t in self.placement_tensors() if t.device != target]
+        if self.agree_any(failure is not None or bool(off)):
             shown = ", ".join(off[:8]) + (f" and {len(off) - 8} more" if len(off) > 8 else "")
             if failure is not None:
                 msg = (f"moving the {self.name} model's parameters to {target} failed ({type(failure).__name__}: "
@@ -472,11 +482,11 @@ class Adapter(Handle):
                 msg = f"placement on {target} failed on another rank of the {self.name} group; see its error."
             raise PlacementError(msg) from failure
 
-    def _move(self, target: torch.device, copy: bool) -> None:
+    def move(self, target: torch.device, copy: bool) -> None:
         """Move this rank's parameters, gradients and buffers; identity of every Parameter kept."""
         self._module._apply(lambda t: t.to(target, copy=copy))  # type: ignore[no-untyped-call]
 
-    def _placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for every parameter, shard and buffer that ``place`` moves."""
         seen: set[int] = set()
         for name, t in [*self._module.named_parameters(), *self._module.named_buffers()]:
@@ -484,14 +494,14 @@ class Adapter(Handle):
                 seen.add(id(t))
                 yield canonical_name(name), t
 
-    def _frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
+    def frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
         """Every parameter whose ``requires_grad`` must go off to freeze the model."""
         yield from self._module.parameters()
 
-    def _agree_any(self, flag: bool) -> bool:
+    def agree_any(self, flag: bool) -> bool:
         """``flag`` or-ed over the group, so that every rank takes the same branch."""
         # Non-distributed adapters may live in a distributed process: they never vote.
-        return agree_any(flag, self._process_group(), self.world_size) if self.distributed else flag
+        return agree_any(flag, self.process_group(), self.world_size) if self.distributed else flag
 
 
 def move_buffers(root: torch.nn.Module, target: torch.device, copy: bool) -> None:
@@ -526,3 +536,8 @@ class ReplicatedAdapter(Adapter):
         inner = as_adapter(self.inner(self._backend_obj))
         inner.place(self.device)
         return inner.to_eval_frozen()
+
+
+def _conforms(adapter: Adapter) -> BackendPrimitives:
+    """Checked by mypy: every adapter implements the backend primitives."""
+    return adapter

@@ -31,7 +31,7 @@ class DeepSpeedAdapter(Adapter):
     def _engine(self) -> Any:
         return self._backend_obj
 
-    def _process_group(self) -> Any:
+    def process_group(self) -> Any:
         return getattr(self._engine(), "data_parallel_group", None)
 
     @property
@@ -53,14 +53,14 @@ class DeepSpeedAdapter(Adapter):
     def is_sharded(self) -> bool:
         return self.zero_stage == 3 and self.world_size > 1
 
-    def _global_numel(self, p: torch.Tensor) -> int:
+    def global_numel(self, p: torch.Tensor) -> int:
         return int(getattr(p, "ds_numel", p.numel()))
 
     # -- weights in and out ----------------------------------------------------------
-    def _full_shapes(self) -> dict[int, tuple[int, ...]]:
+    def full_shapes(self) -> dict[int, tuple[int, ...]]:
         return {id(p): tuple(p.ds_shape) for p in self._innermost.parameters() if hasattr(p, "ds_shape")}
 
-    def _weights_written(self) -> None:
+    def weights_written(self) -> None:
         # ZeRO 1-3 (and the bf16/fp16 optimizers) step an fp32 master copy of each
         # partition, cloned at initialize time even for fp32 models: without a refresh
         # the next step would overwrite whatever was loaded into the module's weights.
@@ -79,7 +79,7 @@ class DeepSpeedAdapter(Adapter):
             total += p.numel() * p.element_size()  # non-zero only while the parameter is gathered
         return total
 
-    def _shards_written(self) -> None:
+    def shards_written(self) -> None:
         # ZeRO-3 keeps small ("persistent") parameters gathered between forwards once it has
         # traced the model; their full copies were built before the partitions changed.
         # (DeepSpeed: mark_persistent_parameters in deepspeed/runtime/zero/parameter_offload.py,
@@ -94,10 +94,10 @@ class DeepSpeedAdapter(Adapter):
             stale[0].partition(param_list=stale)  # frees the full copies; partitions are kept as written
             stale[0].all_gather(param_list=stale)
 
-    def _local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
+    def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
         if self.zero_stage != 3:
             return None
-        ranks = tuple(dist.get_process_group_ranks(self._process_group() or dist.group.WORLD))
+        ranks = tuple(dist.get_process_group_ranks(self.process_group() or dist.group.WORLD))
         out: dict[str, tuple[torch.Tensor, tuple[Any, ...]]] = {}
         for name, p in self.unwrap().named_parameters():
             part = getattr(p, "ds_tensor", None)
@@ -108,10 +108,10 @@ class DeepSpeedAdapter(Adapter):
         return out
 
     # -- full parameters (gathered / generation / named_full_parameters) --------------
-    def _gather_bypass(self) -> bool:
+    def gather_bypass(self) -> bool:
         return self.zero_stage == 3
 
-    def _gather_one(self, p: torch.Tensor) -> torch.Tensor:
+    def gather_one(self, p: torch.Tensor) -> torch.Tensor:
         shard = getattr(p, "ds_tensor", None)
         if shard is None:
             return p.detach()
@@ -125,9 +125,9 @@ class DeepSpeedAdapter(Adapter):
         return out[: int(p.ds_numel)].view(p.ds_shape)  # type: ignore[attr-defined]
 
     @contextlib.contextmanager
-    def _gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
+    def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
         if self.zero_stage != 3:
-            with super()._gather_full(modifier_rank) as replace:
+            with super().gather_full(modifier_rank) as replace:
                 yield replace
             return
         deepspeed = require("deepspeed", feature="gathered() under ZeRO-3")
@@ -152,7 +152,7 @@ class DeepSpeedAdapter(Adapter):
                 torch.nn.functional.linear = linear[1]
             try:
                 if modifier_rank is not None:
-                    failed = agree_any(failed, self._process_group(), self.world_size)
+                    failed = agree_any(failed, self.process_group(), self.world_size)
                 if failed and ctx.enabled:
                     # Re-partition without the broadcast: the shards were never written.
                     ctx.src_rank = None
@@ -162,10 +162,10 @@ class DeepSpeedAdapter(Adapter):
                 if persistent:
                     persistent[0].all_gather(param_list=persistent)
             if modifier_rank is not None and not failed:
-                self._weights_written()
+                self.weights_written()
 
     # -- placement and freezing (place / to_eval_frozen) -------------------------------
-    def _move(self, target: torch.device, copy: bool) -> None:
+    def move(self, target: torch.device, copy: bool) -> None:
         engine = self._engine()
         stage = self.zero_stage or 0
         optimizer: Any = getattr(engine, "optimizer", None)
@@ -198,9 +198,9 @@ class DeepSpeedAdapter(Adapter):
             return
         move_buffers(engine.module, target, copy)
 
-    def _placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.zero_stage != 3:
-            yield from super()._placement_tensors()
+            yield from super().placement_tensors()
             return
         module = self._engine().module
         for name, p in module.named_parameters():

@@ -81,7 +81,7 @@ class FSDPAdapter(Adapter):
         return total
 
     # -- weights in and out ----------------------------------------------------------
-    def _full_shapes(self) -> dict[int, tuple[int, ...]]:
+    def full_shapes(self) -> dict[int, tuple[int, ...]]:
         # With use_orig_params=True each original parameter is a 1-D view of this
         # rank's slice outside of forward; its real shape is recorded in the FlatParameter.
         shapes: dict[int, tuple[int, ...]] = {}
@@ -92,10 +92,10 @@ class FSDPAdapter(Adapter):
                     shapes[id(p)] = tuple(shape)
         return shapes
 
-    def _param_shapes(self) -> dict[str, tuple[int, ...]]:
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
         # use_orig_params=False: only FlatParameters are registered (``<module>._flat_param``);
         # the originals' names and shapes are recorded in each of them.
-        out = super()._param_shapes()
+        out = super().param_shapes()
         for name, p in self.unwrap().named_parameters(remove_duplicate=False):
             flat: Any = p
             fqns = getattr(flat, "_fqns", None)
@@ -115,14 +115,14 @@ class FSDPAdapter(Adapter):
         return out
 
     # -- full parameters (gathered / generation / named_full_parameters) --------------
-    def _gather_bypass(self) -> bool:
+    def gather_bypass(self) -> bool:
         return True
 
     @contextlib.contextmanager
-    def _gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
+    def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        group = self._process_group()
+        group = self.process_group()
         flats = list(self._flat_params())
         # writeback copies each rank's own slice of its full copy back into its shard:
         # rank r's values are broadcast first; a failed body restores the saved shards.
@@ -147,7 +147,7 @@ class FSDPAdapter(Adapter):
                         for f, old in zip(flats, saved, strict=True):
                             f.data.copy_(old)
                     else:
-                        self._weights_written()
+                        self.weights_written()
 
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         # One FSDP unit at a time: a unit's FlatParameter is the smallest thing FSDP1 gathers.
@@ -180,7 +180,7 @@ class FSDPAdapter(Adapter):
         Summoning a whole unit would cost the unit's size; instead each rank broadcasts
         its piece of the parameter into the one full tensor that is yielded.
         """
-        group = self._process_group()
+        group = self.process_group()
         world, me = self.world_size, self.rank
         infos = flat._shard_param_infos
         local = [(i.intra_param_start_idx, i.intra_param_end_idx) if i.in_shard else None for i in infos]
@@ -204,7 +204,7 @@ class FSDPAdapter(Adapter):
                     yield n, out
 
     # -- placement and freezing (place / to_eval_frozen) -------------------------------
-    def _move(self, target: torch.device, copy: bool) -> None:
+    def move(self, target: torch.device, copy: bool) -> None:
         # Each unit's FlatParameter holds this rank's shard (``_local_shard`` aliases it at
         # rest); the original parameters are views into it and must be re-pointed.
         for unit in self._units():
@@ -229,7 +229,7 @@ class FSDPAdapter(Adapter):
                     handle._use_sharded_grad_views()
         move_buffers(self._module, target, copy)
 
-    def _placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         fsdp_cls = lookup("torch.distributed.fsdp", "FullyShardedDataParallel")
         assert self._backend_obj is not None and fsdp_cls is not None
         for path, unit in self._backend_obj.named_modules():
@@ -239,7 +239,7 @@ class FSDPAdapter(Adapter):
         for name, buf in self._module.named_buffers():
             yield canonical_name(name), buf
 
-    def _frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
+    def frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
         # The FlatParameter too: with use_orig_params=True forward runs through it.
-        yield from super()._frozen_parameters()
+        yield from super().frozen_parameters()
         yield from self._flat_params()

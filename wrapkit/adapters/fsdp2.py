@@ -29,15 +29,15 @@ class FSDP2Adapter(Adapter):
     def inner(cls, obj: torch.nn.Module) -> torch.nn.Module:
         return obj
 
-    def _mesh(self) -> Any:
+    def mesh(self) -> Any:
         for p in self._innermost.parameters():
             mesh = getattr(p, "device_mesh", None)
             if mesh is not None:
                 return mesh
         return None
 
-    def _process_group(self) -> Any:
-        mesh = self._mesh()
+    def process_group(self) -> Any:
+        mesh = self.mesh()
         if mesh is None:
             return None
         # The shard dimension is the last one (HSDP puts replication first).
@@ -52,7 +52,7 @@ class FSDP2Adapter(Adapter):
         dev = getattr(state, "_device", None)
         if isinstance(dev, torch.device):
             return dev
-        mesh = self._mesh()
+        mesh = self.mesh()
         if mesh is not None and mesh.device_type != "cpu":
             mod = getattr(torch, mesh.device_type)
             return torch.device(mesh.device_type, mod.current_device())
@@ -62,7 +62,7 @@ class FSDP2Adapter(Adapter):
     def is_sharded(self) -> bool:
         return self.world_size > 1
 
-    def _global_numel(self, p: torch.Tensor) -> int:
+    def global_numel(self, p: torch.Tensor) -> int:
         # A DTensor reports its global shape; its local shard is ``p.to_local()``.
         return p.numel()
 
@@ -73,7 +73,7 @@ class FSDP2Adapter(Adapter):
             total += local.numel() * local.element_size()
         return total
 
-    def _local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
+    def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
         out: dict[str, tuple[torch.Tensor, tuple[Any, ...]]] = {}
         meshes: dict[int, tuple[Any, ...]] = {}  # reading a mesh's rank layout is slow: once per mesh
         for name, p in self.unwrap().named_parameters():
@@ -94,10 +94,10 @@ class FSDP2Adapter(Adapter):
         return out
 
     # -- full parameters (gathered / generation / named_full_parameters) --------------
-    def _gather_bypass(self) -> bool:
+    def gather_bypass(self) -> bool:
         return True
 
-    def _gather_one(self, p: torch.Tensor) -> torch.Tensor:
+    def gather_one(self, p: torch.Tensor) -> torch.Tensor:
         dtensor = lookup("torch.distributed.tensor", "DTensor")
         if dtensor is not None and isinstance(p, dtensor):
             with torch.no_grad():
@@ -106,17 +106,17 @@ class FSDP2Adapter(Adapter):
         return p.detach()
 
     @contextlib.contextmanager
-    def _gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
+    def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
         # Full copies of the DTensor shards are swapped in by ``bypassed``; FSDP2's own
         # unshard/reshard state machine is never involved, so nothing of it needs restoring.
-        group = self._process_group()
+        group = self.process_group()
         copies: dict[int, tuple[Any, torch.nn.Parameter]] = {}
         for p, full in _all_full(list(self._unique_parameters())):
             copies[id(p)] = (p, torch.nn.Parameter(full, requires_grad=p.requires_grad))
 
         def replace(mod: torch.nn.Module, name: str, p: torch.Tensor) -> torch.Tensor | None:
             if id(p) not in copies:
-                full = self._gather_one(p)
+                full = self.gather_one(p)
                 if full is p or full.data_ptr() == p.data_ptr():
                     return None
                 copies[id(p)] = (p, torch.nn.Parameter(full, requires_grad=p.requires_grad))
@@ -132,7 +132,7 @@ class FSDP2Adapter(Adapter):
                 for p, full in copies.values():
                     local = distribute_tensor(full.detach(), p.device_mesh, p.placements, src_data_rank=src)
                     p.to_local().copy_(local.to_local())
-            self._weights_written()
+            self.weights_written()
 
         with settle(finish, modifier_rank is not None, group, self.world_size):
             yield replace
@@ -140,8 +140,8 @@ class FSDP2Adapter(Adapter):
     # -- placement and freezing (place / to_eval_frozen) -------------------------------
     # Moving goes through ``nn.Module._apply``, which FSDP2 overrides to re-register
     # the padded local shards; only the check needs to look inside the DTensors.
-    def _placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in super()._placement_tensors():
+    def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, t in super().placement_tensors():
             local = getattr(t, "_local_tensor", None)
             yield (f"{name} (local shard)", local) if isinstance(local, torch.Tensor) else (name, t)
 

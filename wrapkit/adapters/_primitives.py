@@ -1,0 +1,96 @@
+"""The backend primitives: what an adapter knows of its wrapper, and all that the operation
+modules (placement, full parameters, state, reference, views) may use of it.
+
+Every adapter implements this interface; ``Adapter`` gives the defaults of an unsharded
+module, and a backend overrides only what its wrapper does differently. Each member's
+contract is its one-line docstring. Operations written against these work on every backend,
+including third-party ones registered with ``register_adapter``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+import torch
+
+__all__ = ["BackendPrimitives"]
+
+Shape = tuple[int, ...]
+
+
+class BackendPrimitives(Protocol):
+    # -- identity and group -------------------------------------------------------------
+    @property
+    def distributed(self) -> bool:
+        """Whether the backend needs a process group (and its operations are collective)."""
+        ...
+
+    @property
+    def backend_object(self) -> torch.nn.Module | None:
+        """The native wrapper object (DDP, FSDP root, DeepSpeed engine, FSDP2 root module), or None."""
+        ...
+
+    def process_group(self) -> Any:
+        """The group the model is replicated or sharded over (None: the default group)."""
+        ...
+
+    def mesh(self) -> Any:
+        """The device mesh the model is sharded over (FSDP2), else None."""
+        ...
+
+    def agree_any(self, flag: bool) -> bool:
+        """``flag`` OR-ed over the group in one collective (just ``flag`` when not distributed)."""
+        ...
+
+    # -- shards and shapes ----------------------------------------------------------------
+    def global_numel(self, p: torch.Tensor) -> int:
+        """Elements of the full parameter that ``p`` is (a shard of)."""
+        ...
+
+    def full_shapes(self) -> dict[int, Shape]:
+        """``id(parameter)`` -> full shape, for the parameters whose local tensor is only a shard."""
+        ...
+
+    def param_shapes(self) -> dict[str, Shape]:
+        """Canonical name -> full shape of every parameter (tied ones under each name); nothing gathered."""
+        ...
+
+    def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
+        """Canonical name -> (this rank's shard, a layout key); None without one shard per parameter."""
+        ...
+
+    # -- gathering and writing back ----------------------------------------------------------
+    def gather_one(self, p: torch.Tensor) -> torch.Tensor:
+        """The full value of parameter ``p``, detached (collective on sharded backends)."""
+        ...
+
+    def gather_full(self, modifier_rank: int | None) -> contextlib.AbstractContextManager[Any]:
+        """Every parameter full inside; writes on ``modifier_rank`` kept on exit; yields a ``Replace`` or None."""
+        ...
+
+    def gather_bypass(self) -> bool:
+        """Whether running on full parameters needs the backend's hooks taken out of the call path."""
+        ...
+
+    def shards_written(self) -> None:
+        """``local_shards()`` tensors were written in place: rebuild any full copies kept of them."""
+        ...
+
+    def weights_written(self) -> None:
+        """Weights were written in place (load, copy_to): refresh any private copies (master weights)."""
+        ...
+
+    # -- placement ------------------------------------------------------------------------------
+    def move(self, target: torch.device, copy: bool) -> None:
+        """Move this rank's parameters, gradients and buffers to ``target``, keeping every Parameter object."""
+        ...
+
+    def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for every parameter, shard and buffer that placement moves and verifies."""
+        ...
+
+    def frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
+        """Every parameter whose ``requires_grad`` goes off when the model is frozen."""
+        ...
