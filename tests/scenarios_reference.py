@@ -10,6 +10,7 @@ import torch
 
 import wrapkit
 from wrapkit.cli._models import build, ds_config, parse_stack, tiny_llama
+from wrapkit.placement import move_verified
 from wrapkit.view import AdapterDisabledView
 
 TOKENS = torch.arange(16).reshape(2, 8) % 128
@@ -61,7 +62,7 @@ def place_round_trip(spec: str, device: str = "cpu") -> dict[str, Any]:
     ptrs = {name: t.data_ptr() for name, t in wm.placement_tensors() if t.numel() > 0}
     if dev.type == "cpu":
         # One device only: force fresh storage, as an offload to another device would.
-        wm._place(torch.device("cpu"), copy=True)
+        move_verified(wm, torch.device("cpu"), copy=True)
     else:
         assert wm.place("cpu") is wm
     offloaded = sorted({str(t.device) for _, t in wm.placement_tensors()})

@@ -23,8 +23,8 @@ from ._errors import ReferenceModelError, UnsupportedModelError
 from ._gather import check_modifier_rank, restore_modes, set_modes
 from ._protocol import Handle
 from .adapters import Adapter
-from .adapters._base import resolve_device
 from .layers.peft import adapters_off, base_key_map
+from .placement import resolve_device
 from .state import copy_stream_to, expected_shapes, source_stream, write_checkpoint
 
 __all__ = ["AdapterDisabledView", "view_possible"]

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
-from .._errors import DistributedStateError, MissingConfigError, PlacementError, UnsupportedModelError
+from .._errors import DistributedStateError, MissingConfigError, UnsupportedModelError
 from .._gather import (
     agree_any,
     broadcast_,
@@ -24,14 +24,13 @@ from .._gather import (
     check_modifier_rank,
     generation_modes,
     restore_modes,
-    set_modes,
     settle,
 )
 from .._names import canonical_name
 from .._protocol import Handle
 from ._primitives import BackendPrimitives
 
-__all__ = ["Adapter", "ReplicatedAdapter", "Entry", "model_class_name", "move_buffers", "resolve_device"]
+__all__ = ["Adapter", "ReplicatedAdapter", "Entry", "model_class_name", "move_buffers"]
 
 # One peeled layer: (layer or backend name, the object at that level).
 Entry = tuple[str, torch.nn.Module]
@@ -94,10 +93,11 @@ class Adapter(Handle):
         return f"<{type(self).__name__} backend={self.backend!r} stack={' > '.join(self.stack)}>"
 
     def __eq__(self, other: object) -> bool:
-        return type(other) is type(self) and isinstance(other, Adapter) and other._module is self._module
+        # Same backend over the same object: the plain adapter a frozen DDP model gives equals adapt() of it.
+        return isinstance(other, Adapter) and other.name == self.name and other._module is self._module
 
     def __hash__(self) -> int:
-        return hash((type(self), id(self._module)))
+        return hash((self.name, id(self._module)))
 
     # -- the forward path ----------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -410,77 +410,29 @@ class Adapter(Handle):
         """Elements of the full parameter ``p`` is (a shard of)."""
         return p.numel()
 
-    # -- placement and freezing: place() / to_eval_frozen() ---------------------------
-    # Backends override ``move`` (how this rank's parameters travel) and
-    # ``placement_tensors`` (what must sit on the target afterwards); the checks,
-    # the rollback and the cross-rank agreement are shared here.
-
+    # -- placement and freezing: place() / to_eval_frozen() (the work is done in placement.py) --
     def place(self, device: torch.device | str | int | None = None) -> Self:
         """Move this rank's parameters and shards to ``device`` (``None``: the compute device), keeping
         the sharding; then verify every one of them. Call it on every rank of the group together.
 
         Raises ``PlacementError`` naming the tensors that are elsewhere. Returns ``self``.
         """
-        home = self._home_device()
-        target = home if device is None else resolve_device(device)
-        self._place(target, copy=False)
-        if target == home:
-            self._innermost.__dict__.pop(_HOME_ATTR, None)
-        else:
-            # Remembered on the model, so place() comes back from any adapter over it.
-            self._innermost.__dict__[_HOME_ATTR] = home
+        from ..placement import place
+
+        place(self, device)
         return self
 
     def to_eval_frozen(self) -> Adapter:
         """Eval mode on every submodule, ``requires_grad=False`` on every parameter, placed on
         ``self.device``. Sharded backends stay sharded; idempotent. Returns a ``WrappedModel``."""
-        # Placement first: it is the step that can fail, and it rolls itself back.
-        self.place()
-        self._module.eval()
-        set_modes(self._module, False)  # also reaches modules whose train() override skips children
-        for p in self.frozen_parameters():
-            p.requires_grad_(False)
+        from ..placement import to_eval_frozen
+
+        return to_eval_frozen(self)
+
+    def frozen_form(self) -> Adapter:
+        """The adapter a frozen copy of this model keeps: itself, or for a wrapper that only exists
+        for training (DDP, DataParallel) the module inside it."""
         return self
-
-    def _home_device(self) -> torch.device:
-        home = self._innermost.__dict__.get(_HOME_ATTR)
-        return home if isinstance(home, torch.device) else resolve_device(self.device)
-
-    def _place(self, target: torch.device, copy: bool) -> None:
-        """Move to ``target``, roll back on failure, verify, and agree on the outcome across ranks.
-
-        ``copy=True`` forces fresh storage even when a tensor is already on ``target``
-        (what an offload does between two devices), so the bookkeeping of every backend is
-        exercised on a machine that has one device only.
-        """
-        before = {name: t.device for name, t in self.placement_tensors()}
-        sources = set(before.values())
-        failure: BaseException | None = None
-        rolled_back = False
-        try:
-            self.move(target, copy)
-        except Exception as exc:
-            failure = exc
-            if len(sources) == 1 and target not in sources:  # came from one device: go back there
-                try:
-                    self.move(next(iter(sources)), False)
-                    rolled_back = True
-                except Exception:
-                    pass
-        off = [name for name, t in self.placement_tensors() if t.device != target]
-        if self.agree_any(failure is not None or bool(off)):
-            shown = ", ".join(off[:8]) + (f" and {len(off) - 8} more" if len(off) > 8 else "")
-            if failure is not None:
-                msg = (f"moving the {self.name} model's parameters to {target} failed ({type(failure).__name__}: "
-                       f"{failure})" + (f"; moved back to {next(iter(sources))}" if rolled_back else "")
-                       + (f"; not on {target}: {shown}" if off and not rolled_back else "") + ".")
-            elif off:
-                msg = (f"after moving the {self.name} model to {target}, these are elsewhere: {shown}; "
-                       "something outside the backend holds them (move or re-create them) or the backend is "
-                       "mid-step (call place() between steps).")
-            else:
-                msg = f"placement on {target} failed on another rank of the {self.name} group; see its error."
-            raise PlacementError(msg) from failure
 
     def move(self, target: torch.device, copy: bool) -> None:
         """Move this rank's parameters, gradients and buffers; identity of every Parameter kept."""
@@ -512,30 +464,15 @@ def move_buffers(root: torch.nn.Module, target: torch.device, copy: bool) -> Non
                 module._buffers[key] = buf.to(target, copy=copy)
 
 
-# Attribute on the innermost model recording its compute device while it is offloaded.
-_HOME_ATTR = "_placement_home_device"
-
-
-def resolve_device(device: torch.device | str | int) -> torch.device:
-    """A concrete device: ``"cuda"`` becomes ``cuda:<current>``, an int a CUDA index."""
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
 class ReplicatedAdapter(Adapter):
     """Base of the wrappers that keep a full replica per device or rank (DataParallel, DDP)."""
 
-    def to_eval_frozen(self) -> Adapter:
+    def frozen_form(self) -> Adapter:
         # A replicated wrapper only exists to average gradients (DDP refuses a model with
-        # none to average), so the frozen model is the module inside it, on the same device.
-        from .._registry import as_adapter
-
+        # none to average): the frozen model is the module inside it, with the layers below.
         assert self._backend_obj is not None
-        inner = as_adapter(self.inner(self._backend_obj))
-        inner.place(self.device)
-        return inner.to_eval_frozen()
+        at = next(i for i, (_, obj) in enumerate(self._entries) if obj is self._backend_obj)
+        return Adapter(self.inner(self._backend_obj), list(self._entries[at + 1:]), None, self._innermost)
 
 
 def _conforms(adapter: Adapter) -> BackendPrimitives:

@@ -94,3 +94,7 @@ class BackendPrimitives(Protocol):
     def frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
         """Every parameter whose ``requires_grad`` goes off when the model is frozen."""
         ...
+
+    def frozen_form(self) -> Any:
+        """The adapter a frozen model keeps: itself, or the module inside a training-only wrapper."""
+        ...

@@ -1,0 +1,104 @@
+"""Placement and freezing: ``place()`` and ``to_eval_frozen()`` on every backend.
+
+Backends supply the primitives: ``move`` (how this rank's parameters travel),
+``placement_tensors`` (what must sit on the target afterwards), ``frozen_parameters``,
+``frozen_form`` and ``agree_any``. The checks, the rollback and the cross-rank agreement
+are written here once: a move that fails on one rank is rolled back where it can be and
+reported on every rank, so no rank goes on with a model the others gave up on.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ._errors import PlacementError
+from ._gather import set_modes
+
+if TYPE_CHECKING:
+    from .adapters._base import Adapter
+
+__all__ = ["place", "to_eval_frozen", "move_verified", "resolve_device"]
+
+# Attribute on the innermost model recording its compute device while it is offloaded: kept on
+# the model, so that place() comes back from any adapter over it.
+_HOME_ATTR = "_placement_home_device"
+
+
+def resolve_device(device: torch.device | str | int) -> torch.device:
+    """A concrete device: ``"cuda"`` becomes ``cuda:<current>``, an int a CUDA index."""
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def home_device(wm: Adapter) -> torch.device:
+    """Where ``wm`` computes: its current device, or the one it was offloaded from."""
+    home = wm.unwrap(keep_peft=False).__dict__.get(_HOME_ATTR)
+    return home if isinstance(home, torch.device) else resolve_device(wm.device)
+
+
+def place(wm: Adapter, device: torch.device | str | int | None = None) -> None:
+    """Move this rank's parameters and shards to ``device`` (``None``: the compute device), keeping
+    the sharding, and verify every one of them. Collective over the model's group."""
+    home = home_device(wm)
+    target = home if device is None else resolve_device(device)
+    move_verified(wm, target, copy=False)
+    state = wm.unwrap(keep_peft=False).__dict__
+    if target == home:
+        state.pop(_HOME_ATTR, None)
+    else:
+        state[_HOME_ATTR] = home
+
+
+def to_eval_frozen(wm: Adapter) -> Adapter:
+    """Eval mode on every submodule, ``requires_grad=False`` on every parameter, placed on the
+    compute device; sharded backends stay sharded, replicated wrappers are dropped. Idempotent."""
+    frozen = wm.frozen_form()
+    if frozen is not wm:
+        place(frozen, wm.device)
+    # Placement first: it is the step that can fail, and it rolls itself back.
+    place(frozen)
+    frozen.module.eval()
+    set_modes(frozen.module, False)  # also reaches modules whose train() override skips children
+    for p in frozen.frozen_parameters():
+        p.requires_grad_(False)
+    return frozen
+
+
+def move_verified(wm: Adapter, target: torch.device, copy: bool) -> None:
+    """Move to ``target``, roll back on failure, verify, and agree on the outcome across ranks.
+
+    ``copy=True`` forces fresh storage even when a tensor is already on ``target`` (what an
+    offload does between two devices), so the bookkeeping of every backend is exercised on a
+    machine that has one device only.
+    """
+    sources = {t.device for _, t in wm.placement_tensors()}
+    failure: BaseException | None = None
+    rolled_back = False
+    try:
+        wm.move(target, copy)
+    except Exception as exc:
+        failure = exc
+        if len(sources) == 1 and target not in sources:  # came from one device: go back there
+            try:
+                wm.move(next(iter(sources)), False)
+                rolled_back = True
+            except Exception:
+                pass
+    off = [name for name, t in wm.placement_tensors() if t.device != target]
+    if wm.agree_any(failure is not None or bool(off)):
+        shown = ", ".join(off[:8]) + (f" and {len(off) - 8} more" if len(off) > 8 else "")
+        if failure is not None:
+            msg = (f"moving the {wm.name} model's parameters to {target} failed ({type(failure).__name__}: "
+                   f"{failure})" + (f"; moved back to {next(iter(sources))}" if rolled_back else "")
+                   + (f"; not on {target}: {shown}" if off and not rolled_back else "") + ".")
+        elif off:
+            msg = (f"after moving the {wm.name} model to {target}, these are elsewhere: {shown}; "
+                   "something outside the backend holds them (move or re-create them) or the backend is "
+                   "mid-step (call place() between steps).")
+        else:
+            msg = f"placement on {target} failed on another rank of the {wm.name} group; see its error."
+        raise PlacementError(msg) from failure
