@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar
 
 import torch
@@ -20,10 +21,6 @@ from .._errors import DistributedStateError, MissingConfigError, UnsupportedMode
 from .._gather import (
     agree_any,
     broadcast_,
-    bypassed,
-    check_modifier_rank,
-    generation_modes,
-    restore_modes,
     settle,
 )
 from .._names import canonical_name
@@ -282,9 +279,8 @@ class Adapter(Handle):
         per-parameter shards (unsharded, or FSDP1's flat parameters)."""
         return None
 
-    # -- full parameters: gathered / generation / named_full_parameters ------------
-    @contextlib.contextmanager
-    def gathered(self, modifier_rank: int | None = None) -> Iterator[torch.nn.Module]:
+    # -- full parameters: gathered / generation / named_full_parameters (full_parameters.py) --
+    def gathered(self, modifier_rank: int | None = None) -> AbstractContextManager[torch.nn.Module]:
         """Yield ``unwrap()`` holding the full parameters on every rank. Collective.
 
         The module runs as a plain module inside (no FSDP/ZeRO-3 hooks in the call
@@ -295,21 +291,11 @@ class Adapter(Handle):
         anywhere. If the body raises on any rank, writes are discarded everywhere.
         Every submodule's ``training`` flag is restored on exit.
         """
-        check_modifier_rank(modifier_rank, self.world_size, self.process_group())
-        # Modes are restored too: code inside often calls eval() to run the model and forgets train().
-        modes = [(m, m.training) for m in self._module.modules()]
-        try:
-            with self.gather_full(modifier_rank) as replace:
-                if self.gather_bypass():
-                    with bypassed(self.unwrap(), replace) as inner:
-                        yield inner
-                else:
-                    yield self.unwrap()
-        finally:
-            restore_modes(modes)
+        from ..full_parameters import gathered
 
-    @contextlib.contextmanager
-    def generation(self) -> Iterator[torch.nn.Module]:
+        return gathered(self, modifier_rank)
+
+    def generation(self) -> AbstractContextManager[torch.nn.Module]:
         """``gathered()`` plus eval mode, no autograd and gradient checkpointing off, for ``generate()``.
 
         Collective. Inside, ``generate()`` runs at the unsharded model's speed on every
@@ -317,8 +303,9 @@ class Adapter(Handle):
         normal or by exception, every submodule's ``training`` flag and checkpointing
         setting are restored exactly; hooks and backend state were never changed.
         """
-        with self.gathered() as inner, generation_modes(self._module):
-            yield inner
+        from ..full_parameters import generation
+
+        return generation(self)
 
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(canonical_name, full tensor)`` for every parameter, gathering one at a time. Collective.
@@ -329,6 +316,10 @@ class Adapter(Handle):
         share storage with the live weights where those are already full, and are
         fresh buffers otherwise: clone before writing into one.
         """
+        return self.gather_each()
+
+    def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(canonical name, full tensor)`` for every parameter, gathered one at a time."""
         for name, p in self.unwrap().named_parameters(remove_duplicate=False):
             yield canonical_name(name), self.gather_one(p)
 

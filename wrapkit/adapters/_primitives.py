@@ -66,6 +66,10 @@ class BackendPrimitives(Protocol):
         """The full value of parameter ``p``, detached (collective on sharded backends)."""
         ...
 
+    def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(canonical name, full tensor)`` for every parameter, gathered one (or one unit) at a time."""
+        ...
+
     def gather_full(self, modifier_rank: int | None) -> contextlib.AbstractContextManager[Any]:
         """Every parameter full inside; writes on ``modifier_rank`` kept on exit; yields a ``Replace`` or None."""
         ...

@@ -149,7 +149,7 @@ class FSDPAdapter(Adapter):
                     else:
                         self.weights_written()
 
-    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
         # One FSDP unit at a time: a unit's FlatParameter is the smallest thing FSDP1 gathers.
         from torch.distributed.fsdp import FullyShardedDataParallel
 
