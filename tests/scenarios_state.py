@@ -104,7 +104,7 @@ def copy_pairs(pairs: list[tuple[str, str]], alpha: float, device: str = "cpu") 
             dst.unwrap(keep_peft=False).requires_grad_(False)
         flags = _flags(dst)
         a, b = _plain_sd(1), _plain_sd(2)
-        from wrapkit.state import _shard_pairs
+        from wrapkit.sync import _shard_pairs
 
         shard_to_shard = _shard_pairs(src, dst) is not None
         src.copy_to(dst, alpha=alpha)
@@ -300,7 +300,7 @@ def variants() -> dict[str, Any]:
 def sync_after_forwards(spec: str) -> dict[str, Any]:
     """copy_to into a reference that has already run forwards: under ZeRO-3 small parameters then
     stay gathered between forwards, and the sync must reach those full copies too."""
-    from wrapkit.state import _shard_pairs
+    from wrapkit.sync import _shard_pairs
 
     policy = wrapkit.adapt(build(spec, seed=1))
     ref = wrapkit.prepare_reference(policy, tiny_llama(2))

@@ -15,8 +15,8 @@ from ._names import canonical_name
 from ._protocol import WrappedModel
 from ._registry import adapt, register_adapter, registered_adapters
 from .adapters import Adapter
+from .checkpoint import read_checkpoint
 from .reference import prepare_reference
-from .state import read_checkpoint
 
 __version__ = "0.1.0"
 

@@ -19,11 +19,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ._errors import DistributedStateError
+from ._agree import is_distributed
 from ._imports import lookup
 
 __all__ = [
-    "agree_flags", "agree_any", "settle", "check_modifier_rank", "bypassed", "broadcast_", "Replace",
+    "bypassed", "broadcast_", "Replace",
     "set_modes", "restore_modes", "set_checkpointing", "restore_checkpointing", "generation_modes",
 ]
 
@@ -34,80 +34,9 @@ Replace = Callable[[torch.nn.Module, str, torch.Tensor], "torch.Tensor | None"]
 _FOREIGN_HOOK_MODULES = ("deepspeed.", "torch.distributed.fsdp.")
 
 
-def _distributed(world_size: int | None, group: Any = None) -> bool:
-    # Prefer the adapter's world size to the group's: a plain model in a distributed
-    # job has no group of its own (its group is None, which dist would read as WORLD).
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    return (world_size if world_size is not None else dist.get_world_size(group)) > 1
-
-
-def _flag_device(group: Any) -> torch.device:
-    backend = str(dist.get_backend(group)) if group is not None else str(dist.get_backend())
-    if backend == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def agree_flags(flags: Sequence[bool], group: Any, world_size: int | None = None) -> list[bool]:
-    """Each flag OR-ed over the ranks of ``group``, all in one all-reduce."""
-    if not _distributed(world_size, group):
-        return list(flags)
-    t = torch.tensor([int(f) for f in flags], device=_flag_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return [bool(x) for x in t.tolist()]
-
-
-def agree_any(flag: bool, group: Any, world_size: int | None = None) -> bool:
-    """True on every rank when ``flag`` is true on any rank of ``group`` (one all-reduce)."""
-    return agree_flags([flag], group, world_size)[0]
-
-
-@contextlib.contextmanager
-def settle(on_exit: Callable[[bool], None], agree: bool, group: Any, world_size: int) -> Iterator[None]:
-    """Run the body, then ``on_exit(failed)``, exception or not.
-
-    ``failed`` says whether the body raised; with ``agree`` it says whether it raised on
-    any rank, which costs one collective that every rank enters (so a write-back is done
-    everywhere or nowhere)."""
-    failed = False
-    try:
-        yield
-    except BaseException:
-        failed = True
-        raise
-    finally:
-        if agree:
-            failed = agree_any(failed, group, world_size)
-        on_exit(failed)
-
-
-def check_modifier_rank(modifier_rank: int | None, world_size: int, group: Any) -> None:
-    """Refuse, on every rank alike, a ``modifier_rank`` that is out of range or differs across ranks."""
-    bad = modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world_size)
-    value = -1 if modifier_rank is None or bad else int(modifier_rank)
-    if _distributed(world_size):
-        # [any bad, max value, -min value] in one collective, before any other collective starts.
-        t = torch.tensor([int(bad), value, -value], device=_flag_device(group))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-        any_bad, differs = bool(t[0].item()), int(t[1].item()) != -int(t[2].item())
-    else:
-        any_bad, differs = bad, False
-    if any_bad:
-        raise DistributedStateError(
-            f"modifier_rank={modifier_rank!r} (on at least one rank) is not a rank of this group of {world_size}; "
-            f"pass None (writes discarded) or a rank in 0..{world_size - 1}, the same on every rank."
-        )
-    if differs:
-        raise DistributedStateError(
-            f"modifier_rank differs across ranks (this rank passed {modifier_rank!r}); every rank must pass the "
-            "same value, since the rank whose writes are kept is decided collectively."
-        )
-
-
 def broadcast_(tensors: Sequence[torch.Tensor], src: int, group: Any, world_size: int) -> None:
     """Broadcast each tensor in place from group rank ``src``."""
-    if not _distributed(world_size):
+    if not is_distributed(world_size):
         return
     global_src = dist.get_global_rank(group, src) if group is not None else src
     with torch.no_grad():

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._gather import bypassed, check_modifier_rank, generation_modes, restore_modes
+from ._agree import check_modifier_rank
+from ._gather import bypassed, generation_modes, restore_modes
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter

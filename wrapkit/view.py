@@ -19,13 +19,16 @@ from typing import Any, ClassVar
 
 import torch
 
+from ._agree import check_modifier_rank
 from ._errors import ReferenceModelError, UnsupportedModelError
-from ._gather import check_modifier_rank, restore_modes, set_modes
+from ._gather import restore_modes, set_modes
 from ._protocol import Handle
 from .adapters import Adapter
+from .checkpoint import write_checkpoint
 from .layers.peft import adapters_off, base_key_map
 from .placement import resolve_device
-from .state import copy_stream_to, expected_shapes, source_stream, write_checkpoint
+from .state_dict import expected_shapes
+from .sync import copy_stream_to, source_stream
 
 __all__ = ["AdapterDisabledView", "view_possible"]
 

@@ -17,12 +17,9 @@ import torch
 import torch.distributed as dist
 from typing_extensions import Self
 
+from .._agree import agree_any, settle
 from .._errors import DistributedStateError, MissingConfigError, UnsupportedModelError
-from .._gather import (
-    agree_any,
-    broadcast_,
-    settle,
-)
+from .._gather import broadcast_
 from .._names import canonical_name
 from .._protocol import Handle
 from ._primitives import BackendPrimitives
@@ -213,7 +210,7 @@ class Adapter(Handle):
                 total += storage.nbytes()
         return total
 
-    # -- weights in and out (the work is done in state.py) ---------------------------
+    # -- weights in and out (state_dict.py, checkpoint.py, sync.py) ----------------
     def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer under canonical names, as CPU tensors.
 
@@ -221,31 +218,31 @@ class Adapter(Handle):
         ``merge_adapters`` folds LoRA adapters into the base weights (base model's names)
         without changing the live model.
         """
-        from ..state import full_state_dict
+        from ..state_dict import full_state_dict
 
         return full_state_dict(self, rank0_only, merge_adapters=merge_adapters)
 
     def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load a full, canonically named state dict (the same on every rank); checks everything first."""
-        from ..state import load_full_state_dict
+        from ..state_dict import load_full_state_dict
 
         load_full_state_dict(self, sd, strict)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write one safetensors file atomically from rank 0 (temp file, fsync, rename). Collective."""
-        from ..state import save
+        from ..checkpoint import save
 
         save(self, path)
 
     def load(self, path: str | os.PathLike[str], strict: bool = True) -> None:
         """Load a safetensors file written by ``save`` (every rank reads it). Collective."""
-        from ..state import load
+        from ..checkpoint import load
 
         load(self, path, strict)
 
     def copy_to(self, target: Any, alpha: float = 1.0) -> None:
         """``target = alpha*self + (1-alpha)*target``, by canonical name, any backend to any backend."""
-        from ..state import copy_to
+        from ..sync import copy_to
 
         if not isinstance(target, Handle):
             raise UnsupportedModelError(

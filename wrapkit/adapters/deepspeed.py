@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._gather import agree_any
+from .._agree import agree_any
 from .._imports import is_instance, lookup, require
 from .._names import canonical_name
 from ._base import Adapter, move_buffers

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._gather import broadcast_, settle
+from .._agree import settle
+from .._gather import broadcast_
 from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import Adapter, move_buffers

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._gather import settle
+from .._agree import settle
 from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import Adapter

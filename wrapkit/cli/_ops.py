@@ -190,7 +190,7 @@ def _save_load(wm: Any, ctx: dict[str, Any]) -> None:
 
     import torch.distributed as dist
 
-    from ..state import read_checkpoint
+    from ..checkpoint import read_checkpoint
 
     original = wm.full_state_dict(rank0_only=False)
     directory = _shared_tmpdir(wm)

@@ -1,0 +1,144 @@
+"""Checkpoints: one safetensors file, written atomically by rank 0 (``save``), read on every
+rank (``load``, ``read_checkpoint``). A write failure on rank 0 and a read failure on any rank
+are agreed on across the group (``_agree``), so every rank raises alike and none waits.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from ._agree import any_over_models, raise_agreed
+from ._errors import StateDictError
+from ._imports import require
+from .state_dict import full_state_dict, load_full_state_dict
+
+if TYPE_CHECKING:
+    from .adapters._base import Adapter
+
+__all__ = ["save", "load", "read_checkpoint", "write_checkpoint"]
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # some platforms cannot open a directory; the rename is still atomic
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(sd: Mapping[str, torch.Tensor], path: str) -> None:
+    st = require("safetensors.torch", feature="saving a safetensors checkpoint", extra="transformers")
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    # safetensors refuses tensors that share memory (tied weights): give each key its own.
+    seen: set[int] = set()
+    tensors: dict[str, torch.Tensor] = {}
+    for key, t in sd.items():
+        ptr = t.untyped_storage().data_ptr() if t.numel() else -1
+        tensors[key] = t.clone() if ptr in seen else t
+        if ptr != -1:
+            seen.add(ptr)
+    try:
+        # A file created by open() gets the usual permissions (umask applied); safetensors
+        # leaves its output readable by the owner only, so that mode is put back after.
+        with open(tmp, "xb"):
+            pass
+        mode = os.stat(tmp).st_mode & 0o777
+        st.save_file(tensors, tmp, metadata={"format": "pt"})
+        os.chmod(tmp, mode)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        # The rename is the commit point: ``path`` holds either the old file or the whole new one.
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(directory)
+
+
+def save(wm: Adapter, path: str | os.PathLike[str]) -> None:
+    """Write the full state dict to one safetensors file, atomically, from rank 0.
+
+    Every rank must call it. Rank 0 writes a temporary file in the same directory,
+    fsyncs it and renames it over ``path``, so an interrupted save never leaves a
+    partial file at ``path``. Returns on every rank once the file is in place.
+    """
+    write_checkpoint(wm, path, lambda: full_state_dict(wm, rank0_only=True))
+
+
+def write_checkpoint(group: Adapter, path: str | os.PathLike[str],
+                     state: Callable[[], dict[str, torch.Tensor]]) -> None:
+    """``save`` of the state dict that ``state()`` returns (collective over ``group``'s ranks;
+    full on its rank 0, ``{}`` elsewhere): checked, written and agreed on as ``save`` says."""
+    path = os.fspath(path)
+    writer = group.rank == 0
+    problems: list[str] = []
+    if writer:
+        directory = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(directory):
+            problems.append(f"directory {directory!r} does not exist; create it first")
+        elif os.path.isdir(path):
+            example = os.path.join(path, "model.safetensors")
+            problems.append(f"{path!r} is a directory; pass a file path such as {example!r}")
+    raise_agreed(problems, f"save to {path!r}", "Pass the path of a file in an existing directory.", group)
+    sd = state()
+    error: BaseException | None = None
+    if writer:
+        try:
+            _atomic_write(sd, path)
+        except Exception as exc:
+            error = exc
+    if any_over_models(error is not None, group):
+        cause = f"{type(error).__name__}: {error}" if error is not None else "see rank 0's error"
+        raise StateDictError(
+            f"rank 0 could not write {path!r} ({cause}); any earlier file there is untouched and the "
+            "temporary file was removed. Check the free space and permissions of that directory."
+        ) from error
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Read a safetensors file into CPU tensors; ``StateDictError`` if it is missing, truncated or corrupt."""
+    path = os.fspath(path)
+    st = require("safetensors.torch", feature="loading a safetensors checkpoint", extra="transformers")
+    if not os.path.isfile(path):
+        raise StateDictError(f"no checkpoint file at {path!r}; pass the path that save() wrote")
+    try:
+        sd: dict[str, torch.Tensor] = st.load_file(path, device="cpu")
+    except Exception as exc:  # safetensors raises its own error type (and OSError for I/O)
+        raise StateDictError(
+            f"{path!r} is not a readable safetensors file ({type(exc).__name__}: {exc}); it is truncated or "
+            "corrupt. Save it again, or load an earlier checkpoint."
+        ) from exc
+    return sd
+
+
+def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True) -> None:
+    """Load a file written by :func:`save` (or any safetensors file with canonical names) into ``wm``.
+
+    Every rank must call it and reads the file itself.
+    """
+    sd: dict[str, torch.Tensor] = {}
+    error: StateDictError | None = None
+    try:
+        sd = read_checkpoint(path)
+    except StateDictError as exc:
+        error = exc
+    if any_over_models(error is not None, wm):
+        raise error or StateDictError(f"another rank could not read {os.fspath(path)!r} (see its error)")
+    load_full_state_dict(wm, sd, strict=strict)

@@ -1,0 +1,256 @@
+"""State dicts: ``full_state_dict`` and ``load_full_state_dict`` on every backend.
+
+Names are canonical (:func:`canonical_name`): the keys of ``wm.unwrap().state_dict()``,
+whatever wraps the model. A full state dict holds every parameter *and every persistent
+buffer* (exactly the keys ``state_dict()`` of the unwrapped model has; non-persistent
+buffers such as rotary caches are left out, as ``state_dict()`` leaves them out), as CPU
+tensors. Parameters are read through ``wm.named_full_parameters()`` (one gathered at a
+time) and written inside ``wm.gathered(modifier_rank=0)``, so the backends' own gather
+and write-back are used; buffers are never sharded by any backend and are read and
+written where they are. Every problem is agreed on across the group before anything is
+written (``_agree``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._agree import raise_agreed
+from ._errors import UnsupportedModelError
+from ._imports import is_instance
+from ._names import canonical_name
+from .layers.peft import base_key_map
+
+if TYPE_CHECKING:
+    from .adapters._base import Adapter
+
+__all__ = ["full_state_dict", "load_full_state_dict", "expected_shapes", "check_entries", "write", "assign",
+           "live_buffers", "Shape"]
+
+Shape = tuple[int, ...]
+
+
+# -- names, shapes and live tensors ----------------------------------------------------
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _live_entries(
+    root: torch.nn.Module, *, parameters: bool = True, buffers: bool = True
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical name, tensor) for every key ``root.state_dict()`` has, in its order.
+
+    Parameters (tied ones under each of their names) and persistent buffers, module by
+    module; ``parameters`` / ``buffers`` select which.
+    """
+    for mod_name, mod in root.named_modules(remove_duplicate=False):
+        if parameters:
+            for name, p in mod._parameters.items():
+                if p is not None:
+                    yield canonical_name(_join(mod_name, name)), p
+        if buffers:
+            for name, b in mod._buffers.items():
+                if b is not None and name not in mod._non_persistent_buffers_set:
+                    yield canonical_name(_join(mod_name, name)), b
+
+
+def _live_parameters(root: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    return _live_entries(root, buffers=False)
+
+
+def live_buffers(root: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    return _live_entries(root, parameters=False)
+
+
+def expected_shapes(wm: Adapter) -> dict[str, Shape]:
+    """Canonical name -> full shape of every state-dict entry, read without gathering anything."""
+    out = wm.param_shapes()
+    out.update((name, tuple(b.shape)) for name, b in live_buffers(wm.unwrap()))
+    return out
+
+
+def _shapes_of(sd: Mapping[str, Any]) -> dict[str, Shape | None]:
+    """Shape of each entry; ``None`` for a value that is not a tensor."""
+    return {k: tuple(v.shape) if isinstance(v, torch.Tensor) else None for k, v in sd.items()}
+
+
+def check_entries(given: Mapping[str, Shape | None], expected: Mapping[str, Shape], strict: bool,
+           names: tuple[str, str] = ("the state dict", "the model")) -> list[str]:
+    """Every missing, unexpected, mis-shaped or non-tensor entry of ``given``, one line each."""
+    ours, theirs = names
+    problems: list[str] = []
+    if strict:
+        problems += [f"missing key {k!r}: in {theirs} (shape {list(v)}), not in {ours}"
+                     for k, v in expected.items() if k not in given]
+        problems += [f"unexpected key {k!r}: in {ours}, not in {theirs}" for k in given if k not in expected]
+    for key, shape in given.items():
+        if key not in expected:
+            continue
+        if shape is None:
+            problems.append(f"{key!r} in {ours} is not a tensor")
+        elif shape != expected[key]:
+            problems.append(f"{key!r} has shape {list(shape)} in {ours}, {list(expected[key])} in {theirs}")
+    return problems
+
+
+# -- reading ---------------------------------------------------------------------------
+def full_state_dict(wm: Adapter, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer under its canonical name, as CPU tensors.
+
+    Every rank must call it (sharded backends gather); with ``rank0_only`` the other
+    ranks get ``{}``. ``merge_adapters=True`` on a PEFT model returns the base model's
+    weights with the LoRA adapters folded in, under the base model's names; the live
+    model is not changed.
+    """
+    if merge_adapters:
+        # Validate before any gather: an unsupported PEFT layer must fail on every rank alike.
+        plan = _lora_fold_plan(wm)
+    keep = not rank0_only or wm.rank == 0
+    out: dict[str, torch.Tensor] = {}
+    # Tied parameters come once per name; they stay one tensor, as in state_dict().
+    owner = {name: id(p) for name, p in _live_parameters(wm.unwrap())}
+    copies: dict[int, torch.Tensor] = {}
+    with torch.no_grad():
+        for name, full in wm.named_full_parameters():
+            if not keep:
+                continue
+            key = owner.get(name)
+            if key is not None and key in copies:
+                out[name] = copies[key]
+                continue
+            # A fresh CPU copy: the gathered buffer is reused or freed after this step.
+            out[name] = full.detach().to("cpu", copy=True).contiguous()
+            if key is not None:
+                copies[key] = out[name]
+        if keep:
+            for name, b in live_buffers(wm.unwrap()):
+                out[name] = b.detach().to("cpu", copy=True).contiguous()
+    if not keep:
+        return out
+    # Key order of the unwrapped model's own state_dict(): per module, its parameters then its buffers.
+    order = dict.fromkeys(name for name, _ in _live_entries(wm.unwrap()))
+    out = {k: out[k] for k in order if k in out} | {k: v for k, v in out.items() if k not in order}
+    if merge_adapters and plan is not None:
+        out = _fold_lora(out, plan)
+    return out
+
+
+# -- PEFT merge ------------------------------------------------------------------------
+class _LoraFoldPlan:
+    """What ``merge_adapters`` needs to know of the live PEFT model, read without touching it:
+    how its keys map to the base model's, and the LoRA layers to fold."""
+
+    def __init__(self, rename: Callable[[str], str | None], layers: list[tuple[str, Any]]) -> None:
+        self.rename = rename
+        self.layers = layers
+
+
+def _lora_fold_plan(wm: Adapter) -> _LoraFoldPlan | None:
+    peft_root = wm.unwrap(keep_peft=True)
+    if peft_root is wm.unwrap(keep_peft=False):
+        return None  # no PEFT layer: nothing to merge
+    layers: list[tuple[str, Any]] = []
+    problems: list[str] = []
+    for mod_name, mod in peft_root.named_modules():
+        if not is_instance(mod, "peft.tuners.tuners_utils", "BaseTunerLayer"):
+            if is_instance(mod, "peft.utils.other", "ModulesToSaveWrapper"):
+                problems.append(f"{canonical_name(mod_name)}: modules_to_save copies")
+            continue
+        name = canonical_name(mod_name)
+        if not is_instance(mod, "peft.tuners.lora.layer", "Linear"):
+            problems.append(f"{name}: {type(mod).__module__}.{type(mod).__name__}")
+            continue
+        for adapter in mod.active_adapters:
+            if mod.use_dora.get(adapter) or mod.lora_bias.get(adapter):
+                problems.append(f"{name}: adapter {adapter!r} uses DoRA or a LoRA bias")
+        layers.append((name, mod))
+    if problems:
+        raise UnsupportedModelError(
+            "full_state_dict(merge_adapters=True) folds in LoRA adapters of Linear layers only; this model has "
+            + "; ".join(problems)
+            + ". Export with merge_adapters=False, or merge with PEFT's merge_and_unload() on an unsharded copy."
+        )
+    return _LoraFoldPlan(base_key_map(peft_root), layers)
+
+
+def _fold_lora(sd: dict[str, torch.Tensor], plan: _LoraFoldPlan) -> dict[str, torch.Tensor]:
+    """``sd`` of the PEFT model -> the base model's state dict with the adapters folded in."""
+    folded: dict[str, torch.Tensor] = {}
+    for name, mod in plan.layers:
+        key = f"{name}.base_layer.weight"
+        weight = sd[key]
+        if not mod.merged and not mod.disable_adapters:
+            acc = weight.float()
+            for adapter in mod.active_adapters:
+                if adapter not in mod.lora_A:
+                    continue
+                a = sd[f"{name}.lora_A.{adapter}.weight"].float()
+                b = sd[f"{name}.lora_B.{adapter}.weight"].float()
+                delta = b @ a
+                if mod.fan_in_fan_out:
+                    delta = delta.T
+                acc = acc + delta * mod.scaling[adapter]
+            weight = acc.to(weight.dtype)
+        folded[key] = weight.contiguous()
+    return {new: folded.get(key, value) for key, value in sd.items() if (new := plan.rename(key)) is not None}
+
+
+# -- writing ---------------------------------------------------------------------------
+def assign(dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
+    if alpha == 1.0 or not dst.is_floating_point():
+        dst.copy_(src)
+        return
+    # target = alpha*source + (1-alpha)*target, accumulated in float32 whatever the dtypes.
+    s = src.to(device=dst.device, dtype=torch.float32)
+    d = dst.to(torch.float32)
+    dst.copy_(d * (1.0 - alpha) + s * alpha)
+
+
+def _write_into(root: torch.nn.Module, values: Iterable[tuple[str, torch.Tensor]], alpha: float) -> None:
+    live: dict[str, torch.Tensor] = dict(_live_parameters(root))
+    live.update(live_buffers(root))
+    done: set[int] = set()
+    with torch.no_grad():
+        for name, value in values:
+            dst = live.get(name)
+            if dst is None or id(dst) in done:
+                continue
+            done.add(id(dst))
+            assign(dst, value, alpha)
+
+
+def write(target: Adapter, values: Iterable[tuple[str, torch.Tensor]], alpha: float) -> None:
+    """Write ``values`` (canonical name -> full tensor) into ``target``'s parameters and buffers."""
+    if not target.distributed:
+        # Its parameters are full and local to this process, which may be the only one
+        # calling (rank 0 loading a plain copy): no collective may be entered.
+        _write_into(target.unwrap(), values, alpha)
+        target.weights_written()
+        return
+    # modifier_rank=0: every rank writes the same values and rank 0's reach every shard,
+    # replica and optimizer master copy on exit (gathered() refreshes those itself).
+    with target.gathered(modifier_rank=0) as root:
+        _write_into(root, values, alpha)
+
+
+def load_full_state_dict(wm: Adapter, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+    """Load a full (unsharded, canonically named) state dict into ``wm`` on any backend.
+
+    Every rank must call it with the same ``sd``. Missing, unexpected (when ``strict``)
+    and mis-shaped keys raise one ``StateDictError`` listing all of them before anything
+    is written.
+    """
+    problems: list[str] = []
+    if not isinstance(sd, Mapping):
+        problems.append(f"expected a mapping of name -> tensor, got {type(sd).__name__}")
+    if not problems:
+        problems = check_entries(_shapes_of(sd), expected_shapes(wm), strict)
+    raise_agreed(problems, f"load_full_state_dict into {' > '.join(wm.stack)}",
+                  "Pass a full state dict of this architecture (the keys of wm.full_state_dict()), the same on "
+                  "every rank; strict=False skips missing and unexpected keys, never a wrong shape.", wm)
+    write(wm, sd.items(), 1.0)
+
+

@@ -1,0 +1,109 @@
+"""Weight sync: ``copy_to`` between any two backends, EMA included.
+
+Matched by canonical name. Where both models hold the same slice of every parameter on this
+rank (ZeRO-3 to ZeRO-3, FSDP2 to FSDP2 over the same ranks) the sync is a local copy of the
+shards, with nothing gathered; otherwise the source is streamed one full parameter at a time
+into the target's write-back. Either way every problem is agreed on first (``_agree``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from ._agree import agree_over_models, raise_agreed
+from .state_dict import Shape, assign, check_entries, expected_shapes, live_buffers, write
+
+if TYPE_CHECKING:
+    from .adapters._base import Adapter
+
+__all__ = ["copy_to", "copy_stream_to", "source_stream"]
+
+
+def _copy_problems(alpha: float, same: str | None) -> list[str]:
+    """What is wrong with copy_to's arguments themselves; ``same``: why the target is the source."""
+    problems: list[str] = []
+    if not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
+        problems.append(f"alpha must be a number in [0, 1], got {alpha!r}")
+    if same is not None:
+        problems.append(same)
+    return problems
+
+
+_COPY_FIX = ("copy_to matches weights by canonical name: source and target must be the same architecture, "
+             "with the same PEFT layers, and alpha in [0, 1].")
+
+
+def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
+    """``target = alpha * source + (1 - alpha) * target`` for every parameter and persistent buffer.
+
+    Matched by canonical name; any backend to any backend. Integer buffers are copied.
+    ``requires_grad`` and training flags of the target are not touched.
+    """
+    same = target is source or target.module is source.module
+    problems = _copy_problems(
+        alpha, "the target is the source model itself; pass another model (e.g. the reference)" if same else None)
+    pairs = None if problems else _shard_pairs(source, target)
+    if not problems:
+        # Same parameter names and shard layouts imply the same shapes: then only the
+        # buffers need checking, which keeps a frequent soft update cheap.
+        if pairs is None:
+            src: dict[str, Shape | None] = dict(expected_shapes(source))
+            problems = check_entries(src, expected_shapes(target), True, ("the source", "the target"))
+        else:
+            src_buffers = dict(live_buffers(source.unwrap()))
+            tgt_buffers = dict(live_buffers(target.unwrap()))
+            problems = check_entries({n: tuple(b.shape) for n, b in src_buffers.items()},
+                              {n: tuple(b.shape) for n, b in tgt_buffers.items()}, True, ("the source", "the target"))
+            pairs += [(tgt_buffers[n], b) for n, b in src_buffers.items() if n in tgt_buffers]
+    # One collective agrees on both: whether any rank found a problem, and whether every
+    # rank can take the shard-to-shard path (which has no collective; the general one has many).
+    any_problem, any_slow = agree_over_models([bool(problems), pairs is None], source, target)
+    raise_agreed(problems, f"copy_to from {' > '.join(source.stack)} to {' > '.join(target.stack)}",
+                  _COPY_FIX, source, target, agreed=any_problem)
+    if not any_slow:
+        assert pairs is not None
+        with torch.no_grad():
+            for dst, src_tensor in pairs:  # shards, then the (unsharded) buffers
+                assign(dst, src_tensor, float(alpha))
+        target.shards_written()
+        target.weights_written()
+        return
+    write(target, source_stream(source), float(alpha))
+
+
+def copy_stream_to(group: Adapter, source: str, shapes: Mapping[str, Shape], stream: Iterable[tuple[str, torch.Tensor]],
+                   target: Adapter, alpha: float = 1.0, same: str | None = None) -> None:
+    """``copy_to`` from a source that is not an adapter of its own (a view over ``group``'s
+    model): ``shapes`` are its full shapes by name, ``stream`` its full tensors, gathered
+    lazily. ``same``: set when the target is the model the source is a view of."""
+    problems = _copy_problems(alpha, same)
+    if not problems:
+        problems = check_entries(dict(shapes), expected_shapes(target), True, ("the source", "the target"))
+    raise_agreed(problems, f"copy_to from {source} to {' > '.join(target.stack)}", _COPY_FIX, group, target)
+    write(target, stream, float(alpha))
+
+
+def _shard_pairs(source: Adapter, target: Adapter) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """(target shard, source shard) for every parameter when both models hold the same slice of
+    each parameter on this rank (ZeRO-3 to ZeRO-3, FSDP2 to FSDP2 over the same ranks): a sync is
+    then a local copy, with nothing gathered. ``None`` when the layouts differ anywhere."""
+    src, dst = source.local_shards(), target.local_shards()
+    if src is None or dst is None or src.keys() != dst.keys():
+        return None
+    pairs = []
+    for name, (d, d_key) in dst.items():
+        s, s_key = src[name]
+        if s_key != d_key or s.shape != d.shape:
+            return None
+        pairs.append((d, s))
+    return pairs
+
+
+def source_stream(source: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
+    yield from source.named_full_parameters()
+    yield from live_buffers(source.unwrap())
+
+
