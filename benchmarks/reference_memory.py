@@ -44,7 +44,7 @@ def _peak_during_forward(per_block: bool) -> dict[str, int]:
 
     import wrapkit
     from wrapkit.cli._models import tiny_llama
-    from wrapkit.reference import shard_fsdp2
+    from wrapkit.wrapping import shard_fsdp2
 
     model = tiny_llama(0, layers=8, hidden=256, vocab=1024).eval()
     full = sum(p.numel() * p.element_size() for p in model.parameters())

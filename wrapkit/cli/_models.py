@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ..reference import block_classes, fully_shard_per_block
+from ..wrapping import block_classes, fully_shard_per_block
 
 __all__ = ["tiny_llama", "toy_model", "build", "parse_stack", "ds_config", "BACKENDS", "block_classes"]
 

@@ -36,7 +36,7 @@ from .._gather import generation_modes, set_modes
 from .._imports import require
 from .._registry import as_adapter
 from ..adapters import Adapter
-from ..reference import bare_module, config_dtype, inference_ds_config, shard_fsdp2, wrap_fsdp1
+from ..wrapping import bare_module, config_dtype, inference_ds_config, shard_fsdp2, wrap_fsdp1
 
 __all__ = [
     "prepare_deepspeed", "prepare_fsdp", "unwrap_model_for_generation", "patch_trl", "TRLPatch",
