@@ -36,7 +36,6 @@ from .wrapping import fsdp1_like, fsdp2_like, reference_ds_config, wrap_like
 __all__ = ["prepare_reference", "AdapterDisabledView"]
 
 
-
 def prepare_reference(policy: Any, ref_model: Any = None, *,
                       ds_config: dict[str, Any] | None = None) -> WrappedModel:
     """A frozen reference for ``policy``, sharded and placed as the policy is. Call on every rank.
