@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from wrapkit.cli._workers import free_port
 
@@ -26,3 +27,19 @@ def torchrun(script: Path, *args: str, timeout: float = 280, **env_extra: str) -
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return proc
+
+
+def report_and_close(obs: Any, path: str | Path) -> None:
+    """In a launched script: gather every rank's observations, write them as JSON from rank 0,
+    and destroy the process group (without that, gloo's worker threads can outlive the
+    interpreter and abort the process at exit)."""
+    import json
+
+    import torch.distributed as dist
+
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, obs)
+    if dist.get_rank() == 0:
+        Path(path).write_text(json.dumps(everyone))
+    dist.barrier()
+    dist.destroy_process_group()

@@ -27,10 +27,10 @@ def _logits(out: Any) -> torch.Tensor:
 class _Trainer:
     """One optimisation step on any backend: DeepSpeed steps through its engine."""
 
-    def __init__(self, wm: Any) -> None:
+    def __init__(self, wm: Any, lr: float = 1e-2) -> None:
         self.wm = wm
         self.opt = None if wm.backend == "deepspeed" else torch.optim.AdamW(
-            [p for p in wm.module.parameters() if p.requires_grad], lr=1e-2)
+            [p for p in wm.module.parameters() if p.requires_grad], lr=lr)
 
     def step(self) -> float:
         tokens = TOKENS.to(self.wm.device)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 import wrapkit
+from tests.scenarios_reference import _Trainer
 from wrapkit.cli._models import build, tiny_llama
 
 TOKENS = torch.arange(16).reshape(2, 8) % 128
@@ -23,17 +24,9 @@ def _logits(out: Any) -> torch.Tensor:
 
 def _train(wm: Any, steps: int = 2) -> None:
     """A few steps so that the LoRA matrices are no longer the identity they start as."""
-    opt = None if wm.backend == "deepspeed" else torch.optim.AdamW(
-        [p for p in wm.module.parameters() if p.requires_grad], lr=5e-2)
+    trainer = _Trainer(wm, lr=5e-2)
     for _ in range(steps):
-        loss = wm(TOKENS, labels=TOKENS).loss
-        if opt is None:
-            wm.module.backward(loss)
-            wm.module.step()
-        else:
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        trainer.step()
 
 
 def _refused(fn: Callable[[], Any]) -> str:

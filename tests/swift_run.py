@@ -111,10 +111,10 @@ def main() -> None:
     a = p.parse_args()
     out = Path(a.json).parent
 
-    import torch.distributed as dist
 
     import wrapkit
     from tests import accelerate_cpu
+    from tests.launch import report_and_close
 
     # accelerate sees no accelerator here: set up the CPU state its device check would have set
     # (tests/accelerate_cpu.py); ms-swift's trainer then uses it as configured.
@@ -208,12 +208,7 @@ def main() -> None:
             obs.update({"ref_type": type(ref).__name__, "ref_backend": rw.backend, "ref_sharded": rw.is_sharded,
                         "ref_zero_stage": rw.zero_stage,
                         "ref_eval": not any(m.training for m in rw.unwrap().modules())})
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, obs)
-    if dist.get_rank() == 0:
-        Path(a.json).write_text(json.dumps(everyone))
-    dist.barrier()
-    dist.destroy_process_group()
+    report_and_close(obs, a.json)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ downloaded). Rank 0 writes what both ranks observed to ``OUT``.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -85,12 +84,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     a = p.parse_args()
 
-    import torch.distributed as dist
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import wrapkit
     from tests import accelerate_cpu
+    from tests.launch import report_and_close
     from wrapkit.integrations.trl import patch_trl
 
     # Once per process, before the trainer exists: TRL's helpers become wrapkit's.
@@ -160,13 +159,7 @@ def main() -> None:
     if rw is not None:
         obs["ref_eval"] = not any(m.training for m in ref.modules())
         obs["ref_resident"] = rw.resident_parameter_bytes() / (rw.num_parameters() * 4)  # of the float32 model
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, obs)
-    if dist.get_rank() == 0:
-        Path(a.json).write_text(json.dumps(everyone))
-    dist.barrier()
-    # Without this, gloo's worker threads can outlive the interpreter and abort the process at exit.
-    dist.destroy_process_group()
+    report_and_close(obs, a.json)
 
 
 if __name__ == "__main__":
