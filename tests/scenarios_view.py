@@ -115,3 +115,25 @@ def view_operations(spec: str, tmp: str) -> dict[str, Any]:
         obs["policy_unchanged"] = _max_diff(_logits(policy(TOKENS)), policy_logits)
     obs["requires_grad_final"] = [p.requires_grad for p in policy.module.parameters()] == grads
     return obs
+
+
+def merged_policy_refused() -> dict[str, Any]:
+    """A policy whose LoRA is merged into its weights (``merge_adapter()``) has no base weights to
+    view: every operation of the view refuses, and the policy's weights stay merged."""
+    policy = wrapkit.adapt(build("peft"))
+    _train(policy)
+    ref = wrapkit.prepare_reference(policy.module, None)
+    peft_model: Any = policy.unwrap()
+    peft_model.merge_adapter()
+    before = {n: p.detach().clone() for n, p in peft_model.named_parameters()}
+    errors = {
+        "forward": _refused(lambda: ref(TOKENS)),
+        "generation": _refused(lambda: ref.generation().__enter__()),
+        "full_state_dict": _refused(lambda: ref.full_state_dict()),
+        "named_full_parameters": _refused(lambda: next(ref.named_full_parameters())),
+    }
+    unchanged = all(torch.equal(p, before[n]) for n, p in peft_model.named_parameters())
+    peft_model.unmerge_adapter()
+    with torch.no_grad():
+        works_again = _max_diff(_logits(ref(TOKENS)), _logits(tiny_llama().eval()(TOKENS))) < 1e-5
+    return {"errors": errors, "unchanged": unchanged, "works_again": works_again}

@@ -46,3 +46,12 @@ def test_view_sees_the_base_model(request: pytest.FixtureRequest, spec: str, tmp
         assert refused["copy_to_dict"].startswith("UnsupportedModelError: ")
         assert obs["place_home"]
         assert obs["policy_unchanged"] == 0.0
+
+
+def test_view_of_a_merged_policy_is_refused() -> None:
+    obs = sc.merged_policy_refused()
+    for op, msg in obs["errors"].items():
+        assert msg.startswith("ReferenceModelError: the policy's adapters are merged"), f"{op}: {msg}"
+        assert "unmerge_adapter()" in msg
+    assert obs["unchanged"], "the refused calls unmerged the policy's weights"
+    assert obs["works_again"]

@@ -25,7 +25,7 @@ from ._gather import restore_modes, set_modes
 from ._protocol import Handle
 from .adapters import Adapter
 from .checkpoint import write_checkpoint
-from .layers.peft import adapters_off, base_key_map
+from .layers.peft import adapters_off, base_key_map, merged_layers
 from .placement import resolve_device
 from .state_dict import expected_shapes
 from .sync import copy_stream_to, source_stream
@@ -166,6 +166,7 @@ class AdapterDisabledView(Handle):
         """The policy's ``gathered()`` with the adapters off. Read-only: a ``modifier_rank``
         would write the policy's base weights and is refused (on every rank alike)."""
         p = self._policy
+        _check_unmerged(p)
         check_modifier_rank(modifier_rank, p.world_size, p.process_group())  # agreed before refusing
         if modifier_rank is not None:
             raise ReferenceModelError(
@@ -180,6 +181,7 @@ class AdapterDisabledView(Handle):
         """The policy's ``generation()`` with the adapters off: the base model generates, and the
         policy's modes, checkpointing, adapters and ``requires_grad`` flags come back on exit."""
         p = self._policy
+        _check_unmerged(p)
         with p.generation() as inner, adapters_off(p.unwrap(keep_peft=True)):
             yield inner
 
@@ -228,7 +230,19 @@ class AdapterDisabledView(Handle):
 
     def _rename(self) -> Callable[[str], str | None]:
         # Built per call: cheap (one walk of the modules) and never stale if adapters change.
+        _check_unmerged(self._policy)
         return base_key_map(self._policy.unwrap(keep_peft=True))
+
+
+def _check_unmerged(policy: Adapter) -> None:
+    """Refuse a policy whose adapters are merged into its weights (the same on every rank)."""
+    merged = merged_layers(policy.unwrap(keep_peft=True))
+    if merged:
+        raise ReferenceModelError(
+            f"the policy's adapters are merged into its weights ({', '.join(merged[:3])}"
+            f"{' and more' if len(merged) > 3 else ''}), so its base weights are not the base model's; call "
+            "unmerge_adapter() on the policy first, or use " + _OWN_REFERENCE + "."
+        )
 
 
 def _refusal(purpose: str) -> ReferenceModelError:
@@ -254,6 +268,7 @@ class _ViewModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         policy: Adapter = self.__dict__["_policy"]
+        _check_unmerged(policy)
         modes = set_modes(policy.module, False)
         try:
             with adapters_off(policy.unwrap(keep_peft=True)), torch.no_grad():

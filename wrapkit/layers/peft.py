@@ -18,7 +18,7 @@ from .._imports import is_instance
 from .._names import canonical_name
 from ._layer import Layer
 
-__all__ = ["PeftLayer", "adapters_off", "base_key_map"]
+__all__ = ["PeftLayer", "adapters_off", "base_key_map", "merged_layers"]
 
 
 class PeftLayer(Layer):
@@ -53,6 +53,13 @@ def adapters_off(peft_model: torch.nn.Module) -> Iterator[None]:
         for p, flag in flags:
             if p.requires_grad != flag:
                 p.requires_grad_(flag)
+
+
+def merged_layers(peft_model: torch.nn.Module) -> list[str]:
+    """Names of the injected layers whose adapters are merged into the base weights (``merge_adapter()``):
+    there the base weights are not the base model's, and disabling the adapters would unmerge them in place."""
+    return [canonical_name(n) for n, m in peft_model.named_modules()
+            if is_instance(m, "peft.tuners.tuners_utils", "BaseTunerLayer") and getattr(m, "merged", False)]
 
 
 # The child of an injected layer that holds the base model's own weights.
