@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 import wrapkit
+from wrapkit._registry import as_adapter
 from wrapkit.cli._models import build, tiny_llama
 
 TOKENS = torch.arange(16).reshape(2, 8) % 128
@@ -106,7 +107,7 @@ def copy_pairs(pairs: list[tuple[str, str]], alpha: float, device: str = "cpu") 
         a, b = _plain_sd(1), _plain_sd(2)
         from wrapkit.sync import _shard_pairs
 
-        shard_to_shard = _shard_pairs(src, dst) is not None
+        shard_to_shard = _shard_pairs(as_adapter(src), as_adapter(dst)) is not None
         src.copy_to(dst, alpha=alpha)
         ema = dst.full_state_dict(rank0_only=False)
         want = {k: (b[k].float() * (1.0 - alpha) + a[k].float() * alpha).to(b[k].dtype) for k in a}
@@ -176,7 +177,7 @@ def strict_errors(spec: str, tmpdir: str) -> dict[str, Any]:
     obs["unchanged_strict"] = _bitwise(wm.full_state_dict(rank0_only=False), before)
     # A problem on rank 1 only must still raise on both ranks, before any collective write.
     # (A plain model is not distributed: each process's copy is its own business.)
-    if wm.distributed:
+    if as_adapter(wm).distributed:
         one_rank = {k: v + 1.0 for k, v in before.items()}
         if dist.get_rank() == 1:
             del one_rank[keys[-1]]
@@ -306,7 +307,7 @@ def sync_after_forwards(spec: str) -> dict[str, Any]:
     ref = wrapkit.prepare_reference(policy, tiny_llama(2))
     for _ in range(3):
         _logits(ref)
-    fast = _shard_pairs(policy, ref) is not None
+    fast = _shard_pairs(as_adapter(policy), as_adapter(ref)) is not None
     policy.copy_to(ref)
     exact = float((_logits(ref) - _logits(policy)).abs().max())
     for _ in range(2):

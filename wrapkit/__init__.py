@@ -13,10 +13,10 @@ from ._errors import (
 )
 from ._names import canonical_name
 from ._protocol import WrappedModel
-from ._registry import adapt, register_adapter, registered_adapters
+from ._registry import register_adapter, registered_adapters
+from ._wrapped import adapt, prepare_reference
 from .adapters import Adapter
 from .checkpoint import read_checkpoint
-from .reference import prepare_reference
 
 __version__ = "0.1.0"
 

@@ -20,17 +20,17 @@ Rules:
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from ._errors import AdapterRegistrationError, UnsupportedModelError
-from ._protocol import Handle, WrappedModel
+from ._protocol import Handle
 from .adapters import BUILTIN_ADAPTERS, Adapter, PlainAdapter
 from .adapters._base import Entry
 from .layers import LAYERS, Layer
 
-__all__ = ["adapt", "as_adapter", "register_adapter", "registered_adapters"]
+__all__ = ["as_adapter", "copy_target", "register_adapter", "registered_adapters"]
 
 _Peeler = type[Adapter] | type[Layer]
 
@@ -103,18 +103,20 @@ def _describe_object(obj: object) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def adapt(model: Any) -> WrappedModel:
-    """Return the ``WrappedModel`` for ``model``: any ``nn.Module``, any supported
-    wrapper around one, or a ``WrappedModel`` (returned as is)."""
-    if isinstance(model, Handle):
-        # Adapters and views fulfil the protocol; mypy cannot see it through the common base.
-        return cast(WrappedModel, model)
-    return as_adapter(model)
+def copy_target(target: Any) -> Adapter:
+    """The adapter ``copy_to`` writes into; anything but a ``WrappedModel`` is refused."""
+    if not isinstance(target, Handle):
+        raise UnsupportedModelError(
+            f"copy_to needs a WrappedModel target, got {type(target).__name__}; pass adapt(target)."
+        )
+    return target._as_adapter("copy_to into it")
 
 
 def as_adapter(model: Any, purpose: str = "this") -> Adapter:
     """The backend adapter for ``model``, for operations that need one (a view over another
     model refuses, naming ``purpose``)."""
+    if isinstance(model, Adapter):
+        return model
     if isinstance(model, Handle):
         return model._as_adapter(purpose)
     if model is None:

@@ -1,4 +1,4 @@
-"""``prepare_reference``: the frozen reference model of DPO, online DPO, GRPO and PPO,
+"""The frozen reference model of DPO, online DPO, GRPO and PPO,
 sharded and placed the way the policy is.
 
 What a trainer used to get wrong, and what this module does instead:
@@ -26,31 +26,19 @@ import torch.distributed as dist
 from ._errors import ReferenceModelError
 from ._imports import require
 from ._names import canonical_name
-from ._protocol import WrappedModel
 from ._registry import as_adapter
 from .adapters import Adapter
 from .adapters._base import model_class_name
+from .placement import to_eval_frozen
 from .view import AdapterDisabledView, view_possible
 from .wrapping import fsdp1_like, fsdp2_like, reference_ds_config, wrap_like
 
-__all__ = ["prepare_reference", "AdapterDisabledView"]
+__all__ = ["build_reference", "AdapterDisabledView"]
 
 
-def prepare_reference(policy: Any, ref_model: Any = None, *,
-                      ds_config: dict[str, Any] | None = None) -> WrappedModel:
-    """A frozen reference for ``policy``, sharded and placed as the policy is. Call on every rank.
-
-    ZeRO-3 gives a DeepSpeed inference engine at stage 3 (the policy's config without
-    optimizer, scheduler and optimizer offload; ``ds_config`` is merged over it); ZeRO-0/1/2
-    an unsharded module in the engine's compute dtype; FSDP1/FSDP2 a model wrapped per
-    transformer block with the policy's group or mesh and mixed precision; DDP,
-    DataParallel and plain the bare module. All on the policy's compute device.
-
-    ``ref_model=None``: a PEFT policy whose only trainable parameters are its adapters gets an
-    adapter-disabled view (no parameter memory); any other policy a fresh frozen copy of its
-    current weights. A ``ref_model`` that is the policy or shares its parameters is refused
-    with ``ReferenceModelError``.
-    """
+def build_reference(policy: Any, ref_model: Any = None, *,
+                    ds_config: dict[str, Any] | None = None) -> Adapter | AdapterDisabledView:
+    """The reference ``prepare_reference`` hands out (see its docstring there)."""
     pol = as_adapter(policy, "using it as the policy of another reference")
     if ds_config is not None and pol.backend != "deepspeed":
         raise ReferenceModelError(
@@ -65,10 +53,10 @@ def prepare_reference(policy: Any, ref_model: Any = None, *,
                 "policy; pass a separate model (e.g. loaded again from the same checkpoint) or None to "
                 "let prepare_reference build one."
             )
-        return wrap_like(pol, ref_model, ds_config).to_eval_frozen()
+        return to_eval_frozen(wrap_like(pol, ref_model, ds_config))
     if view_possible(pol):
         return AdapterDisabledView(pol)
-    return _fresh_copy(pol, ds_config).to_eval_frozen()
+    return to_eval_frozen(_fresh_copy(pol, ds_config))
 
 
 # -- identity checks -------------------------------------------------------------------------

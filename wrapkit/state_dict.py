@@ -4,8 +4,8 @@ Names are canonical (:func:`canonical_name`): the keys of ``wm.unwrap().state_di
 whatever wraps the model. A full state dict holds every parameter *and every persistent
 buffer* (exactly the keys ``state_dict()`` of the unwrapped model has; non-persistent
 buffers such as rotary caches are left out, as ``state_dict()`` leaves them out), as CPU
-tensors. Parameters are read through ``wm.named_full_parameters()`` (one gathered at a
-time) and written inside ``wm.gathered(modifier_rank=0)``, so the backends' own gather
+tensors. Parameters are read through the ``gather_each`` primitive (one gathered at a
+time) and written inside ``gathered(wm, modifier_rank=0)``, so the backends' own gather
 and write-back are used; buffers are never sharded by any backend and are read and
 written where they are. Every problem is agreed on across the group before anything is
 written (``_agree``).
@@ -22,6 +22,7 @@ from ._agree import raise_agreed
 from ._errors import UnsupportedModelError
 from ._imports import is_instance
 from ._names import canonical_name
+from .full_parameters import gathered
 from .layers.peft import base_key_map
 
 if TYPE_CHECKING:
@@ -114,7 +115,7 @@ def full_state_dict(wm: Adapter, rank0_only: bool = True, *, merge_adapters: boo
     owner = {name: id(p) for name, p in _live_parameters(wm.unwrap())}
     copies: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        for name, full in wm.named_full_parameters():
+        for name, full in wm.gather_each():
             if not keep:
                 continue
             key = owner.get(name)
@@ -232,7 +233,7 @@ def write(target: Adapter, values: Iterable[tuple[str, torch.Tensor]], alpha: fl
         return
     # modifier_rank=0: every rank writes the same values and rank 0's reach every shard,
     # replica and optimizer master copy on exit (gathered() refreshes those itself).
-    with target.gathered(modifier_rank=0) as root:
+    with gathered(target, modifier_rank=0) as root:
         _write_into(root, values, alpha)
 
 

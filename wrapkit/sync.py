@@ -103,7 +103,7 @@ def _shard_pairs(source: Adapter, target: Adapter) -> list[tuple[torch.Tensor, t
 
 
 def source_stream(source: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from source.named_full_parameters()
+    yield from source.gather_each()
     yield from live_buffers(source.unwrap())
 
 

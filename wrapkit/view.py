@@ -20,14 +20,16 @@ from typing import Any, ClassVar
 import torch
 
 from ._agree import check_modifier_rank
-from ._errors import ReferenceModelError, UnsupportedModelError
+from ._errors import ReferenceModelError
 from ._gather import restore_modes, set_modes
 from ._protocol import Handle
+from ._registry import copy_target
 from .adapters import Adapter
 from .checkpoint import write_checkpoint
+from .full_parameters import gathered, generation
 from .layers.peft import adapters_off, base_key_map, merged_layers
 from .placement import resolve_device
-from .state_dict import expected_shapes
+from .state_dict import expected_shapes, full_state_dict
 from .sync import copy_stream_to, source_stream
 
 __all__ = ["AdapterDisabledView", "view_possible"]
@@ -173,7 +175,7 @@ class AdapterDisabledView(Handle):
                 f"gathered(modifier_rank={modifier_rank}) on a view would write the policy's base weights; "
                 f"gather the policy to change them, or use {_OWN_REFERENCE}."
             )
-        with p.gathered() as inner, adapters_off(p.unwrap(keep_peft=True)):
+        with gathered(p) as inner, adapters_off(p.unwrap(keep_peft=True)):
             yield inner
 
     @contextlib.contextmanager
@@ -182,13 +184,13 @@ class AdapterDisabledView(Handle):
         policy's modes, checkpointing, adapters and ``requires_grad`` flags come back on exit."""
         p = self._policy
         _check_unmerged(p)
-        with p.generation() as inner, adapters_off(p.unwrap(keep_peft=True)):
+        with generation(p) as inner, adapters_off(p.unwrap(keep_peft=True)):
             yield inner
 
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The base model's parameters under its own names (the adapters' are gathered and skipped)."""
         rename = self._rename()
-        for name, t in self._policy.named_full_parameters():
+        for name, t in self._policy.gather_each():
             new = rename(name)
             if new is not None:
                 yield new, t
@@ -198,7 +200,7 @@ class AdapterDisabledView(Handle):
         """The base model's state dict. ``merge_adapters`` changes nothing: the adapters are off."""
         rename = self._rename()
         out: dict[str, torch.Tensor] = {}
-        for name, t in self._policy.full_state_dict(rank0_only).items():
+        for name, t in full_state_dict(self._policy, rank0_only).items():
             new = rename(name)
             if new is not None:
                 out[new] = t
@@ -210,11 +212,7 @@ class AdapterDisabledView(Handle):
 
     def copy_to(self, target: Any, alpha: float = 1.0) -> None:
         """``target = alpha*base + (1-alpha)*target``, into a model of the base architecture."""
-        if not isinstance(target, Handle):
-            raise UnsupportedModelError(
-                f"copy_to needs a WrappedModel target, got {type(target).__name__}; pass adapt(target)."
-            )
-        tgt = target._as_adapter("copy_to into it")
+        tgt = copy_target(target)
         rename = self._rename()
         shapes = {new: s for n, s in expected_shapes(self._policy).items() if (new := rename(n)) is not None}
         stream = ((new, t) for n, t in source_stream(self._policy) if (new := rename(n)) is not None)
@@ -272,7 +270,7 @@ class _ViewModule(torch.nn.Module):
         modes = set_modes(policy.module, False)
         try:
             with adapters_off(policy.unwrap(keep_peft=True)), torch.no_grad():
-                return policy(*args, **kwargs)
+                return policy.module(*args, **kwargs)
         finally:
             restore_modes(modes)
 

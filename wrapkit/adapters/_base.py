@@ -8,20 +8,16 @@ parameter count is read off its shards.
 from __future__ import annotations
 
 import contextlib
-import os
-from collections.abc import Iterator, Mapping
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
-from typing_extensions import Self
 
 from .._agree import agree_any, settle
-from .._errors import DistributedStateError, MissingConfigError, UnsupportedModelError
+from .._errors import DistributedStateError, MissingConfigError
 from .._gather import broadcast_
 from .._names import canonical_name
-from .._protocol import Handle
 from ._primitives import BackendPrimitives
 
 __all__ = ["Adapter", "ReplicatedAdapter", "Entry", "model_class_name", "move_buffers"]
@@ -38,8 +34,9 @@ def model_class_name(obj: object) -> str:
     return type(obj).__name__
 
 
-class Adapter(Handle):
-    """Base of every backend adapter; an instance is a ``WrappedModel``.
+class Adapter:
+    """Base of every backend adapter: the backend's primitives (``adapters/_primitives.py``) and
+    the read-only members of ``WrappedModel``, which the public ``Wrapped`` delegates to.
 
     Subclasses set ``name`` and implement ``matches`` (and ``inner`` when the
     backend is an outer wrapper object). ``peels`` says whether detection moves
@@ -79,9 +76,6 @@ class Adapter(Handle):
             getattr(innermost, "is_encoder_decoder", False)
         )
 
-    def _as_adapter(self, purpose: str) -> Adapter:
-        return self
-
     # -- identity ------------------------------------------------------------------
     def __repr__(self) -> str:
         return f"<{type(self).__name__} backend={self.backend!r} stack={' > '.join(self.stack)}>"
@@ -92,10 +86,6 @@ class Adapter(Handle):
 
     def __hash__(self) -> int:
         return hash((self.name, id(self._module)))
-
-    # -- the forward path ----------------------------------------------------------
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._module(*args, **kwargs)
 
     # -- read-only protocol ----------------------------------------------------------
     @property
@@ -210,46 +200,7 @@ class Adapter(Handle):
                 total += storage.nbytes()
         return total
 
-    # -- weights in and out (state_dict.py, checkpoint.py, sync.py) ----------------
-    def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:
-        """Every parameter and persistent buffer under canonical names, as CPU tensors.
-
-        Collective: every rank calls it; with ``rank0_only`` the other ranks get ``{}``.
-        ``merge_adapters`` folds LoRA adapters into the base weights (base model's names)
-        without changing the live model.
-        """
-        from ..state_dict import full_state_dict
-
-        return full_state_dict(self, rank0_only, merge_adapters=merge_adapters)
-
-    def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Load a full, canonically named state dict (the same on every rank); checks everything first."""
-        from ..state_dict import load_full_state_dict
-
-        load_full_state_dict(self, sd, strict)
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write one safetensors file atomically from rank 0 (temp file, fsync, rename). Collective."""
-        from ..checkpoint import save
-
-        save(self, path)
-
-    def load(self, path: str | os.PathLike[str], strict: bool = True) -> None:
-        """Load a safetensors file written by ``save`` (every rank reads it). Collective."""
-        from ..checkpoint import load
-
-        load(self, path, strict)
-
-    def copy_to(self, target: Any, alpha: float = 1.0) -> None:
-        """``target = alpha*self + (1-alpha)*target``, by canonical name, any backend to any backend."""
-        from ..sync import copy_to
-
-        if not isinstance(target, Handle):
-            raise UnsupportedModelError(
-                f"copy_to needs a WrappedModel target, got {type(target).__name__}; pass adapt(target)."
-            )
-        copy_to(self, target._as_adapter("copy_to into it"), alpha)
-
+    # -- primitives (adapters/_primitives.py) ---------------------------------------
     def full_shapes(self) -> dict[int, tuple[int, ...]]:
         """id(parameter) -> full shape, for parameters whose local tensor is only a shard."""
         return {}
@@ -275,45 +226,6 @@ class Adapter(Handle):
         so weights can be synced between them shard to shard, with no communication. ``None``: no
         per-parameter shards (unsharded, or FSDP1's flat parameters)."""
         return None
-
-    # -- full parameters: gathered / generation / named_full_parameters (full_parameters.py) --
-    def gathered(self, modifier_rank: int | None = None) -> AbstractContextManager[torch.nn.Module]:
-        """Yield ``unwrap()`` holding the full parameters on every rank. Collective.
-
-        The module runs as a plain module inside (no FSDP/ZeRO-3 hooks in the call
-        path), for reading, inference or in-place writes; not for backward. With
-        ``modifier_rank=r``, in-place writes made on rank ``r`` reach every rank's
-        weights (shards, replicas and optimizer master copies) on normal exit; without
-        it, writes are discarded on sharded backends and must not be relied on
-        anywhere. If the body raises on any rank, writes are discarded everywhere.
-        Every submodule's ``training`` flag is restored on exit.
-        """
-        from ..full_parameters import gathered
-
-        return gathered(self, modifier_rank)
-
-    def generation(self) -> AbstractContextManager[torch.nn.Module]:
-        """``gathered()`` plus eval mode, no autograd and gradient checkpointing off, for ``generate()``.
-
-        Collective. Inside, ``generate()`` runs at the unsharded model's speed on every
-        backend; entering costs one gather of the parameters. On exit,
-        normal or by exception, every submodule's ``training`` flag and checkpointing
-        setting are restored exactly; hooks and backend state were never changed.
-        """
-        from ..full_parameters import generation
-
-        return generation(self)
-
-    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(canonical_name, full tensor)`` for every parameter, gathering one at a time. Collective.
-
-        Names are the keys of ``unwrap().state_dict()`` without wrapper components,
-        tied parameters under each of their names. Every rank must consume the
-        iterator equally far. Tensors are detached, on the parameter's device; they
-        share storage with the live weights where those are already full, and are
-        fresh buffers otherwise: clone before writing into one.
-        """
-        return self.gather_each()
 
     def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(canonical name, full tensor)`` for every parameter, gathered one at a time."""
@@ -398,25 +310,7 @@ class Adapter(Handle):
         """Elements of the full parameter ``p`` is (a shard of)."""
         return p.numel()
 
-    # -- placement and freezing: place() / to_eval_frozen() (the work is done in placement.py) --
-    def place(self, device: torch.device | str | int | None = None) -> Self:
-        """Move this rank's parameters and shards to ``device`` (``None``: the compute device), keeping
-        the sharding; then verify every one of them. Call it on every rank of the group together.
-
-        Raises ``PlacementError`` naming the tensors that are elsewhere. Returns ``self``.
-        """
-        from ..placement import place
-
-        place(self, device)
-        return self
-
-    def to_eval_frozen(self) -> Adapter:
-        """Eval mode on every submodule, ``requires_grad=False`` on every parameter, placed on
-        ``self.device``. Sharded backends stay sharded; idempotent. Returns a ``WrappedModel``."""
-        from ..placement import to_eval_frozen
-
-        return to_eval_frozen(self)
-
+    # -- placement primitives (used by placement.py) ------------------------------------
     def frozen_form(self) -> Adapter:
         """The adapter a frozen copy of this model keeps: itself, or for a wrapper that only exists
         for training (DDP, DataParallel) the module inside it."""

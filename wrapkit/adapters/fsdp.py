@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .._agree import settle
-from .._gather import broadcast_
+from .._gather import broadcast_, bypassed
 from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import Adapter, move_buffers
@@ -160,7 +160,7 @@ class FSDPAdapter(Adapter):
         units = [u for u in self._units() if getattr(u, "_handle", None) is not None]
         if any(getattr(u._handle.flat_param, "_params", None) is None for u in units):
             # use_orig_params=False: the originals are not Parameters; gather the whole model.
-            with self.gathered() as inner:
+            with self.gather_full(None) as replace, bypassed(self.unwrap(), replace) as inner:
                 batch = [(canonical_name(n), p.detach().clone())
                          for n, p in inner.named_parameters(remove_duplicate=False)]
             yield from batch

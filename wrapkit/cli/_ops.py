@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .._registry import as_adapter
+
 __all__ = ["OPS", "Op"]
 
 Op = Callable[[Any, dict[str, Any]], None]
@@ -59,17 +61,18 @@ def _describe(wm: Any, ctx: dict[str, Any]) -> None:
 
 # -- placement and reference models ---------------------------------------------------
 def _on_device(wm: Any, what: str) -> None:
-    off = sorted({str(t.device) for _, t in wm.placement_tensors()} - {str(wm.device)})
+    off = sorted({str(t.device) for _, t in as_adapter(wm).placement_tensors()} - {str(wm.device)})
     assert not off, f"{what}: tensors on {off}, expected all on {wm.device}"
 
 
 def _place(wm: Any, ctx: dict[str, Any]) -> None:
-    before = {n: t.detach().cpu().clone() for n, t in wm.placement_tensors()}
+    before = {n: t.detach().cpu().clone() for n, t in as_adapter(wm).placement_tensors()}
     assert wm.place("cpu") is wm
-    assert all(t.device.type == "cpu" for _, t in wm.placement_tensors()), "offload left tensors off the CPU"
+    off = [n for n, t in as_adapter(wm).placement_tensors() if t.device.type != "cpu"]
+    assert not off, f"offload left tensors off the CPU: {off}"
     assert wm.place() is wm
     _on_device(wm, "place()")
-    after = {n: t.detach().cpu() for n, t in wm.placement_tensors()}
+    after = {n: t.detach().cpu() for n, t in as_adapter(wm).placement_tensors()}
     assert all(torch.equal(before[n], after[n]) for n in before if n in after), "the round trip changed values"
     _forward(wm, ctx)
 
@@ -78,13 +81,14 @@ def _to_eval_frozen(wm: Any, ctx: dict[str, Any]) -> None:
     from .._gather import restore_modes
 
     # Freezing works in place: the doctor's model gets its modes and flags back afterwards.
-    flags = [(p, p.requires_grad) for p in wm.frozen_parameters()]
+    flags = [(p, p.requires_grad) for p in as_adapter(wm).frozen_parameters()]
     modes = [(m, m.training) for m in wm.module.modules()]
     try:
         frozen = wm.to_eval_frozen()
         assert frozen.to_eval_frozen() is frozen, "not idempotent"
         assert not any(m.training for m in frozen.module.modules()), "a submodule is still in training mode"
-        assert not any(p.requires_grad for p in frozen.frozen_parameters()), "a parameter is still trainable"
+        trainable = [p for p in as_adapter(frozen).frozen_parameters() if p.requires_grad]
+        assert not trainable, "a parameter is still trainable"
         assert frozen.is_sharded == wm.is_sharded
         _on_device(frozen, "to_eval_frozen()")
         _forward(frozen, ctx)
@@ -96,7 +100,7 @@ def _to_eval_frozen(wm: Any, ctx: dict[str, Any]) -> None:
 
 def _prepare_reference(wm: Any, ctx: dict[str, Any]) -> None:
     from .._errors import ReferenceModelError
-    from ..reference import prepare_reference
+    from .._wrapped import prepare_reference
 
     ref = prepare_reference(wm.module, None)
     assert ref.is_sharded == wm.is_sharded, "the reference is not sharded the policy's way"
@@ -179,7 +183,7 @@ def _shared_tmpdir(wm: Any) -> str:
     import torch.distributed as dist
 
     obj = [tempfile.mkdtemp(prefix="wrapkit-doctor-") if wm.rank == 0 else ""]
-    if wm.distributed and dist.is_initialized():
+    if as_adapter(wm).distributed and dist.is_initialized():
         dist.broadcast_object_list(obj, src=0)
     return str(obj[0])
 
@@ -203,14 +207,14 @@ def _save_load(wm: Any, ctx: dict[str, Any]) -> None:
         wm.load(path)
         _assert_equal(wm.full_state_dict(rank0_only=False), original, "after load")
     finally:
-        if wm.distributed and dist.is_initialized():
+        if as_adapter(wm).distributed and dist.is_initialized():
             dist.barrier()
         if wm.rank == 0:
             shutil.rmtree(directory, ignore_errors=True)
 
 
 def _copy_to(wm: Any, ctx: dict[str, Any]) -> None:
-    from .._registry import adapt
+    from .._wrapped import adapt
 
     original = wm.full_state_dict(rank0_only=False)
     other = adapt(_fresh_model(ctx, 1))

@@ -48,7 +48,7 @@ def _barrier() -> None:
 
 def setup_backend(backend: str, use_llama: bool, device: str = "cpu") -> list[Any]:
     """Worker side: wrap the model with ``backend``; returns ``[ok, ms, error]`` for the adapt column."""
-    from .._registry import adapt
+    from .._wrapped import adapt
 
     if device == "cuda":
         # Each rank computes on its own GPU (the worker made it current).

@@ -35,7 +35,9 @@ from .._errors import ReferenceModelError
 from .._gather import generation_modes, set_modes
 from .._imports import require
 from .._registry import as_adapter
+from .._wrapped import adapt
 from ..adapters import Adapter
+from ..placement import place
 from ..wrapping import bare_module, config_dtype, inference_ds_config, shard_fsdp2, wrap_fsdp1
 
 __all__ = [
@@ -143,7 +145,7 @@ def unwrap_model_for_generation(
     generation config are restored exactly, so ``gradient_checkpointing_kwargs`` is accepted for
     TRL compatibility but not needed.
     """
-    wm = as_adapter(model)
+    wm = adapt(model)
     if gather_deepspeed3_params or not (wm.backend == "deepspeed" and wm.zero_stage == 3):
         with wm.generation() as inner, _generation_config(inner, generation_kwargs):
             yield inner
@@ -235,7 +237,7 @@ def _for_inference(wm: Adapter) -> torch.nn.Module:
     Not frozen, unlike ``prepare_reference``: TRL also passes the policy itself through
     ``prepare_deepspeed`` (DPO/KTO precomputing reference log-probs), and that one must keep training.
     TRL runs these models under ``torch.no_grad()``, so nothing is lost."""
-    wm.place()
+    place(wm)
     set_modes(wm.module, False)  # also reaches modules whose train() override skips children
     return wm.module
 

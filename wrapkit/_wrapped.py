@@ -1,0 +1,239 @@
+"""The public layer: the ``WrappedModel`` that ``adapt()`` and ``prepare_reference()`` hand out.
+
+``Wrapped`` is composed over a backend adapter (detection, ``_registry``) and is the only
+place where the protocol meets the operation modules: each of its methods is a one-line
+call into one of them. The adapter below knows its backend's primitives and nothing of the
+operations, so no layer imports one above it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
+from typing import Any, cast
+
+import torch
+
+from . import checkpoint, full_parameters, placement, reference, state_dict, sync
+from ._protocol import Handle, WrappedModel
+from ._registry import as_adapter, copy_target
+from .adapters import Adapter
+
+__all__ = ["Wrapped", "adapt", "prepare_reference"]
+
+
+class Wrapped(Handle):
+    """A model and the backend that wraps it, behind the ``WrappedModel`` protocol.
+
+    ``wm(...)`` is ``wm.module(...)``; the backend's own objects are never replaced.
+    """
+
+    __slots__ = ("_adapter",)
+
+    def __init__(self, adapter: Adapter) -> None:
+        self._adapter = adapter
+
+    def _as_adapter(self, purpose: str) -> Adapter:
+        return self._adapter
+
+    # -- identity ------------------------------------------------------------------
+    def __repr__(self) -> str:
+        a = self._adapter
+        return f"<{type(a).__name__} backend={a.backend!r} stack={' > '.join(a.stack)}>"
+
+    def __eq__(self, other: object) -> bool:
+        # Same backend over the same object: a frozen DDP model's plain form equals adapt() of its module.
+        return isinstance(other, Wrapped) and other._adapter == self._adapter
+
+    def __hash__(self) -> int:
+        return hash(self._adapter)
+
+    # -- the forward path ----------------------------------------------------------
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._adapter.module(*args, **kwargs)
+
+    # -- read-only -------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        return self._adapter.backend
+
+    @property
+    def backend_object(self) -> torch.nn.Module | None:
+        """The native wrapper object (DDP, FSDP root, DeepSpeed engine, FSDP2 root module), or None."""
+        return self._adapter.backend_object
+
+    @property
+    def stack(self) -> tuple[str, ...]:
+        return self._adapter.stack
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self._adapter.module
+
+    @property
+    def config(self) -> Any:
+        return self._adapter.config
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self._adapter.is_encoder_decoder
+
+    @property
+    def device(self) -> torch.device:
+        return self._adapter.device
+
+    @property
+    def zero_stage(self) -> int | None:
+        return self._adapter.zero_stage
+
+    @property
+    def is_sharded(self) -> bool:
+        return self._adapter.is_sharded
+
+    @property
+    def world_size(self) -> int:
+        return self._adapter.world_size
+
+    @property
+    def rank(self) -> int:
+        return self._adapter.rank
+
+    def mesh(self) -> Any:
+        """The device mesh the model is sharded over (FSDP2), else None."""
+        return self._adapter.mesh()
+
+    def unwrap(self, keep_peft: bool = True, keep_compile: bool = False) -> torch.nn.Module:
+        """The innermost model, optionally stopping at a PEFT or compile layer.
+
+        A compile layer *outside* a backend wrapper (``compile(DDP(model))``) is always
+        peeled: keeping it would mean keeping the wrapper too.
+        """
+        return self._adapter.unwrap(keep_peft, keep_compile)
+
+    def num_parameters(self, trainable_only: bool = False) -> int:
+        """Global parameter count, shared (tied) parameters counted once."""
+        return self._adapter.num_parameters(trainable_only)
+
+    def resident_parameter_bytes(self) -> int:
+        """Bytes of parameter storage this rank holds right now (its shards, plus anything
+        currently gathered); no collective. Tied parameters count once."""
+        return self._adapter.resident_parameter_bytes()
+
+    def describe(self) -> str:
+        """A human-readable multi-line summary."""
+        return self._adapter.describe()
+
+    # -- placement and freezing (placement.py) -------------------------------------------
+    def place(self, device: torch.device | str | int | None = None) -> Wrapped:
+        """Move this rank's parameters and shards to ``device`` (``None``: the compute device), keeping
+        the sharding; then verify every one of them. Call it on every rank of the group together.
+
+        Raises ``PlacementError`` naming the tensors that are elsewhere. Returns ``self``.
+        """
+        placement.place(self._adapter, device)
+        return self
+
+    def to_eval_frozen(self) -> Wrapped:
+        """Eval mode on every submodule, ``requires_grad=False`` on every parameter, placed on
+        ``self.device``. Sharded backends stay sharded; idempotent. Returns a ``WrappedModel``."""
+        frozen = placement.to_eval_frozen(self._adapter)
+        return self if frozen is self._adapter else Wrapped(frozen)
+
+    # -- full parameters (full_parameters.py) --------------------------------------------
+    def gathered(self, modifier_rank: int | None = None) -> AbstractContextManager[torch.nn.Module]:
+        """Yield ``unwrap()`` holding the full parameters on every rank. Collective.
+
+        The module runs as a plain module inside (no FSDP/ZeRO-3 hooks in the call
+        path), for reading, inference or in-place writes; not for backward. With
+        ``modifier_rank=r``, in-place writes made on rank ``r`` reach every rank's
+        weights (shards, replicas and optimizer master copies) on normal exit; without
+        it, writes are discarded on sharded backends and must not be relied on
+        anywhere. If the body raises on any rank, writes are discarded everywhere.
+        Every submodule's ``training`` flag is restored on exit.
+        """
+        return full_parameters.gathered(self._adapter, modifier_rank)
+
+    def generation(self) -> AbstractContextManager[torch.nn.Module]:
+        """``gathered()`` plus eval mode, no autograd and gradient checkpointing off, for ``generate()``.
+
+        Collective. Inside, ``generate()`` runs at the unsharded model's speed on every
+        backend; entering costs one gather of the parameters. On exit,
+        normal or by exception, every submodule's ``training`` flag and checkpointing
+        setting are restored exactly; hooks and backend state were never changed.
+        """
+        return full_parameters.generation(self._adapter)
+
+    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(canonical_name, full tensor)`` for every parameter, gathering one at a time. Collective.
+
+        Names are the keys of ``unwrap().state_dict()`` without wrapper components,
+        tied parameters under each of their names. Every rank must consume the
+        iterator equally far. Tensors are detached, on the parameter's device; they
+        share storage with the live weights where those are already full, and are
+        fresh buffers otherwise: clone before writing into one.
+        """
+        return self._adapter.gather_each()
+
+    # -- weights in and out (state_dict.py, checkpoint.py, sync.py) ----------------
+    def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:
+        """Every parameter and persistent buffer under canonical names, as CPU tensors.
+
+        Collective: every rank calls it; with ``rank0_only`` the other ranks get ``{}``.
+        ``merge_adapters`` folds LoRA adapters into the base weights (base model's names)
+        without changing the live model.
+        """
+        return state_dict.full_state_dict(self._adapter, rank0_only, merge_adapters=merge_adapters)
+
+    def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Load a full, canonically named state dict (the same on every rank); checks everything first."""
+        state_dict.load_full_state_dict(self._adapter, sd, strict)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write one safetensors file atomically from rank 0 (temp file, fsync, rename). Collective."""
+        checkpoint.save(self._adapter, path)
+
+    def load(self, path: str | os.PathLike[str], strict: bool = True) -> None:
+        """Load a safetensors file written by ``save`` (every rank reads it). Collective."""
+        checkpoint.load(self._adapter, path, strict)
+
+    def copy_to(self, target: Any, alpha: float = 1.0) -> None:
+        """``target = alpha*self + (1-alpha)*target``, by canonical name, any backend to any backend."""
+        sync.copy_to(self._adapter, copy_target(target), alpha)
+
+
+def public(handle: Adapter | Handle) -> WrappedModel:
+    """What the public API hands out for ``handle``: a view as it is, an adapter wrapped."""
+    return cast(WrappedModel, Wrapped(handle) if isinstance(handle, Adapter) else handle)
+
+
+def adapt(model: Any) -> WrappedModel:
+    """Return the ``WrappedModel`` for ``model``: any ``nn.Module``, any supported
+    wrapper around one, or a ``WrappedModel`` (returned as is)."""
+    if isinstance(model, Handle):
+        # Wrapped and views fulfil the protocol; mypy cannot see it through the common base.
+        return cast(WrappedModel, model)
+    return public(as_adapter(model))
+
+
+def prepare_reference(policy: Any, ref_model: Any = None, *,
+                      ds_config: dict[str, Any] | None = None) -> WrappedModel:
+    """A frozen reference for ``policy``, sharded and placed as the policy is. Call on every rank.
+
+    ZeRO-3 gives a DeepSpeed inference engine at stage 3 (the policy's config without
+    optimizer, scheduler and optimizer offload; ``ds_config`` is merged over it); ZeRO-0/1/2
+    an unsharded module in the engine's compute dtype; FSDP1/FSDP2 a model wrapped per
+    transformer block with the policy's group or mesh and mixed precision; DDP,
+    DataParallel and plain the bare module. All on the policy's compute device.
+
+    ``ref_model=None``: a PEFT policy whose only trainable parameters are its adapters gets an
+    adapter-disabled view (no parameter memory); any other policy a fresh frozen copy of its
+    current weights. A ``ref_model`` that is the policy or shares its parameters is refused
+    with ``ReferenceModelError``.
+    """
+    return public(reference.build_reference(policy, ref_model, ds_config=ds_config))
+
+
+def _conforms(wm: Wrapped) -> WrappedModel:
+    """Checked by mypy: ``Wrapped`` implements the protocol."""
+    return wm
