@@ -16,8 +16,46 @@ __all__ = ["WrappedModel", "Handle"]
 
 
 class Handle:
-    """Base of the package's own ``WrappedModel`` classes: the backend adapters, and views
-    composed over one (the PEFT reference view). ``adapt()`` returns a ``Handle`` as it is."""
+    """Base of the package's own ``WrappedModel`` classes: the public model over a backend
+    adapter, and views composed over one (the PEFT reference view). ``adapt()`` returns a
+    ``Handle`` as it is.
+
+    The read-only members below are the adapter's own: a view changes what runs, never
+    the backend, group or device it runs on."""
+
+    _below: Adapter  # the backend adapter this handle is composed over
+
+    @property
+    def backend(self) -> str:
+        return self._below.backend
+
+    @property
+    def config(self) -> Any:
+        return self._below.config
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return self._below.is_encoder_decoder
+
+    @property
+    def device(self) -> torch.device:
+        return self._below.device
+
+    @property
+    def zero_stage(self) -> int | None:
+        return self._below.zero_stage
+
+    @property
+    def is_sharded(self) -> bool:
+        return self._below.is_sharded
+
+    @property
+    def world_size(self) -> int:
+        return self._below.world_size
+
+    @property
+    def rank(self) -> int:
+        return self._below.rank
 
     def _as_adapter(self, purpose: str) -> Adapter:
         """The adapter to run ``purpose`` (e.g. "copy_to into it") on; a view that cannot

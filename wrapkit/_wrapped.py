@@ -29,79 +29,45 @@ class Wrapped(Handle):
     ``wm(...)`` is ``wm.module(...)``; the backend's own objects are never replaced.
     """
 
-    __slots__ = ("_adapter",)
-
     def __init__(self, adapter: Adapter) -> None:
-        self._adapter = adapter
+        self._below = adapter
 
     def _as_adapter(self, purpose: str) -> Adapter:
-        return self._adapter
+        return self._below
 
     # -- identity ------------------------------------------------------------------
     def __repr__(self) -> str:
-        a = self._adapter
+        a = self._below
         return f"<{type(a).__name__} backend={a.backend!r} stack={' > '.join(a.stack)}>"
 
     def __eq__(self, other: object) -> bool:
         # Same backend over the same object: a frozen DDP model's plain form equals adapt() of its module.
-        return isinstance(other, Wrapped) and other._adapter == self._adapter
+        return isinstance(other, Wrapped) and other._below == self._below
 
     def __hash__(self) -> int:
-        return hash(self._adapter)
+        return hash(self._below)
 
     # -- the forward path ----------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._adapter.module(*args, **kwargs)
+        return self._below.module(*args, **kwargs)
 
     # -- read-only -------------------------------------------------------------------
     @property
-    def backend(self) -> str:
-        return self._adapter.backend
-
-    @property
     def backend_object(self) -> torch.nn.Module | None:
         """The native wrapper object (DDP, FSDP root, DeepSpeed engine, FSDP2 root module), or None."""
-        return self._adapter.backend_object
+        return self._below.backend_object
 
     @property
     def stack(self) -> tuple[str, ...]:
-        return self._adapter.stack
+        return self._below.stack
 
     @property
     def module(self) -> torch.nn.Module:
-        return self._adapter.module
-
-    @property
-    def config(self) -> Any:
-        return self._adapter.config
-
-    @property
-    def is_encoder_decoder(self) -> bool:
-        return self._adapter.is_encoder_decoder
-
-    @property
-    def device(self) -> torch.device:
-        return self._adapter.device
-
-    @property
-    def zero_stage(self) -> int | None:
-        return self._adapter.zero_stage
-
-    @property
-    def is_sharded(self) -> bool:
-        return self._adapter.is_sharded
-
-    @property
-    def world_size(self) -> int:
-        return self._adapter.world_size
-
-    @property
-    def rank(self) -> int:
-        return self._adapter.rank
+        return self._below.module
 
     def mesh(self) -> Any:
         """The device mesh the model is sharded over (FSDP2), else None."""
-        return self._adapter.mesh()
+        return self._below.mesh()
 
     def unwrap(self, keep_peft: bool = True, keep_compile: bool = False) -> torch.nn.Module:
         """The innermost model, optionally stopping at a PEFT or compile layer.
@@ -109,20 +75,20 @@ class Wrapped(Handle):
         A compile layer *outside* a backend wrapper (``compile(DDP(model))``) is always
         peeled: keeping it would mean keeping the wrapper too.
         """
-        return self._adapter.unwrap(keep_peft, keep_compile)
+        return self._below.unwrap(keep_peft, keep_compile)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Global parameter count, shared (tied) parameters counted once."""
-        return self._adapter.num_parameters(trainable_only)
+        return self._below.num_parameters(trainable_only)
 
     def resident_parameter_bytes(self) -> int:
         """Bytes of parameter storage this rank holds right now (its shards, plus anything
         currently gathered); no collective. Tied parameters count once."""
-        return self._adapter.resident_parameter_bytes()
+        return self._below.resident_parameter_bytes()
 
     def describe(self) -> str:
         """A human-readable multi-line summary."""
-        return self._adapter.describe()
+        return self._below.describe()
 
     # -- placement and freezing (placement.py) -------------------------------------------
     def place(self, device: torch.device | str | int | None = None) -> Wrapped:
@@ -131,14 +97,14 @@ class Wrapped(Handle):
 
         Raises ``PlacementError`` naming the tensors that are elsewhere. Returns ``self``.
         """
-        placement.place(self._adapter, device)
+        placement.place(self._below, device)
         return self
 
     def to_eval_frozen(self) -> Wrapped:
         """Eval mode on every submodule, ``requires_grad=False`` on every parameter, placed on
         ``self.device``. Sharded backends stay sharded; idempotent. Returns a ``WrappedModel``."""
-        frozen = placement.to_eval_frozen(self._adapter)
-        return self if frozen is self._adapter else Wrapped(frozen)
+        frozen = placement.to_eval_frozen(self._below)
+        return self if frozen is self._below else Wrapped(frozen)
 
     # -- full parameters (full_parameters.py) --------------------------------------------
     def gathered(self, modifier_rank: int | None = None) -> AbstractContextManager[torch.nn.Module]:
@@ -152,7 +118,7 @@ class Wrapped(Handle):
         anywhere. If the body raises on any rank, writes are discarded everywhere.
         Every submodule's ``training`` flag is restored on exit.
         """
-        return full_parameters.gathered(self._adapter, modifier_rank)
+        return full_parameters.gathered(self._below, modifier_rank)
 
     def generation(self) -> AbstractContextManager[torch.nn.Module]:
         """``gathered()`` plus eval mode, no autograd and gradient checkpointing off, for ``generate()``.
@@ -162,7 +128,7 @@ class Wrapped(Handle):
         normal or by exception, every submodule's ``training`` flag and checkpointing
         setting are restored exactly; hooks and backend state were never changed.
         """
-        return full_parameters.generation(self._adapter)
+        return full_parameters.generation(self._below)
 
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(canonical_name, full tensor)`` for every parameter, gathering one at a time. Collective.
@@ -173,7 +139,7 @@ class Wrapped(Handle):
         share storage with the live weights where those are already full, and are
         fresh buffers otherwise: clone before writing into one.
         """
-        return self._adapter.gather_each()
+        return self._below.gather_each()
 
     # -- weights in and out (state_dict.py, checkpoint.py, sync.py) ----------------
     def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:
@@ -183,23 +149,23 @@ class Wrapped(Handle):
         ``merge_adapters`` folds LoRA adapters into the base weights (base model's names)
         without changing the live model.
         """
-        return state_dict.full_state_dict(self._adapter, rank0_only, merge_adapters=merge_adapters)
+        return state_dict.full_state_dict(self._below, rank0_only, merge_adapters=merge_adapters)
 
     def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load a full, canonically named state dict (the same on every rank); checks everything first."""
-        state_dict.load_full_state_dict(self._adapter, sd, strict)
+        state_dict.load_full_state_dict(self._below, sd, strict)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write one safetensors file atomically from rank 0 (temp file, fsync, rename). Collective."""
-        checkpoint.save(self._adapter, path)
+        checkpoint.save(self._below, path)
 
     def load(self, path: str | os.PathLike[str], strict: bool = True) -> None:
         """Load a safetensors file written by ``save`` (every rank reads it). Collective."""
-        checkpoint.load(self._adapter, path, strict)
+        checkpoint.load(self._below, path, strict)
 
     def copy_to(self, target: Any, alpha: float = 1.0) -> None:
         """``target = alpha*self + (1-alpha)*target``, by canonical name, any backend to any backend."""
-        sync.copy_to(self._adapter, copy_target(target), alpha)
+        sync.copy_to(self._below, copy_target(target), alpha)
 
 
 def public(handle: Adapter | Handle) -> WrappedModel:

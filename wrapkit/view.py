@@ -50,6 +50,7 @@ class AdapterDisabledView(Handle):
 
     def __init__(self, policy: Adapter) -> None:
         self._policy = policy
+        self._below = policy
         self._view_module = _ViewModule(policy)
 
     def _as_adapter(self, purpose: str) -> Adapter:
@@ -70,44 +71,12 @@ class AdapterDisabledView(Handle):
 
     # -- read-only protocol: the policy's, as a frozen base model -------------------
     @property
-    def backend(self) -> str:
-        return self._policy.backend
-
-    @property
     def stack(self) -> tuple[str, ...]:
         return (self.name, *self._policy.stack)
 
     @property
     def module(self) -> torch.nn.Module:
         return self._view_module
-
-    @property
-    def config(self) -> Any:
-        return self._policy.config
-
-    @property
-    def is_encoder_decoder(self) -> bool:
-        return self._policy.is_encoder_decoder
-
-    @property
-    def device(self) -> torch.device:
-        return self._policy.device
-
-    @property
-    def zero_stage(self) -> int | None:
-        return self._policy.zero_stage
-
-    @property
-    def is_sharded(self) -> bool:
-        return self._policy.is_sharded
-
-    @property
-    def world_size(self) -> int:
-        return self._policy.world_size
-
-    @property
-    def rank(self) -> int:
-        return self._policy.rank
 
     def unwrap(self, keep_peft: bool = True, keep_compile: bool = False) -> torch.nn.Module:
         """The policy's module (the adapters are off only inside this view's calls)."""
