@@ -23,13 +23,15 @@ def _times(backend: str, reps: int) -> tuple[list[float], list[float]]:
     import torch.distributed as dist
 
     import wrapkit
+    from wrapkit._registry import as_adapter
     from wrapkit.cli._models import build, tiny_llama
 
     policy = wrapkit.adapt(build(backend, model=tiny_llama(0, layers=8, hidden=256, vocab=1024)))
     # The usual target: a frozen reference prepared the way the policy is sharded.
     ref = wrapkit.prepare_reference(policy, tiny_llama(1, layers=8, hidden=256, vocab=1024))
-    shards = ref.local_shards()
-    sources = policy.local_shards()
+    # The primitives are the adapter's, below the public handle.
+    shards = as_adapter(ref).local_shards()
+    sources = as_adapter(policy).local_shards()
     assert shards is not None and sources is not None
     pairs = [(shards[k][0], sources[k][0]) for k in shards]
 
