@@ -21,6 +21,14 @@ def group() -> Iterator[WorkerGroup]:
 
 
 @pytest.fixture(scope="session")
+def group4() -> Iterator[WorkerGroup]:
+    """Four gloo ranks, standing in for two nodes of two devices (the multi-node layouts)."""
+    g = WorkerGroup(world_size=4, backend="gloo", preload=PRELOAD)
+    yield g
+    g.close()
+
+
+@pytest.fixture(scope="session")
 def gpu_group() -> Iterator[WorkerGroup]:
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if n < 1:

@@ -42,27 +42,38 @@ def _flag_device(group: Any) -> torch.device:
     return torch.device("cpu")
 
 
-def agree_flags(flags: Sequence[bool], group: Any, world_size: int | None = None) -> list[bool]:
-    """Each flag OR-ed over the ranks of ``group``, all in one all-reduce."""
+def _max_over(t: torch.Tensor, group: Any, replicas: Sequence[Any]) -> None:
+    """All-reduce MAX over ``group``, then over each replica group: the maximum over every rank
+    that holds a copy of the model (a 2-D layout's rows, then its columns)."""
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    for replica_group in replicas:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=replica_group)
+
+
+def agree_flags(flags: Sequence[bool], group: Any, world_size: int | None = None,
+                replicas: Sequence[Any] = ()) -> list[bool]:
+    """Each flag OR-ed over the ranks of ``group`` (and of ``replicas``), all in one all-reduce per group."""
     if not is_distributed(world_size, group):
         return list(flags)
     t = torch.tensor([int(f) for f in flags], device=_flag_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    _max_over(t, group, replicas)
     return [bool(x) for x in t.tolist()]
 
 
-def agree_any(flag: bool, group: Any, world_size: int | None = None) -> bool:
+def agree_any(flag: bool, group: Any, world_size: int | None = None, replicas: Sequence[Any] = ()) -> bool:
     """True on every rank when ``flag`` is true on any rank of ``group`` (one all-reduce)."""
-    return agree_flags([flag], group, world_size)[0]
+    return agree_flags([flag], group, world_size, replicas)[0]
 
 
 @contextlib.contextmanager
-def settle(on_exit: Callable[[bool], None], agree: bool, group: Any, world_size: int) -> Iterator[None]:
+def settle(on_exit: Callable[[bool], None], agree: bool, group: Any, world_size: int,
+           replicas: Sequence[Any] = ()) -> Iterator[None]:
     """Run the body, then ``on_exit(failed)``, exception or not.
 
     ``failed`` says whether the body raised; with ``agree`` it says whether it raised on
     any rank, which costs one collective that every rank enters (so a write-back is done
-    everywhere or nowhere)."""
+    everywhere or nowhere). ``replicas``: the groups across copies of a replicated, sharded
+    model (HSDP), whose write-back crosses them too."""
     failed = False
     try:
         yield
@@ -71,18 +82,19 @@ def settle(on_exit: Callable[[bool], None], agree: bool, group: Any, world_size:
         raise
     finally:
         if agree:
-            failed = agree_any(failed, group, world_size)
+            failed = agree_any(failed, group, world_size, replicas)
         on_exit(failed)
 
 
-def check_modifier_rank(modifier_rank: int | None, world_size: int, group: Any) -> None:
+def check_modifier_rank(modifier_rank: int | None, world_size: int, group: Any,
+                        replicas: Sequence[Any] = ()) -> None:
     """Refuse, on every rank alike, a ``modifier_rank`` that is out of range or differs across ranks."""
     bad = modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world_size)
     value = -1 if modifier_rank is None or bad else int(modifier_rank)
     if is_distributed(world_size):
         # [any bad, max value, -min value] in one collective, before any other collective starts.
         t = torch.tensor([int(bad), value, -value], device=_flag_device(group))
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        _max_over(t, group, replicas)
         any_bad, differs = bool(t[0].item()), int(t[1].item()) != -int(t[2].item())
     else:
         any_bad, differs = bad, False

@@ -27,7 +27,7 @@ __all__ = ["gathered", "generation"]
 @contextlib.contextmanager
 def gathered(wm: Adapter, modifier_rank: int | None = None) -> Iterator[torch.nn.Module]:
     """``wm.unwrap()`` holding the full parameters on every rank; see ``WrappedModel.gathered``."""
-    check_modifier_rank(modifier_rank, wm.world_size, wm.process_group())
+    check_modifier_rank(modifier_rank, wm.world_size, wm.process_group(), wm.replica_groups())
     # Modes are restored too: code inside often calls eval() to run the model and forgets train().
     modes = [(m, m.training) for m in wm.module.modules()]
     try:

@@ -82,13 +82,19 @@ def fully_shard_per_block(module: torch.nn.Module, mesh: Any, **kwargs: Any) -> 
 
 def fsdp1_like(pol: Adapter, module: torch.nn.Module, init_on: torch.device | None) -> Adapter:
     root: Any = pol.backend_object
+    groups: dict[str, Any] = {"process_group": pol.process_group()}
+    replicas = pol.replica_groups()
+    if replicas:
+        # HYBRID_SHARD takes its two groups together: the mesh it was given, or (shard, replicate).
+        mesh = getattr(root, "_device_mesh", None)
+        groups = {"device_mesh": mesh} if mesh is not None else {"process_group": (groups["process_group"], *replicas)}
     return wrap_fsdp1(
         module,
         device=pol.device,
-        process_group=pol.process_group(),
         sharding_strategy=getattr(root, "sharding_strategy", None),
         mixed_precision=getattr(root, "mixed_precision", None),
         init_on=init_on,
+        **groups,
     )
 
 

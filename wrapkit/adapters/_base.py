@@ -270,6 +270,9 @@ class Adapter:
         (``None``: the default group). DDP and FSDP1 keep it as ``process_group``."""
         return getattr(self._backend_obj, "process_group", None)
 
+    def replica_groups(self) -> list[Any]:
+        return []
+
     def _check_group(self) -> None:
         if not self.distributed:
             return

@@ -36,6 +36,10 @@ class BackendPrimitives(Protocol):
         """The group the model is replicated or sharded over (None: the default group)."""
         ...
 
+    def replica_groups(self) -> list[Any]:
+        """The groups across the copies of a model sharded within each copy (HSDP), else empty."""
+        ...
+
     def mesh(self) -> Any:
         """The device mesh the model is sharded over (FSDP2), else None."""
         ...

@@ -45,6 +45,27 @@ class FSDPAdapter(Adapter):
             if handle is not None:
                 yield handle.flat_param
 
+    def replica_groups(self) -> list[Any]:
+        # HYBRID_SHARD and _HYBRID_SHARD_ZERO2 shard within ``process_group`` and replicate
+        # across this one (FSDP1 keeps it on the root; other strategies never set it).
+        strategy = getattr(getattr(self._backend_obj, "sharding_strategy", None), "name", "")
+        group = getattr(self._backend_obj, "_inter_node_pg", None)
+        return [group] if "HYBRID" in strategy and group is not None else []
+
+    def _compute_dtypes(self) -> dict[int, torch.dtype]:
+        """id(module) -> the dtype its FSDP unit computes in (``MixedPrecision.param_dtype``),
+        for the modules whose unit computes in another dtype than it stores."""
+        out: dict[int, torch.dtype] = {}
+        for unit in self._units():  # outermost first: an inner unit overrides its parent
+            handle = getattr(unit, "_handle", None)
+            flat = getattr(handle, "flat_param", None)
+            dtype = getattr(handle, "_fwd_bwd_param_dtype", None)
+            if flat is None or dtype is None or dtype == flat.dtype:
+                continue
+            for m in unit._fsdp_wrapped_module.modules():
+                out[id(m)] = dtype
+        return out
+
     @property
     def device(self) -> torch.device:
         dev = getattr(self._backend_obj, "compute_device", None)
@@ -130,17 +151,37 @@ class FSDPAdapter(Adapter):
         saved = [f.detach().clone() for f in flats] if modifier_rank is not None else []
         outcome = {"failed": False}
 
+        replicas = self.replica_groups()
+
         def before_writeback(failed: bool) -> None:
             outcome["failed"] = failed
             if modifier_rank is not None and not failed:
-                broadcast_(list(self._unique_parameters()), modifier_rank, group, self.world_size)
+                params = list(self._unique_parameters())
+                broadcast_(params, modifier_rank, group, self.world_size)
+                # HYBRID_SHARD: the first replica's values go to every replica, so the copies stay equal.
+                for replica_group in replicas:
+                    broadcast_(params, 0, replica_group, self.world_size)
+
+        # summon_full_params gives the stored (full-precision) values; a forward under
+        # MixedPrecision computes with them cast to param_dtype, and so does a reader here.
+        # A writer (modifier_rank) gets the stored values, so that its writes are kept exactly.
+        dtypes = self._compute_dtypes() if modifier_rank is None else {}
+        cast: dict[int, torch.nn.Parameter] = {}
+
+        def replace(mod: torch.nn.Module, name: str, p: torch.Tensor) -> torch.Tensor | None:
+            dtype = dtypes.get(id(mod))
+            if dtype is None or not p.is_floating_point() or p.dtype == dtype:
+                return None
+            if id(p) not in cast:
+                cast[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
+            return cast[id(p)]
 
         try:
             assert self._backend_obj is not None
             with FullyShardedDataParallel.summon_full_params(
                 self._backend_obj, recurse=True, writeback=modifier_rank is not None
-            ), settle(before_writeback, modifier_rank is not None, group, self.world_size):
-                yield None
+            ), settle(before_writeback, modifier_rank is not None, group, self.world_size, replicas):
+                yield replace if dtypes else None
         finally:
             if modifier_rank is not None:
                 with torch.no_grad():

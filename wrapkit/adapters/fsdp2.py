@@ -30,6 +30,13 @@ class FSDP2Adapter(Adapter):
         return obj
 
     def mesh(self) -> Any:
+        # FSDP2's own record first: inside gathered() the module holds plain full copies, and
+        # a mesh read off the parameters would be gone (and rank/world_size with it).
+        for _, state in self._fsdp_states():
+            for group in getattr(state, "_fsdp_param_groups", ()):
+                mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
+                if mesh is not None:
+                    return mesh
         for p in self._innermost.parameters():
             mesh = getattr(p, "device_mesh", None)
             if mesh is not None:
@@ -42,6 +49,31 @@ class FSDP2Adapter(Adapter):
             return None
         # The shard dimension is the last one (HSDP puts replication first).
         return mesh.get_group(mesh.ndim - 1)
+
+    def replica_groups(self) -> list[Any]:
+        mesh = self.mesh()
+        return [] if mesh is None else [mesh.get_group(d) for d in range(mesh.ndim - 1)]
+
+    def _fsdp_states(self) -> Iterator[tuple[Any, Any]]:
+        """(module, its FSDP state) for every module ``fully_shard`` was applied to."""
+        fsdp_module = lookup("torch.distributed.fsdp", "FSDPModule")
+        for m in self.module.modules():
+            if fsdp_module is not None and isinstance(m, fsdp_module):
+                fsdp: Any = m
+                yield fsdp, fsdp._get_fsdp_state()
+
+    def _compute_dtypes(self) -> dict[int, torch.dtype]:
+        """id(sharded parameter) -> the ``param_dtype`` of its ``MixedPrecisionPolicy``, where
+        that is not its own dtype: what FSDP2 all-gathers it in and computes with."""
+        out: dict[int, torch.dtype] = {}
+        for _, state in self._fsdp_states():
+            for group in getattr(state, "_fsdp_param_groups", ()):
+                dtype = group.mp_policy.param_dtype
+                for fsdp_param in group.fsdp_params:
+                    p = fsdp_param.sharded_param
+                    if dtype is not None and p.is_floating_point() and p.dtype != dtype:
+                        out[id(p)] = dtype
+        return out
 
     @property
     def device(self) -> torch.device:
@@ -109,9 +141,17 @@ class FSDP2Adapter(Adapter):
     def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
         # Full copies of the DTensor shards are swapped in by ``bypassed``; FSDP2's own
         # unshard/reshard state machine is never involved, so nothing of it needs restoring.
+        # But FSDP2 leaves the root's parameters unsharded (and registered, in param_dtype)
+        # after a forward that no backward follows: reshard first, so that every parameter
+        # is a DTensor shard again and the copies all come from the same place.
+        for m, _ in self._fsdp_states():
+            m.reshard()
         group = self.process_group()
+        # Reading, the copies are in the dtype FSDP2's forward computes in; writing
+        # (modifier_rank), in the parameters' own dtype, so that the writes are kept exactly.
+        dtypes = self._compute_dtypes() if modifier_rank is None else {}
         copies: dict[int, tuple[Any, torch.nn.Parameter]] = {}
-        for p, full in _all_full(list(self._unique_parameters())):
+        for p, full in _all_full(list(self._unique_parameters()), dtypes):
             copies[id(p)] = (p, torch.nn.Parameter(full, requires_grad=p.requires_grad))
 
         def replace(mod: torch.nn.Module, name: str, p: torch.Tensor) -> torch.Tensor | None:
@@ -119,22 +159,19 @@ class FSDP2Adapter(Adapter):
                 full = self.gather_one(p)
                 if full is p or full.data_ptr() == p.data_ptr():
                     return None
+                full = full.to(dtypes.get(id(p), full.dtype))
                 copies[id(p)] = (p, torch.nn.Parameter(full, requires_grad=p.requires_grad))
             return copies[id(p)][1]
 
         def finish(failed: bool) -> None:
             if modifier_rank is None or failed:
                 return  # the copies are dropped: the shards were never touched
-            from torch.distributed.tensor import distribute_tensor
-
-            src = dist.get_global_rank(group, modifier_rank) if group is not None else modifier_rank
             with torch.no_grad():
                 for p, full in copies.values():
-                    local = distribute_tensor(full.detach(), p.device_mesh, p.placements, src_data_rank=src)
-                    p.to_local().copy_(local.to_local())
+                    _write_back(p, full.detach(), modifier_rank)
             self.weights_written()
 
-        with settle(finish, modifier_rank is not None, group, self.world_size):
+        with settle(finish, modifier_rank is not None, group, self.world_size, self.replica_groups()):
             yield replace
 
     # -- placement and freezing (place / to_eval_frozen) -------------------------------
@@ -146,21 +183,52 @@ class FSDP2Adapter(Adapter):
             yield (f"{name} (local shard)", local) if isinstance(local, torch.Tensor) else (name, t)
 
 
-def _all_full(params: list[Any]) -> list[tuple[Any, torch.Tensor]]:
-    """Full copies of every DTensor sharded as FSDP2 does (``Shard(0)`` on a 1-D mesh), in one all-gather.
+def _write_back(p: Any, full: torch.Tensor, modifier_rank: int) -> None:
+    """Put ``full``, as held by ``modifier_rank`` of the shard dimension, into DTensor ``p``'s shard
+    on every rank. Over a 2-D mesh (HSDP) the first replica's values go to every replica, so
+    the copies of the model stay equal whatever each replica's writer wrote."""
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = p.device_mesh
+    shard_dim = mesh.ndim - 1
+    group = mesh.get_group(shard_dim)
+    full = full.contiguous()
+    dist.broadcast(full, dist.get_global_rank(group, modifier_rank), group=group)
+    # Every rank now holds the same full tensor: each cuts out its own shard, no communication.
+    local = distribute_tensor(full, mesh, p.placements, src_data_rank=None).to_local().contiguous()
+    for dim in range(shard_dim):
+        replicas = mesh.get_group(dim)
+        dist.broadcast(local, dist.get_global_rank(replicas, 0), group=replicas)
+    p.to_local().copy_(local)
+
+
+def _all_full(params: list[Any], dtypes: dict[int, torch.dtype]) -> list[tuple[Any, torch.Tensor]]:
+    """Full copies of every DTensor sharded as FSDP2 does (``Shard(0)`` on the last mesh dimension,
+    replicated on the others), in one all-gather over the shard dimension, each in
+    ``dtypes[id(p)]`` (default: its own dtype). Casting before the gather, as FSDP2 does,
+    makes the copies exactly the parameters its forward computes with, and bf16 halves the bytes.
 
     One collective instead of one per parameter: on small models the per-call latency,
     not the bytes, dominates. Other layouts are left to ``full_tensor()`` one by one.
     """
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    todo = [p for p in params if isinstance(p, DTensor) and p.device_mesh.ndim == 1
-            and tuple(p.placements) == (Shard(0),) and p.dim() > 0]
+    def fsdp_layout(p: Any) -> bool:
+        places = tuple(p.placements)
+        return places[-1] == Shard(0) and all(x == Replicate() for x in places[:-1]) and p.dim() > 0
+
+    todo = [p for p in params if isinstance(p, DTensor) and fsdp_layout(p)]
     if not todo:
         return []
-    mesh, dtype, device = todo[0].device_mesh, todo[0].dtype, todo[0].to_local().device
-    todo = [p for p in todo if p.device_mesh == mesh and p.dtype == dtype and p.to_local().device == device]
-    world, me = mesh.size(), mesh.get_local_rank()
+
+    def gather_dtype(p: Any) -> torch.dtype:
+        own: torch.dtype = p.dtype
+        return dtypes.get(id(p), own)
+
+    mesh, dtype, device = todo[0].device_mesh, gather_dtype(todo[0]), todo[0].to_local().device
+    todo = [p for p in todo if p.device_mesh == mesh and gather_dtype(p) == dtype and p.to_local().device == device]
+    shard_dim = mesh.ndim - 1
+    world, me = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
     # torch.chunk semantics: every rank holds ceil(rows / world) rows but the last ones, maybe fewer or none.
     layout = []
     for p in todo:
@@ -175,11 +243,10 @@ def _all_full(params: list[Any]) -> list[tuple[Any, torch.Tensor]]:
             send[offset: offset + counts[me]].copy_(p.to_local().reshape(-1))
             offset += size
         recv = torch.empty(world * total, dtype=dtype, device=device)
-        dist.all_gather_into_tensor(recv, send, group=mesh.get_group(0))
+        dist.all_gather_into_tensor(recv, send, group=mesh.get_group(shard_dim))
         out, offset = [], 0
         for p, (size, counts) in zip(todo, layout, strict=True):
             pieces = [recv[k * total + offset: k * total + offset + counts[k]] for k in range(world)]
             out.append((p, torch.cat(pieces).view(p.shape)))
             offset += size
     return out
-

@@ -6,6 +6,12 @@ A stack is written outermost first, ``>``-separated: ``"ddp>compile>peft"`` mean
 (``fully_shard`` per block and root), ``zero0`` .. ``zero3`` (a DeepSpeed engine).
 Layers: ``compile`` (``torch.compile`` with the eager backend: detection and the
 forward path are tested, not inductor) and ``peft`` (LoRA on q/v projections).
+
+``precision`` is each backend's usual mixed precision: fp32 weights computed in
+bf16/fp16 (FSDP1 ``MixedPrecision``, FSDP2 ``MixedPrecisionPolicy``, both reducing in
+fp32), DeepSpeed's ``bf16``/``fp16`` section (half weights, fp32 masters in the
+optimizer), and half weights for the unsharded ones. ``topology`` says how the ranks
+are arranged (see ``TOPOLOGIES``).
 """
 
 from __future__ import annotations
@@ -16,9 +22,29 @@ import torch
 
 from ..wrapping import block_classes, fully_shard_per_block
 
-__all__ = ["tiny_llama", "toy_model", "build", "parse_stack", "ds_config", "BACKENDS", "block_classes"]
+__all__ = ["tiny_llama", "toy_model", "build", "parse_stack", "ds_config", "BACKENDS", "block_classes",
+           "PRECISIONS", "TOPOLOGIES", "supports"]
 
 BACKENDS = ("plain", "dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3")
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# How the ranks are arranged; all but "flat" stand in for two nodes of two devices (four ranks).
+TOPOLOGIES = {
+    "flat": "one group of every rank",
+    "hsdp": "2-D mesh (replicate x shard): FSDP2 over the mesh, FSDP1 HYBRID_SHARD given it",
+    "hybrid-groups": "FSDP1 HYBRID_SHARD given a (shard group, replicate group) tuple",
+    "submesh": "FSDP2 over the shard dimension of a 2-D mesh, the other dimension left alone",
+}
+_TOPOLOGY_BACKENDS = {"hsdp": {"fsdp", "fsdp2"}, "hybrid-groups": {"fsdp"}, "submesh": {"fsdp2"}}
+
+
+def supports(backend: str, topology: str) -> str | None:
+    """None when ``backend`` runs over ``topology``, else why not."""
+    allowed = _TOPOLOGY_BACKENDS.get(topology)
+    if topology not in TOPOLOGIES:
+        return f"unknown topology {topology!r}; known: {', '.join(TOPOLOGIES)}"
+    if allowed is not None and backend not in allowed:
+        return f"{topology} is a layout of {' and '.join(sorted(allowed))}, not of {backend}"
+    return None
 
 
 def tiny_llama(seed: int = 0, *, layers: int = 2, hidden: int = 32, vocab: int = 128) -> torch.nn.Module:
@@ -89,7 +115,20 @@ def ds_config(stage: int, **extra: Any) -> dict[str, Any]:
     return cfg
 
 
-def _apply(layer: str, model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def _two_d_mesh(device: torch.device) -> Any:
+    """(replicate, shard): each half of the ranks holds one full copy, sharded over its half."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = torch.distributed.get_world_size()
+    if world < 4 or world % 2:
+        raise ValueError(f"a 2-D mesh needs an even world size of at least 4, not {world}")
+    return init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+
+
+def _apply(layer: str, model: torch.nn.Module, device: torch.device, precision: str, topology: str) -> torch.nn.Module:
+    half = PRECISIONS[precision] if precision != "fp32" else None
+    if layer in ("plain", "dp", "ddp") and half is not None:
+        model = model.to(half)
     if layer == "plain":
         return model.to(device)
     if layer == "compile":
@@ -107,34 +146,57 @@ def _apply(layer: str, model: torch.nn.Module, device: torch.device) -> torch.nn
         model = model.to(device)
         return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     if layer == "fsdp":
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         blocks = block_classes(model)
+        kwargs: dict[str, Any] = {}
+        if half is not None:
+            kwargs["mixed_precision"] = MixedPrecision(param_dtype=half, reduce_dtype=torch.float32)
+        if topology == "hsdp":
+            kwargs.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=_two_d_mesh(device))
+        elif topology == "hybrid-groups":
+            mesh = _two_d_mesh(device)
+            kwargs.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                          process_group=(mesh.get_group("shard"), mesh.get_group("replicate")))
         return FullyShardedDataParallel(
             model,
             device_id=device,
             use_orig_params=True,
             auto_wrap_policy=ModuleWrapPolicy(blocks) if blocks else None,
+            **kwargs,
         )
     if layer == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
-        return fully_shard_per_block(model.to(device), mesh)
+        if topology == "hsdp":
+            mesh = _two_d_mesh(device)
+        elif topology == "submesh":
+            mesh = _two_d_mesh(device)["shard"]
+        else:
+            mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+        mp = {} if half is None else {"mp_policy": MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)}
+        return fully_shard_per_block(model.to(device), mesh, **mp)
     if layer.startswith("zero") and layer[4:].isdigit():
         import deepspeed
 
-        engine, *_ = deepspeed.initialize(model=model, config=ds_config(int(layer[4:])))
+        extra = {} if half is None else {precision: {"enabled": True}}
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config(int(layer[4:]), **extra))
         return engine  # type: ignore[no-any-return]
     raise ValueError(f"unknown stack layer {layer!r}; known: {', '.join(BACKENDS)}, compile, peft")
 
 
 def build(spec: str, *, model: torch.nn.Module | None = None, device: torch.device | str | None = None,
-          seed: int = 0) -> torch.nn.Module:
+          seed: int = 0, precision: str = "fp32", topology: str = "flat") -> torch.nn.Module:
     """Wrap ``model`` (default: ``tiny_llama(seed)``) as ``spec`` says, innermost layer first."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; known: {', '.join(PRECISIONS)}")
+    why = supports(parse_stack(spec)[0], topology)
+    if why is not None:
+        raise ValueError(why)
     dev = torch.device(device) if device is not None else torch.device("cpu")
     model = tiny_llama(seed) if model is None else model
     for layer in reversed(parse_stack(spec)):
-        model = _apply(layer, model, dev)
+        model = _apply(layer, model, dev, precision, topology)
     return model

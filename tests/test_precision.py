@@ -1,0 +1,54 @@
+"""Mixed precision and multi-node layouts: every operation computes in the backend's own
+forward dtype, and writes reach every shard and every replica."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests import scenarios_precision as sp
+
+# (spec, precision, an eval forward first): FSDP2 keeps the root unsharded after a no-grad
+# forward, which once left generation() with half of the weights in bf16 and half in fp32.
+# DeepSpeed's fp16 needs an accelerator: its CPU accelerator refuses it at initialize().
+DTYPE_CASES = [
+    ("fsdp2", "bf16", True), ("fsdp2", "fp16", False), ("fsdp", "bf16", False), ("fsdp", "fp16", True),
+    ("zero0", "bf16", False), ("zero1", "bf16", True), ("zero2", "bf16", False), ("zero3", "bf16", True),
+    ("ddp", "bf16", False), ("fsdp2>peft", "bf16", False), ("zero3>peft", "bf16", False), ("fsdp2", "fp32", True),
+]
+
+
+@pytest.mark.parametrize(("spec", "precision", "eval_first"), DTYPE_CASES)
+def test_generation_computes_in_the_forward_dtype(group: Any, spec: str, precision: str, eval_first: bool) -> None:
+    for rank, obs in enumerate(group.run(sp.dtypes, spec, precision, eval_first, timeout=180)):
+        assert "error" not in obs, f"{spec} {precision} rank {rank}: {obs['error']}"
+        want = f"torch.{ {'bf16': 'bfloat16', 'fp16': 'float16', 'fp32': 'float32'}[precision] }"
+        assert obs["own_dtype"] == want, obs
+        assert obs["generation_dtype"] == obs["gathered_dtype"] == want, f"{spec} {precision}: {obs}"
+        assert obs["reference_dtype"] == want, f"{spec} {precision}: the reference computes in another dtype"
+        # The same casts as the backend's own forward: the same logits, and the same greedy tokens.
+        assert obs["generation_diff"] == 0.0, f"{spec} {precision}: {obs}"
+        assert obs["same_tokens"], f"{spec} {precision}: generate() inside generation() decodes other tokens"
+        assert obs["training_after"] is True
+
+
+TOPOLOGY_CASES = [("fsdp2", "hsdp"), ("fsdp2", "submesh"), ("fsdp", "hsdp"), ("fsdp", "hybrid-groups")]
+
+
+@pytest.mark.parametrize(("spec", "topology"), TOPOLOGY_CASES)
+def test_writes_reach_every_shard_and_replica(group4: Any, spec: str, topology: str) -> None:
+    results = group4.run(sp.topology_writes, spec, topology, timeout=180)
+    assert [r["world"] for r in results] == [2] * 4, "world_size is the group the parameters are sharded over"
+    assert [r["rank"] for r in results] == [0, 1, 0, 1]
+    assert [r["inside"] for r in results] == [(2, 0), (2, 1), (2, 0), (2, 1)], "the group changed inside gathered()"
+    # Rank 1 of the first replica writes 11, rank 1 of the second 13.
+    if topology == "submesh":
+        # Two independent models (the other mesh dimension is not FSDP's): each keeps its own writer's value.
+        assert [r["after"] for r in results] == [11.0, 11.0, 13.0, 13.0], results
+    else:
+        # One model replicated twice: the first replica's writer wins, on every replica.
+        assert [r["after"] for r in results] == [11.0] * 4, results
+    for r in results:
+        assert r["ref_world"] == 2
+        assert r["ref_diff"] < 1e-5, f"{spec} {topology}: the reference computes differently: {r}"
