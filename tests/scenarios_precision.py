@@ -91,3 +91,83 @@ def topology_writes(spec: str, topology: str) -> dict[str, Any]:
         obs["ref_diff"] = float((_logits(ref(input_ids=PROMPT)) - _logits(wm(input_ids=PROMPT))).abs().max())
     return obs
 
+
+
+def topology_operations(spec: str, topology: str, path: str) -> dict[str, Any]:
+    """save/load, copy_to, place and generation on a multi-node layout, as on one group."""
+    import os
+
+    wm = wrapkit.adapt(build(spec, topology=topology))
+    obs: dict[str, Any] = {}
+    plain = build("plain")
+    with torch.no_grad():
+        want = plain.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=NEW_TOKENS,
+                              min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)
+    with wm.generation() as m:
+        out = m.generate(PROMPT, attention_mask=torch.ones_like(PROMPT), max_new_tokens=NEW_TOKENS,
+                         min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)
+    obs["generation_same"] = bool(torch.equal(out, want))
+    # save, then change the weights, then load: the saved values come back on every rank.
+    before = {n: t.clone() for n, t in wm.named_full_parameters()}
+    try:
+        wm.save(os.path.join(path + ".missing", "model.safetensors"))
+    except wrapkit.StateDictError as exc:
+        obs["bad_save"] = str(exc)
+    wm.save(path)
+    obs["file_written"] = os.path.isfile(path)
+    with wm.gathered(modifier_rank=0) as m, torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    wm.load(path)
+    after = {n: t.clone() for n, t in wm.named_full_parameters()}
+    obs["load_diff"] = max(float((after[n] - before[n]).abs().max()) for n in before)
+    # copy_to a reference prepared from another seed: the policy's values, everywhere.
+    ref = wrapkit.prepare_reference(wm, build("plain", seed=1))
+    wm.copy_to(ref, alpha=0.5)
+    other = {n: p.detach() for n, p in build("plain", seed=1).named_parameters()}
+    got = {n: t.clone() for n, t in ref.named_full_parameters()}
+    obs["ema_diff"] = max(float((got[n] - (0.5 * before[n] + 0.5 * other[n])).abs().max()) for n in before)
+    # place: off to the CPU and back, values unchanged.
+    wm.place("cpu")
+    wm.place()
+    back = {n: t.clone() for n, t in wm.named_full_parameters()}
+    obs["place_diff"] = max(float((back[n] - before[n]).abs().max()) for n in before)
+    return obs
+
+
+
+def export_masters(spec: str, path: str) -> dict[str, Any]:
+    """A 16-bit DeepSpeed engine after a step: full_state_dict/save export the optimizer's fp32
+    masters, and load puts them back exactly."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    wm = wrapkit.adapt(build(spec, precision="bf16"))
+    engine = wm.module
+    tokens = torch.arange(16).reshape(2, 8) % 128
+    engine.backward(engine(tokens, labels=tokens).loss)
+    engine.step()
+    sd = wm.full_state_dict(rank0_only=False)
+    obs: dict[str, Any] = {"dtypes": sorted({str(v.dtype) for v in sd.values()})}
+    # The masters hold more than bf16 can: otherwise this test could not tell them from upcast weights.
+    obs["beyond_bf16"] = any(bool((v != v.bfloat16().float()).any()) for v in sd.values())
+    masters: dict[str, torch.Tensor] = {}
+    for name, p in engine.module.named_parameters():
+        m = safe_get_full_fp32_param(p)
+        if m is not None:
+            masters[name] = m.detach().clone()
+    unfused = getattr(engine.optimizer, "fp32_groups", None)
+    if not masters and unfused is not None:  # ZeRO-0: one fp32 parameter per bf16 one
+        lows = [p for group in engine.optimizer.fp16_groups for p in group]
+        highs = [p for group in unfused for p in group]
+        names = {id(p): n for n, p in engine.module.named_parameters()}
+        masters = {names[id(lo)]: hi.detach().clone() for lo, hi in zip(lows, highs, strict=True)}
+    obs["masters"] = len(masters)
+    obs["export_is_masters"] = all(torch.equal(sd[n], m.view(sd[n].shape)) for n, m in masters.items())
+    wm.save(path)
+    with wm.gathered(modifier_rank=0) as m, torch.no_grad():
+        for p in m.parameters():
+            p.add_(1.0)
+    wm.load(path)
+    again = wm.full_state_dict(rank0_only=False)
+    obs["round_trip"] = all(torch.equal(again[k], sd[k]) for k in sd)
+    return obs

@@ -52,3 +52,25 @@ def test_writes_reach_every_shard_and_replica(group4: Any, spec: str, topology: 
     for r in results:
         assert r["ref_world"] == 2
         assert r["ref_diff"] < 1e-5, f"{spec} {topology}: the reference computes differently: {r}"
+
+
+@pytest.mark.parametrize(("spec", "topology"), TOPOLOGY_CASES)
+def test_operations_on_multi_node_layouts(group4: Any, tmp_path: Any, spec: str, topology: str) -> None:
+    results = group4.run(sp.topology_operations, spec, topology, str(tmp_path / "model.safetensors"), timeout=240)
+    for rank, obs in enumerate(results):
+        assert obs["generation_same"], f"{spec} {topology} rank {rank}: generate() decodes other tokens"
+        assert obs["file_written"]
+        # Checked by the one writer (the first replica's rank 0), raised by every rank of every replica.
+        assert "does not exist" in obs.get("bad_save", ""), f"{spec} {topology} rank {rank}: {obs}"
+        assert obs["load_diff"] == 0.0, f"{spec} {topology} rank {rank}: {obs}"
+        assert obs["ema_diff"] < 1e-6, f"{spec} {topology} rank {rank}: {obs}"
+        assert obs["place_diff"] == 0.0, f"{spec} {topology} rank {rank}: {obs}"
+
+
+@pytest.mark.parametrize("spec", ["zero0", "zero1", "zero2", "zero3"])
+def test_export_is_the_optimizers_fp32_masters(group: Any, tmp_path: Any, spec: str) -> None:
+    for rank, obs in enumerate(group.run(sp.export_masters, spec, str(tmp_path / "m.safetensors"), timeout=180)):
+        assert obs["dtypes"] == ["torch.float32"], f"{spec} rank {rank}: {obs}"
+        assert obs["beyond_bf16"] and obs["masters"] > 0, obs
+        assert obs["export_is_masters"], f"{spec} rank {rank}: the export is not the optimizer's fp32 masters"
+        assert obs["round_trip"], f"{spec} rank {rank}: load did not put the masters back exactly"

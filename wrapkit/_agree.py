@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "is_distributed", "agree_flags", "agree_any", "settle", "check_modifier_rank",
-    "models_group", "agree_over_models", "any_over_models", "raise_agreed",
+    "models_group", "agree_over_models", "any_over_models", "raise_agreed", "first_replica",
 ]
 
 
@@ -126,10 +126,19 @@ def models_group(*wms: Adapter) -> tuple[bool, Any]:
 
 
 def agree_over_models(flags: list[bool], *wms: Adapter) -> list[bool]:
-    """Each flag OR-ed over the group of ``wms``, in one collective (the flags themselves
-    when no collective applies)."""
+    """Each flag OR-ed over the group of ``wms`` and across its replicas (HSDP), in one
+    collective per group (the flags themselves when no collective applies)."""
     use, group = models_group(*wms)
-    return agree_flags(flags, group) if use else list(flags)
+    if not use:
+        return list(flags)
+    replicas = next(wm.replica_groups() for wm in wms if wm.distributed)
+    return agree_flags(flags, group, replicas=replicas)
+
+
+def first_replica(wm: Adapter) -> bool:
+    """Whether this rank belongs to the first copy of a model replicated across groups (HSDP):
+    the copy whose rank 0 writes files for all of them. True without replicas."""
+    return all(dist.get_rank(group) == 0 for group in wm.replica_groups())
 
 
 def any_over_models(flag: bool, *wms: Adapter) -> bool:
@@ -152,5 +161,10 @@ def raise_agreed(problems: list[str], what: str, fix: str, *wms: Adapter, agreed
             problems = list(lists[0])
         else:
             problems = [f"rank {r}: {p}" for r, lst in enumerate(lists) for p in lst]
+        # And from every copy of the model (HSDP): a problem found by one replica's writer is told to all.
+        for replica_group in next(wm.replica_groups() for wm in wms if wm.distributed):
+            lists = [None] * dist.get_world_size(replica_group)
+            dist.all_gather_object(lists, problems, group=replica_group)
+            problems = list(dict.fromkeys(p for lst in lists for p in lst))
     listing = "\n  ".join(problems)
     raise StateDictError(f"{what}: {len(problems)} problem(s), nothing was written:\n  {listing}\n{fix}")

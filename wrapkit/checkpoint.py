@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._agree import any_over_models, raise_agreed
+from ._agree import any_over_models, first_replica, raise_agreed
 from ._errors import StateDictError
 from ._imports import require
 from .state_dict import full_state_dict, load_full_state_dict
@@ -87,7 +87,7 @@ def write_checkpoint(group: Adapter, path: str | os.PathLike[str],
     """``save`` of the state dict that ``state()`` returns (collective over ``group``'s ranks;
     full on its rank 0, ``{}`` elsewhere): checked, written and agreed on as ``save`` says."""
     path = os.fspath(path)
-    writer = group.rank == 0
+    writer = group.rank == 0 and first_replica(group)  # one file writer, however many replicas
     problems: list[str] = []
     if writer:
         directory = os.path.dirname(os.path.abspath(path))

@@ -253,5 +253,6 @@ def load_full_state_dict(wm: Adapter, sd: Mapping[str, torch.Tensor], strict: bo
                   "Pass a full state dict of this architecture (the keys of wm.full_state_dict()), the same on "
                   "every rank; strict=False skips missing and unexpected keys, never a wrong shape.", wm)
     write(wm, sd.items(), 1.0)
+    wm.masters_written(sd)
 
 

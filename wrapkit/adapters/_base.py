@@ -8,7 +8,7 @@ parameter count is read off its shards.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -215,6 +215,10 @@ class Adapter:
 
     def weights_written(self) -> None:
         """Called after weights were written in place (load, copy_to): refresh any private copies."""
+
+    def masters_written(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Called after ``values`` were loaded: a backend keeping fp32 masters of 16-bit weights
+        puts them there exactly (``weights_written`` refreshed the masters from the rounded weights)."""
 
     def shards_written(self) -> None:
         """Called after ``local_shards()`` tensors were written in place: rebuild any full

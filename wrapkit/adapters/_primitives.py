@@ -10,7 +10,7 @@ including third-party ones registered with ``register_adapter``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -84,6 +84,10 @@ class BackendPrimitives(Protocol):
 
     def shards_written(self) -> None:
         """``local_shards()`` tensors were written in place: rebuild any full copies kept of them."""
+        ...
+
+    def masters_written(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Full values (canonical name -> tensor) were loaded: put them, exact, into any master copies."""
         ...
 
     def weights_written(self) -> None:

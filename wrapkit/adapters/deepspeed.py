@@ -8,7 +8,7 @@ is recorded in ``ds_numel`` / ``ds_shape``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -68,6 +68,62 @@ class DeepSpeedAdapter(Adapter):
         if callable(refresh):
             refresh()
 
+    def _masters(self) -> Callable[[Any], torch.Tensor | None] | None:
+        """The fp32 master copy the optimizer keeps of a 16-bit parameter (bf16/fp16 engines),
+        as a full tensor; None where the engine keeps no masters (fp32, or no optimizer)."""
+        engine = self._engine()
+        half = any(callable(getattr(engine, f, None)) and getattr(engine, f)()
+                   for f in ("bfloat16_enabled", "fp16_enabled"))
+        optimizer = getattr(engine, "optimizer", None)
+        if not half or optimizer is None:
+            return None
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        # ZeRO-0's unfused optimizer keeps one fp32 parameter per 16-bit one, group by group;
+        # ZeRO 1-3 and the bf16 optimizer link each parameter to its fp32 fragment themselves.
+        unfused: dict[int, torch.Tensor] = {id(low): high for lows, highs in zip(getattr(optimizer, "fp16_groups", ()),
+                                                         getattr(optimizer, "fp32_groups", ()), strict=False)
+                   for low, high in zip(lows, highs, strict=False)}
+
+        def master(p: Any) -> torch.Tensor | None:
+            if id(p) in unfused:
+                return unfused[id(p)]
+            found: torch.Tensor | None = safe_get_full_fp32_param(p)  # collective under ZeRO 1-3
+            return found
+        return master
+
+    def gather_one(self, p: torch.Tensor) -> torch.Tensor:
+        return self._full(p, self._masters())
+
+    def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
+        master = self._masters()  # looked up once, not once per parameter
+        for name, p in self.unwrap().named_parameters(remove_duplicate=False):
+            yield canonical_name(name), self._full(p, master)
+
+    def _full(self, p: torch.Tensor, master: Callable[[Any], torch.Tensor | None] | None) -> torch.Tensor:
+        # Exported weights are the ones the optimizer steps: the fp32 masters, where it keeps them.
+        full = master(p) if master is not None and p.requires_grad else None
+        if full is None:
+            return self._gather_16bit(p)
+        return full.detach().view(tuple(getattr(p, "ds_shape", p.shape))).to(self.device)
+
+    def masters_written(self, values: Mapping[str, torch.Tensor]) -> None:
+        # After a load the 16-bit weights hold the loaded values rounded; the masters get them exact.
+        master = self._masters()
+        if master is None:
+            return
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        with torch.no_grad():
+            for name, p in self.unwrap().named_parameters():
+                value = values.get(canonical_name(name))
+                if value is None or not p.requires_grad:
+                    continue
+                if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):  # ZeRO 1-3, bf16 optimizer: fragments
+                    safe_set_full_fp32_param(p, value.to(device=self.device, dtype=torch.float32))
+                elif (own := master(p)) is not None:  # ZeRO-0's unfused optimizer: the fp32 parameter itself
+                    own.copy_(value.reshape(own.shape))
+
     def resident_parameter_bytes(self) -> int:
         if self.zero_stage != 3:
             return super().resident_parameter_bytes()
@@ -111,7 +167,7 @@ class DeepSpeedAdapter(Adapter):
     def gather_bypass(self) -> bool:
         return self.zero_stage == 3
 
-    def gather_one(self, p: torch.Tensor) -> torch.Tensor:
+    def _gather_16bit(self, p: torch.Tensor) -> torch.Tensor:
         shard = getattr(p, "ds_tensor", None)
         if shard is None:
             return p.detach()
