@@ -77,6 +77,7 @@ def topology_writes(spec: str, topology: str) -> dict[str, Any]:
     wm = wrapkit.adapt(build(spec, topology=topology))
     writer = wm.world_size - 1
     obs: dict[str, Any] = {"world": wm.world_size, "rank": wm.rank, "global_rank": dist.get_rank()}
+    obs["group_line"] = next(line for line in wm.describe().splitlines() if line.startswith("group:"))
     with wm.gathered(modifier_rank=writer) as m:
         # The group stays the same inside: the module holds full copies, not the shards.
         obs["inside"] = (wm.world_size, wm.rank)

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 EXPECTED_ROWS = ["plain", "dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3"]
 
@@ -36,3 +37,35 @@ def test_doctor_subset_and_exit_code(tmp_path: Path) -> None:
     )
     assert out.returncode == 1
     assert "nonsense" in out.stdout and "FAIL" in out.stdout
+
+
+def _doctor(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    report = tmp_path / "doctor.json"
+    out = subprocess.run([sys.executable, "-m", "wrapkit", "doctor", "--json", str(report), *args],
+                         capture_output=True, text=True, timeout=600)
+    return out, (json.loads(report.read_text()) if report.exists() else {})
+
+
+def test_doctor_bf16(tmp_path: Path) -> None:
+    out, data = _doctor(tmp_path, "--dtype", "bf16", "--backends", "ddp,fsdp,fsdp2,zero3")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "dtype bf16" in out.stdout and data["dtype"] == "bf16"
+    for backend, cells in data["results"].items():
+        assert all(cell[0] for k, cell in cells.items() if not k.startswith("_")), (backend, cells)
+        assert "generation" in cells and "save/load" in cells
+
+
+def test_doctor_four_ranks_hsdp(tmp_path: Path) -> None:
+    out, data = _doctor(tmp_path, "--world-size", "4", "--topology", "hsdp", "--backends", "ddp,fsdp,fsdp2")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "topology hsdp" in out.stdout and "4 ranks" in out.stdout
+    # A backend without the layout is listed as unsupported, with the reason, not failed.
+    assert data["results"]["ddp"]["_status"] == "unsupported" and "fsdp" in data["results"]["ddp"]["_why"]
+    for backend in ("fsdp", "fsdp2"):
+        cells = data["results"][backend]
+        assert len(cells) == 15 and all(cell[0] for cell in cells.values()), (backend, cells)
+
+
+def test_doctor_hsdp_needs_four_ranks(tmp_path: Path) -> None:
+    out, _ = _doctor(tmp_path, "--topology", "hsdp")
+    assert out.returncode == 2 and "--world-size 4" in out.stdout

@@ -42,6 +42,12 @@ def test_writes_reach_every_shard_and_replica(group4: Any, spec: str, topology: 
     assert [r["world"] for r in results] == [2] * 4, "world_size is the group the parameters are sharded over"
     assert [r["rank"] for r in results] == [0, 1, 0, 1]
     assert [r["inside"] for r in results] == [(2, 0), (2, 1), (2, 0), (2, 1)], "the group changed inside gathered()"
+    lines = [r["group_line"] for r in results]
+    if topology == "submesh":
+        assert not any("replicated" in line for line in lines), lines
+    else:
+        assert ["copy 0 of 2" in line for line in lines] == [True, True, False, False], lines
+        assert ["copy 1 of 2" in line for line in lines] == [False, False, True, True], lines
     # Rank 1 of the first replica writes 11, rank 1 of the second 13.
     if topology == "submesh":
         # Two independent models (the other mesh dimension is not FSDP's): each keeps its own writer's value.

@@ -179,7 +179,7 @@ class Adapter:
             + (f" (ZeRO stage {self.zero_stage})" if self.zero_stage is not None else ""),
             f"stack:        {' > '.join(self.stack)}",
             f"device:       {self.device}",
-            f"group:        rank {self.rank} of {self.world_size}",
+            f"group:        rank {self.rank} of {self.world_size}" + self._replicas_text(),
             f"sharded:      {'yes' if self.is_sharded else 'no'}",
             f"parameters:   {total:,} ({trainable:,} trainable); "
             f"{self.resident_parameter_bytes() / 2**20:.2f} MiB held by this rank",
@@ -187,6 +187,15 @@ class Adapter:
             f"config:       {type(getattr(self._innermost, 'config', None)).__name__}",
         ]
         return "\n".join(lines)
+
+    def _replicas_text(self) -> str:
+        """Where the model is replicated across groups (HSDP): which copy this rank is in, of how many."""
+        groups = self.replica_groups()
+        if not groups:
+            return ""
+        copies = [(dist.get_rank(g), dist.get_world_size(g)) for g in groups]
+        where = ", ".join(f"copy {r} of {n}" for r, n in copies)
+        return f"; replicated: {where} (the shard group above holds one copy)"
 
     def resident_parameter_bytes(self) -> int:
         """Bytes of parameter storage this rank holds right now (its shards, plus anything

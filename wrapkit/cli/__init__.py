@@ -14,6 +14,10 @@ def main(argv: list[str] | None = None) -> int:
     doc = sub.add_parser("doctor", help="run every operation on every installed backend and print a table")
     doc.add_argument("--backends", help="comma-separated subset, e.g. ddp,zero3")
     doc.add_argument("--world-size", type=int, default=2)
+    doc.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                     help="fp32 weights, or each backend's bf16 mixed precision")
+    doc.add_argument("--topology", choices=("flat", "hsdp"), default="flat",
+                     help="one group, or a 2-D replicate x shard layout (needs --world-size 4)")
     doc.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON")
     doc.add_argument("-v", "--verbose", action="store_true", help="print the full traceback of each failure")
     ben = sub.add_parser("bench", help="run the benchmarks in benchmarks/ and print their ratios")
@@ -30,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
         from .doctor import run_doctor
 
         backends = [b.strip() for b in args.backends.split(",")] if args.backends else None
-        return run_doctor(backends, world_size=args.world_size, json_path=args.json_path, verbose=args.verbose)
+        return run_doctor(backends, world_size=args.world_size, json_path=args.json_path, verbose=args.verbose,
+                          dtype=args.dtype, topology=args.topology)
     if args.command == "bench":
         from .bench import run_bench
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .._imports import is_available, version_of
-from ._models import BACKENDS, build, tiny_llama, toy_model
+from ._models import BACKENDS, build, supports, tiny_llama, toy_model
 from ._ops import OPS
 from ._workers import WorkerError, WorkerGroup
 
@@ -46,7 +46,12 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def setup_backend(backend: str, use_llama: bool, device: str = "cpu") -> list[Any]:
+# How far a result computed in bf16 may be from the fp32 model's: logits, and weights rounded to bf16.
+_TOLERANCES = {"fp32": (1e-3, 0.0), "bf16": (0.1, 1e-3)}
+
+
+def setup_backend(backend: str, use_llama: bool, device: str = "cpu", dtype: str = "fp32",
+                  topology: str = "flat") -> list[Any]:
     """Worker side: wrap the model with ``backend``; returns ``[ok, ms, error]`` for the adapt column."""
     from .._wrapped import adapt
 
@@ -64,10 +69,12 @@ def setup_backend(backend: str, use_llama: bool, device: str = "cpu") -> list[An
         "expected_parameters": sum(p.numel() for p in plain.parameters()),
         "has_config": use_llama,
         "device": device,
+        "output_tol": _TOLERANCES[dtype][0],
+        "weight_tol": _TOLERANCES[dtype][1],
     }
     t0 = time.perf_counter()
     try:
-        wm = adapt(build(backend, model=_base_model(use_llama), device=device))
+        wm = adapt(build(backend, model=_base_model(use_llama), device=device, precision=dtype, topology=topology))
     except Exception as exc:
         return [False, (time.perf_counter() - t0) * 1e3, _first_line(exc), traceback.format_exc()]
     _STATE[backend] = (wm, ctx)
@@ -165,8 +172,11 @@ def _worst_of_ranks(per_rank: list[list[Any]]) -> list[Any]:
 
 
 def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path: str | None = None,
-               verbose: bool = False) -> int:
+               verbose: bool = False, dtype: str = "fp32", topology: str = "flat") -> int:
     """Run the doctor; return the process exit code (non-zero on any failure)."""
+    if topology != "flat" and (world_size < 4 or world_size % 2):
+        print(f"wrapkit doctor: --topology {topology} needs --world-size 4 (two nodes of two), not {world_size}")
+        return 2
     use_llama = is_available("transformers")
     selected = backends or list(BACKENDS)
     versions = {name: version_of(name) for name in ("torch", "deepspeed", "accelerate", "transformers", "peft")}
@@ -174,7 +184,7 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
     device = "cuda" if use_nccl else "cpu"
     print("wrapkit doctor: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in versions.items()))
     print(f"model: {'transformers Llama (tiny, from a config)' if use_llama else 'toy MLP (transformers missing)'}; "
-          f"{world_size} ranks, {'nccl' if use_nccl else 'gloo'} on {device}")
+          f"{world_size} ranks, {'nccl' if use_nccl else 'gloo'} on {device}; dtype {dtype}; topology {topology}")
     op_names = [name for name, _ in OPS]
     columns = ["adapt", *op_names]
     rows: dict[str, dict[str, Any]] = {}
@@ -192,10 +202,15 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
                 if need and not is_available(need):
                     rows[backend] = {"_status": f"not installed ({need})"}
                     continue
+                why = supports(backend, topology)
+                if why is not None:
+                    rows[backend] = {"_status": "unsupported", "_why": why}
+                    continue
                 res: dict[str, Any] = {}
                 rows[backend] = res
                 try:
-                    res["adapt"] = _worst_of_ranks(group.run(setup_backend, backend, use_llama, device, timeout=300))
+                    res["adapt"] = _worst_of_ranks(group.run(setup_backend, backend, use_llama, device, dtype,
+                                                             topology, timeout=300))
                     advance(f"{backend}: adapt")
                     if not res["adapt"][0]:
                         continue
@@ -223,6 +238,11 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
                 problems.append(f"{backend}/{op}: {cause_of(cell[2])} -- {cell[2]}")
                 if verbose and len(cell) > 3:
                     problems.append("    " + cell[3].replace("\n", "\n    "))
+    skipped = [f"{backend}: {res['_why']}" for backend, res in rows.items() if "_why" in res]
+    if skipped:
+        print("\nunsupported here (not failures):")
+        for line in skipped:
+            print("  " + line)
     failed = bool(problems)
     if problems:
         print("\nfailures:")
@@ -231,6 +251,7 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
     print(f"\n{'FAILED' if failed else 'all passed'} in {elapsed:.1f} s")
     if json_path:
         with open(json_path, "w") as fh:
-            json.dump({"versions": versions, "world_size": world_size, "device": device,
+            json.dump({"versions": versions, "world_size": world_size, "device": device, "dtype": dtype,
+                       "topology": topology,
                        "elapsed_s": elapsed, "results": rows}, fh, indent=2, default=str)
     return 1 if failed else 0
