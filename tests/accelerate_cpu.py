@@ -44,19 +44,20 @@ def fsdp_plugin(kind: str) -> Any:
     )
 
 
-def accelerator(kind: str) -> Any:
+def accelerator(kind: str, mixed_precision: str = "no") -> Any:
     """An ``Accelerator`` set up for ``kind`` on the CPU ranks of this process group."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
 
     if kind == "ddp":
-        return Accelerator(cpu=True)  # DDP over gloo: accelerate's multi-CPU mode
+        return Accelerator(cpu=True, mixed_precision=mixed_precision)  # DDP over gloo: accelerate's multi-CPU mode
     _partial_state(kind)
     if kind.startswith("zero"):
-        return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(int(kind[-1]))))
+        return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(int(kind[-1]))),
+                           mixed_precision=mixed_precision)
     plugin = fsdp_plugin(kind)
-    _declare_fsdp(plugin)
-    return Accelerator(fsdp_plugin=plugin)
+    _declare_fsdp(plugin, mixed_precision)
+    return Accelerator(fsdp_plugin=plugin, mixed_precision=mixed_precision)
 
 
 def trainer_arguments(kind: str) -> dict[str, Any]:
@@ -85,17 +86,20 @@ def _partial_state(kind: str) -> None:
     PartialState(backend="gloo")
 
 
-def _declare_fsdp(plugin: Any) -> None:
+def _declare_fsdp(plugin: Any, mixed_precision: str = "no") -> None:
     from accelerate import Accelerator, PartialState
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
-    Accelerator(fsdp_plugin=plugin)  # initialises the process-wide state, without FSDP on this machine
+    # Initialises the process-wide state, without FSDP on this machine.
+    Accelerator(fsdp_plugin=plugin, mixed_precision=mixed_precision)
     # The device check left FSDP out (see the module docstring); set what it would have set.
     # Accelerators created from here on see an FSDP setup.
     for state in (PartialState(), AcceleratorState()):
         state.distributed_type = DistributedType.FSDP
     AcceleratorState().fsdp_plugin = plugin
+    if mixed_precision != "no":
+        plugin.set_mixed_precision(mixed_precision)  # what the FSDP branch of accelerate's set-up does
 
 
 @contextmanager

@@ -141,3 +141,43 @@ def trl_dropin_errors(kind: str) -> list[str]:
             except wrapkit.ReferenceModelError as exc:
                 errors.append(str(exc))
     return errors
+
+
+def mixed_precision(kind: str) -> dict[str, Any]:
+    """accelerate's ``mixed_precision="bf16"``: generation and the reference compute like the
+    prepared model's own forward, and greedy generate() decodes its tokens."""
+    with accelerate_cpu.clean_state():
+        accelerator = accelerate_cpu.accelerator(kind, "bf16")
+        model = tiny_llama()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        wm = wrapkit.adapt(model)
+        loss = wm(TOKENS, labels=TOKENS).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        plain = tiny_llama()
+        plain.load_state_dict(wm.full_state_dict(rank0_only=False))
+        wm.module.eval()
+        with torch.no_grad():
+            own = wm(TOKENS).logits
+            # The same weights in fp32 give other logits: bf16 is really in effect.
+            half_effect = float((own.float() - plain.eval()(TOKENS).logits).abs().max())
+            seq = PROMPT
+            for _ in range(3):
+                seq = torch.cat([seq, wm(seq).logits[:, -1].float().argmax(-1, keepdim=True)], dim=1)
+        wm.module.train()
+        with wm.generation() as m:
+            inside = m(TOKENS).logits
+            out = _greedy(m, attention_mask=torch.ones_like(PROMPT), min_new_tokens=3, eos_token_id=None)
+        ref = wrapkit.prepare_reference(wm)
+        with torch.no_grad():
+            ref_logits = ref(TOKENS).logits
+        return {
+            "own_dtype": str(own.dtype), "generation_dtype": str(inside.dtype), "ref_dtype": str(ref_logits.dtype),
+            "ref_diff": float((ref_logits.float() - own.float()).abs().max()),
+            "ref_fp32_diff": float((ref_logits.float() - plain(TOKENS).logits).abs().max()),
+            "generation_diff": float((inside.float() - own.float()).abs().max()),
+            "same_tokens": bool(torch.equal(out, seq)), "half_effect": half_effect,
+            "training_after": all(m.training for m in wm.unwrap().modules()),
+        }

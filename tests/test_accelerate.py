@@ -78,3 +78,18 @@ def test_trl_dropin_errors(group: Any, kind: str) -> None:
         assert len(errors) == 3
         assert all("got None" in e and "prepare_reference(policy)" in e for e in errors[:2])
         assert "not set up for" in errors[2] and "prepare_reference" in errors[2]
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp", "fsdp2", "zero2", "zero3"])
+def test_accelerate_bf16(group: Any, kind: str) -> None:
+    if kind.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    for obs in group.run(sc.mixed_precision, kind, timeout=240):
+        assert obs["generation_dtype"] == obs["own_dtype"], f"{kind}: {obs}"
+        # The reference computes in bf16 too (its logits are the policy's, not the fp32 model's), to a
+        # bf16 rounding of the logits; accelerate's fp32 conversion of outputs is the prepared model's own.
+        assert obs["ref_fp32_diff"] > 1e-4 and obs["ref_diff"] < 5e-3, f"{kind}: {obs}"
+        assert obs["half_effect"] > 1e-4, f"{kind}: the prepared model does not compute in bf16: {obs}"
+        assert obs["generation_diff"] == 0.0, f"{kind}: {obs}"
+        assert obs["same_tokens"], f"{kind}: generate() decodes other tokens than the model's own forward"
+        assert obs["training_after"]

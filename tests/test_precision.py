@@ -33,30 +33,38 @@ def test_generation_computes_in_the_forward_dtype(group: Any, spec: str, precisi
         assert obs["training_after"] is True
 
 
-TOPOLOGY_CASES = [("fsdp2", "hsdp"), ("fsdp2", "submesh"), ("fsdp", "hsdp"), ("fsdp", "hybrid-groups")]
+TOPOLOGY_CASES = [
+    ("fsdp2", "hsdp"), ("fsdp2", "submesh"), ("fsdp", "hsdp"), ("fsdp", "hybrid-groups"),
+    ("ddp", "subgroup"), ("zero2", "subgroup"), ("zero3", "subgroup"), ("zero3", "flat"),
+]
+# The writer is the last rank of the model's group; global rank g writes 10 + g.
+# One model replicated over two shard groups: the first replica's writer (global 1) wins everywhere.
+# Two independent models, one per half of the ranks: each keeps its own writer's value (global 1 and 3).
+# One model over all four ranks: global 3 writes.
+_REPLICATED, _INDEPENDENT = [11.0] * 4, [11.0, 11.0, 13.0, 13.0]
+EXPECTED_AFTER = {"hsdp": _REPLICATED, "hybrid-groups": _REPLICATED, "submesh": _INDEPENDENT,
+                  "subgroup": _INDEPENDENT, "flat": [13.0] * 4}
 
 
 @pytest.mark.parametrize(("spec", "topology"), TOPOLOGY_CASES)
 def test_writes_reach_every_shard_and_replica(group4: Any, spec: str, topology: str) -> None:
     results = group4.run(sp.topology_writes, spec, topology, timeout=180)
-    assert [r["world"] for r in results] == [2] * 4, "world_size is the group the parameters are sharded over"
-    assert [r["rank"] for r in results] == [0, 1, 0, 1]
-    assert [r["inside"] for r in results] == [(2, 0), (2, 1), (2, 0), (2, 1)], "the group changed inside gathered()"
+    # world_size and rank are the group the parameters are sharded (or replicated) over,
+    # and stay so inside gathered(), where the module holds full copies.
+    world = 4 if topology == "flat" else 2
+    ranks = [0, 1, 2, 3] if topology == "flat" else [0, 1, 0, 1]
+    assert [r["world"] for r in results] == [world] * 4 and [r["rank"] for r in results] == ranks
+    assert [tuple(r["inside"]) for r in results] == [(world, r) for r in ranks], "the group changed inside gathered()"
     lines = [r["group_line"] for r in results]
-    if topology == "submesh":
-        assert not any("replicated" in line for line in lines), lines
-    else:
+    if topology in ("hsdp", "hybrid-groups"):
         assert ["copy 0 of 2" in line for line in lines] == [True, True, False, False], lines
         assert ["copy 1 of 2" in line for line in lines] == [False, False, True, True], lines
-    # Rank 1 of the first replica writes 11, rank 1 of the second 13.
-    if topology == "submesh":
-        # Two independent models (the other mesh dimension is not FSDP's): each keeps its own writer's value.
-        assert [r["after"] for r in results] == [11.0, 11.0, 13.0, 13.0], results
     else:
-        # One model replicated twice: the first replica's writer wins, on every replica.
-        assert [r["after"] for r in results] == [11.0] * 4, results
+        assert not any("replicated" in line for line in lines), lines
+    assert [r["after"] for r in results] == EXPECTED_AFTER[topology], results
     for r in results:
-        assert r["ref_world"] == 2
+        # Sharded policies get references sharded over the same group; replicated ones a bare module.
+        assert r["ref_world"] == (1 if spec in ("ddp", "zero2") else world)
         assert r["ref_diff"] < 1e-5, f"{spec} {topology}: the reference computes differently: {r}"
 
 

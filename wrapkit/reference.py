@@ -31,7 +31,7 @@ from .adapters import Adapter
 from .adapters._base import model_class_name
 from .placement import to_eval_frozen
 from .view import AdapterDisabledView, view_possible
-from .wrapping import fsdp1_like, fsdp2_like, reference_ds_config, wrap_like
+from .wrapping import fsdp1_like, fsdp2_like, policy_mpu, reference_ds_config, wrap_like
 
 __all__ = ["build_reference", "AdapterDisabledView"]
 
@@ -180,6 +180,6 @@ def _zero3_copy(pol: Adapter, ds_config: dict[str, Any] | None) -> Adapter:
                 with deepspeed.zero.GatheredParameters([a, b], modifier_rank=src):
                     if pol.rank == 0:
                         b.data.copy_(a.data)
-    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    engine, *_ = deepspeed.initialize(model=model, config=cfg, mpu=policy_mpu(pol))
     _copy_buffers(pol.unwrap(keep_peft=False), engine.module)
     return as_adapter(engine)

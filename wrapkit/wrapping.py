@@ -48,7 +48,8 @@ def wrap_like(pol: Adapter, ref_model: Any, ds_config: dict[str, Any] | None) ->
     if backend == "deepspeed":
         if (pol.zero_stage or 0) == 3:
             deepspeed = require("deepspeed", feature="a ZeRO-3 reference model", extra="deepspeed")
-            engine, *_ = deepspeed.initialize(model=module, config=reference_ds_config(pol, ds_config))
+            engine, *_ = deepspeed.initialize(model=module, config=reference_ds_config(pol, ds_config),
+                                              mpu=policy_mpu(pol))
             return as_adapter(engine)
         dtype = engine_dtype(pol, ds_config)
         return as_adapter(module.to(device=device, dtype=dtype))
@@ -176,6 +177,12 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     for key, value in over.items():
         out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
+def policy_mpu(pol: Adapter) -> Any:
+    """The model-parallel unit the policy's engine was given (its data-parallel group is a
+    sub-group then), or None: a reference engine must be set up over the same groups."""
+    return getattr(pol.backend_object, "mpu", None)
 
 
 def reference_ds_config(pol: Adapter, overrides: dict[str, Any] | None) -> dict[str, Any]:

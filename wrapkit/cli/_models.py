@@ -33,8 +33,11 @@ TOPOLOGIES = {
     "hsdp": "2-D mesh (replicate x shard): FSDP2 over the mesh, FSDP1 HYBRID_SHARD given it",
     "hybrid-groups": "FSDP1 HYBRID_SHARD given a (shard group, replicate group) tuple",
     "submesh": "FSDP2 over the shard dimension of a 2-D mesh, the other dimension left alone",
+    "subgroup": "DDP or DeepSpeed over half of the ranks (DeepSpeed told so by an mpu object)",
 }
-_TOPOLOGY_BACKENDS = {"hsdp": {"fsdp", "fsdp2"}, "hybrid-groups": {"fsdp"}, "submesh": {"fsdp2"}}
+_DEEPSPEED = {"zero0", "zero1", "zero2", "zero3"}
+_TOPOLOGY_BACKENDS = {"hsdp": {"fsdp", "fsdp2"}, "hybrid-groups": {"fsdp"}, "submesh": {"fsdp2"},
+                      "subgroup": {"ddp"} | _DEEPSPEED}
 
 
 def supports(backend: str, topology: str) -> str | None:
@@ -125,6 +128,39 @@ def _two_d_mesh(device: torch.device) -> Any:
     return init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
 
 
+def _halves() -> tuple[Any, Any]:
+    """(this rank's half of the ranks, the group of the ranks at its position in the other half);
+    the first is the data-parallel group of a "subgroup" layout, the second its model-parallel one."""
+    mesh = _two_d_mesh(torch.device("cpu"))
+    return mesh.get_group("shard"), mesh.get_group("replicate")
+
+
+class _Mpu:
+    """The model-parallel unit DeepSpeed takes (as Megatron provides it): data parallel over one
+    half of the ranks, model parallel across the halves."""
+
+    def __init__(self) -> None:
+        self.dp, self.mp = _halves()
+
+    def get_data_parallel_group(self) -> Any:
+        return self.dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return int(torch.distributed.get_world_size(self.dp))
+
+    def get_data_parallel_rank(self) -> int:
+        return int(torch.distributed.get_rank(self.dp))
+
+    def get_model_parallel_group(self) -> Any:
+        return self.mp
+
+    def get_model_parallel_world_size(self) -> int:
+        return int(torch.distributed.get_world_size(self.mp))
+
+    def get_model_parallel_rank(self) -> int:
+        return int(torch.distributed.get_rank(self.mp))
+
+
 def _apply(layer: str, model: torch.nn.Module, device: torch.device, precision: str, topology: str) -> torch.nn.Module:
     half = PRECISIONS[precision] if precision != "fp32" else None
     if layer in ("plain", "dp", "ddp") and half is not None:
@@ -144,7 +180,9 @@ def _apply(layer: str, model: torch.nn.Module, device: torch.device, precision: 
         from torch.nn.parallel import DistributedDataParallel
 
         model = model.to(device)
-        return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+        group = _halves()[0] if topology == "subgroup" else None
+        return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None,
+                                       process_group=group)
     if layer == "fsdp":
         from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -182,7 +220,14 @@ def _apply(layer: str, model: torch.nn.Module, device: torch.device, precision: 
         import deepspeed
 
         extra = {} if half is None else {precision: {"enabled": True}}
-        engine, *_ = deepspeed.initialize(model=model, config=ds_config(int(layer[4:]), **extra))
+        mpu = _Mpu() if topology == "subgroup" else None
+        if mpu is None:
+            # DeepSpeed keeps the last engine's mpu process-wide (deepspeed.utils.groups.mpu) and
+            # reads its groups from there: an engine after a sub-group one would inherit them.
+            from deepspeed.utils import groups
+
+            groups.mpu = None
+        engine, *_ = deepspeed.initialize(model=model, config=ds_config(int(layer[4:]), **extra), mpu=mpu)
         return engine  # type: ignore[no-any-return]
     raise ValueError(f"unknown stack layer {layer!r}; known: {', '.join(BACKENDS)}, compile, peft")
 
