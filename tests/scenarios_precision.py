@@ -63,6 +63,34 @@ def dtypes(spec: str, precision: str, eval_first: bool) -> dict[str, Any]:
     return obs
 
 
+def generation_first(spec: str, precision: str, topology: str) -> dict[str, Any]:
+    """generation() on a model that has not run a forward yet (FSDP's lazy init not done)."""
+    model = build(spec, precision=precision, topology=topology)
+    wm = wrapkit.adapt(model)
+    with wm.generation() as m:
+        inside = _logits(m(input_ids=PROMPT))
+    model.eval()
+    with torch.no_grad():
+        own = _logits(wm(input_ids=PROMPT))
+    model.train()
+    return {"dtypes": (str(own.dtype), str(inside.dtype)), "diff": float((inside.float() - own.float()).abs().max())}
+
+
+def fsdp1_input_casts() -> dict[str, Any]:
+    """FSDP1 MixedPrecision given inputs_embeds in fp32: its root casts them to param_dtype, and so
+    does generation()."""
+    model = build("fsdp", precision="bf16")
+    wm = wrapkit.adapt(model)
+    embeds = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        own = _logits(wm(inputs_embeds=embeds))
+    model.train()
+    with wm.generation() as m:
+        inside = _logits(m(inputs_embeds=embeds))
+    return {"dtypes": (str(own.dtype), str(inside.dtype)), "diff": float((inside.float() - own.float()).abs().max())}
+
+
 def _last(wm: Any, name: str) -> float:
     out = 0.0
     for n, t in wm.named_full_parameters():  # collective: consumed fully on every rank
@@ -172,3 +200,35 @@ def export_masters(spec: str, path: str) -> dict[str, Any]:
     again = wm.full_state_dict(rank0_only=False)
     obs["round_trip"] = all(torch.equal(again[k], sd[k]) for k in sd)
     return obs
+
+
+def fsdp2_output_dtype(output_dtype: str | None) -> dict[str, Any]:
+    """FSDP2 computing in bf16 with outputs cast back (``output_dtype``), and inputs_embeds given in fp32
+    (cast to param_dtype by FSDP2's forward): generation() casts as FSDP2's own forward does."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from wrapkit.cli._models import tiny_llama
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    blocks = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    # The root alone casts its outputs back (on the blocks, the next one would get fp32 inputs).
+    out_dtype = {"fp32": torch.float32, None: None}[output_dtype]
+    root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=out_dtype)
+    model = tiny_llama()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=blocks)
+    fully_shard(model, mesh=mesh, mp_policy=root)
+    wm = wrapkit.adapt(model)
+    embeds = torch.randn(2, 6, 32, generator=torch.Generator().manual_seed(0))
+    model.eval()
+    with torch.no_grad():
+        own = _logits(wm(input_ids=PROMPT))
+        own_embeds = _logits(wm(inputs_embeds=embeds))
+    model.train()
+    with wm.generation() as m:
+        inside = _logits(m(input_ids=PROMPT))
+        inside_embeds = _logits(m(inputs_embeds=embeds))
+    return {"own_dtype": str(own.dtype), "generation_dtype": str(inside.dtype),
+            "diff": float((inside.float() - own.float()).abs().max()),
+            "embeds_diff": float((inside_embeds.float() - own_embeds.float()).abs().max())}

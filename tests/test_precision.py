@@ -34,7 +34,7 @@ def test_generation_computes_in_the_forward_dtype(group: Any, spec: str, precisi
 
 
 TOPOLOGY_CASES = [
-    ("fsdp2", "hsdp"), ("fsdp2", "submesh"), ("fsdp", "hsdp"), ("fsdp", "hybrid-groups"),
+    ("fsdp2", "hsdp"), ("fsdp2", "submesh"), ("fsdp", "hsdp"), ("fsdp", "hybrid-groups"), ("fsdp", "hybrid-zero2"),
     ("ddp", "subgroup"), ("zero2", "subgroup"), ("zero3", "subgroup"), ("zero3", "flat"),
 ]
 # The writer is the last rank of the model's group; global rank g writes 10 + g.
@@ -42,7 +42,8 @@ TOPOLOGY_CASES = [
 # Two independent models, one per half of the ranks: each keeps its own writer's value (global 1 and 3).
 # One model over all four ranks: global 3 writes.
 _REPLICATED, _INDEPENDENT = [11.0] * 4, [11.0, 11.0, 13.0, 13.0]
-EXPECTED_AFTER = {"hsdp": _REPLICATED, "hybrid-groups": _REPLICATED, "submesh": _INDEPENDENT,
+EXPECTED_AFTER = {"hsdp": _REPLICATED, "hybrid-groups": _REPLICATED, "hybrid-zero2": _REPLICATED,
+                  "submesh": _INDEPENDENT,
                   "subgroup": _INDEPENDENT, "flat": [13.0] * 4}
 
 
@@ -56,7 +57,7 @@ def test_writes_reach_every_shard_and_replica(group4: Any, spec: str, topology: 
     assert [r["world"] for r in results] == [world] * 4 and [r["rank"] for r in results] == ranks
     assert [tuple(r["inside"]) for r in results] == [(world, r) for r in ranks], "the group changed inside gathered()"
     lines = [r["group_line"] for r in results]
-    if topology in ("hsdp", "hybrid-groups"):
+    if EXPECTED_AFTER[topology] == _REPLICATED:
         assert ["copy 0 of 2" in line for line in lines] == [True, True, False, False], lines
         assert ["copy 1 of 2" in line for line in lines] == [False, False, True, True], lines
     else:
@@ -88,3 +89,23 @@ def test_export_is_the_optimizers_fp32_masters(group: Any, tmp_path: Any, spec: 
         assert obs["beyond_bf16"] and obs["masters"] > 0, obs
         assert obs["export_is_masters"], f"{spec} rank {rank}: the export is not the optimizer's fp32 masters"
         assert obs["round_trip"], f"{spec} rank {rank}: load did not put the masters back exactly"
+
+
+@pytest.mark.parametrize("output_dtype", ["fp32", None])
+def test_fsdp2_output_dtype_and_input_casts(group: Any, output_dtype: str | None) -> None:
+    for obs in group.run(sp.fsdp2_output_dtype, output_dtype, timeout=120):
+        assert obs["own_dtype"] == obs["generation_dtype"] == ("torch.float32" if output_dtype else "torch.bfloat16")
+        assert obs["diff"] == 0.0 and obs["embeds_diff"] == 0.0, obs
+
+
+def test_fsdp1_root_input_casts(group: Any) -> None:
+    for obs in group.run(sp.fsdp1_input_casts, timeout=120):
+        assert obs["dtypes"] == ("torch.bfloat16", "torch.bfloat16") and obs["diff"] == 0.0, obs
+
+
+@pytest.mark.parametrize(("spec", "precision", "topology"), [
+    ("fsdp", "bf16", "flat"), ("fsdp", "bf16", "hsdp"), ("fsdp2", "bf16", "hsdp"), ("zero3", "bf16", "flat"),
+])
+def test_generation_before_any_forward(group4: Any, spec: str, precision: str, topology: str) -> None:
+    for obs in group4.run(sp.generation_first, spec, precision, topology, timeout=120):
+        assert obs["dtypes"] == ("torch.bfloat16", "torch.bfloat16") and obs["diff"] == 0.0, obs

@@ -56,6 +56,8 @@ class FSDPAdapter(Adapter):
         """id(module) -> the dtype its FSDP unit computes in (``MixedPrecision.param_dtype``),
         for the modules whose unit computes in another dtype than it stores."""
         out: dict[int, torch.dtype] = {}
+        if getattr(self._backend_obj, "_use_full_prec_in_eval", False):
+            return out  # FSDP_USE_FULL_PREC_IN_EVAL: FSDP1 computes in full precision in eval mode
         for unit in self._units():  # outermost first: an inner unit overrides its parent
             handle = getattr(unit, "_handle", None)
             flat = getattr(handle, "flat_param", None)
@@ -176,6 +178,17 @@ class FSDPAdapter(Adapter):
                 cast[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
             return cast[id(p)]
 
+        handles = [self._cast_root_inputs()] if dtypes else []
+        fast = self._gather_in(dtypes) if dtypes else None
+        if fast is not None:
+            # Read in the compute dtype: the units' shards were gathered in it, as FSDP1's forward
+            # gathers them (half the bytes in bf16), and summon_full_params is not needed.
+            try:
+                yield lambda mod, name, p: fast.get(id(p))
+            finally:
+                for handle in handles:
+                    handle.remove()
+            return
         try:
             assert self._backend_obj is not None
             with FullyShardedDataParallel.summon_full_params(
@@ -183,6 +196,8 @@ class FSDPAdapter(Adapter):
             ), settle(before_writeback, modifier_rank is not None, group, self.world_size, replicas):
                 yield replace if dtypes else None
         finally:
+            for handle in handles:
+                handle.remove()
             if modifier_rank is not None:
                 with torch.no_grad():
                     if outcome["failed"]:
@@ -190,6 +205,57 @@ class FSDPAdapter(Adapter):
                             f.data.copy_(old)
                     else:
                         self.weights_written()
+
+    def _gather_in(self, dtypes: dict[int, torch.dtype]) -> dict[int, torch.nn.Parameter] | None:
+        """Every original parameter, full, in its unit's compute dtype, from one all-gather of all
+        the units' shards; None where that layout does not hold (use_orig_params=False, NO_SHARD,
+        units computing in different dtypes): summon_full_params serves those."""
+        units = [u for u in self._units() if getattr(u, "_handle", None) is not None]
+        flats = [u._handle.flat_param for u in units]
+        wanted = {dtypes.get(id(u._fsdp_wrapped_module)) for u in units}
+        if (not flats or self.world_size < 2 or len(wanted) != 1 or None in wanted
+                or any(f._params is None or not u._handle.uses_sharded_strategy
+                       for u, f in zip(units, flats, strict=True))):
+            return None
+        dtype = wanted.pop()
+        assert dtype is not None
+        group, world = self.process_group(), self.world_size
+        # ``_local_shard`` appears at FSDP's lazy init (the first forward); until then the flat
+        # parameter itself holds this rank's padded shard.
+        shards: list[torch.Tensor] = [f.data if getattr(f, "_local_shard", None) is None else f._local_shard
+                                      for f in flats]
+        sizes = [s.numel() for s in shards]
+        with torch.no_grad():
+            send = torch.cat([s.reshape(-1).to(dtype) for s in shards])
+            recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
+            dist.all_gather_into_tensor(recv, send, group=group)
+            by_rank = recv.view(world, send.numel())
+            out: dict[int, torch.nn.Parameter] = {}
+            start = 0
+            for flat, size in zip(flats, sizes, strict=True):
+                # A unit's unsharded flat parameter is its ranks' shards end to end; the originals
+                # lie in it in order, with alignment padding between some of them.
+                full = by_rank[:, start: start + size].reshape(-1)
+                start += size
+                offset, originals = 0, iter(zip(flat._params, flat._shapes, strict=True))
+                for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
+                    if not padding:
+                        p, shape = next(originals)
+                        out[id(p)] = torch.nn.Parameter(full[offset: offset + numel].view(shape), requires_grad=False)
+                    offset += numel
+        return out
+
+    def _cast_root_inputs(self) -> Any:
+        """FSDP1's root casts floating inputs to ``param_dtype`` (``cast_root_forward_inputs``); the
+        same cast, as a hook of ours on the module ``bypassed`` runs, since FSDP's is taken out."""
+        from torch.distributed.utils import _cast_forward_inputs
+
+        policy = getattr(self._backend_obj, "mixed_precision", None)
+        dtype = getattr(policy, "param_dtype", None) if getattr(policy, "cast_root_forward_inputs", False) else None
+
+        def cast(mod: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+            return _cast_forward_inputs(dtype, *args, **kwargs)
+        return self.unwrap().register_forward_pre_hook(cast, with_kwargs=True)
 
     def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
         # One FSDP unit at a time: a unit's FlatParameter is the smallest thing FSDP1 gathers.

@@ -171,8 +171,15 @@ class FSDP2Adapter(Adapter):
                     _write_back(p, full.detach(), modifier_rank)
             self.weights_written()
 
-        with settle(finish, modifier_rank is not None, group, self.world_size, self.replica_groups()):
-            yield replace
+        # FSDP2's own casts of floating inputs (to param_dtype) and outputs (to output_dtype) are
+        # hooks that ``bypassed`` takes out with the rest; the same casts go back in as hooks of ours.
+        handles = [h for m, state in self._fsdp_states() for h in _cast_hooks(m, state)] if dtypes else []
+        try:
+            with settle(finish, modifier_rank is not None, group, self.world_size, self.replica_groups()):
+                yield replace
+        finally:
+            for handle in handles:
+                handle.remove()
 
     # -- placement and freezing (place / to_eval_frozen) -------------------------------
     # Moving goes through ``nn.Module._apply``, which FSDP2 overrides to re-register
@@ -181,6 +188,21 @@ class FSDP2Adapter(Adapter):
         for name, t in super().placement_tensors():
             local = getattr(t, "_local_tensor", None)
             yield (f"{name} (local shard)", local) if isinstance(local, torch.Tensor) else (name, t)
+
+
+def _cast_hooks(module: torch.nn.Module, state: Any) -> list[Any]:
+    """Hooks casting ``module``'s inputs and outputs as its ``MixedPrecisionPolicy`` says."""
+    policy = getattr(state, "_mp_policy", None)
+    handles = []
+    if policy is not None and policy.cast_forward_inputs and policy.param_dtype is not None:
+        def cast_inputs(mod: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+            return state._cast_forward_inputs(args, kwargs)
+        handles.append(module.register_forward_pre_hook(cast_inputs, with_kwargs=True))
+    if policy is not None and policy.output_dtype is not None:
+        def cast_output(mod: torch.nn.Module, args: Any, output: Any) -> Any:
+            return state._cast_output_dtype(output)
+        handles.append(module.register_forward_hook(cast_output))
+    return handles
 
 
 def _write_back(p: Any, full: torch.Tensor, modifier_rank: int) -> None:

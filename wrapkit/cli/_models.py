@@ -32,11 +32,13 @@ TOPOLOGIES = {
     "flat": "one group of every rank",
     "hsdp": "2-D mesh (replicate x shard): FSDP2 over the mesh, FSDP1 HYBRID_SHARD given it",
     "hybrid-groups": "FSDP1 HYBRID_SHARD given a (shard group, replicate group) tuple",
+    "hybrid-zero2": "FSDP1 _HYBRID_SHARD_ZERO2 given the 2-D mesh",
     "submesh": "FSDP2 over the shard dimension of a 2-D mesh, the other dimension left alone",
     "subgroup": "DDP or DeepSpeed over half of the ranks (DeepSpeed told so by an mpu object)",
 }
 _DEEPSPEED = {"zero0", "zero1", "zero2", "zero3"}
-_TOPOLOGY_BACKENDS = {"hsdp": {"fsdp", "fsdp2"}, "hybrid-groups": {"fsdp"}, "submesh": {"fsdp2"},
+_TOPOLOGY_BACKENDS = {"hsdp": {"fsdp", "fsdp2"}, "hybrid-groups": {"fsdp"}, "hybrid-zero2": {"fsdp"},
+                      "submesh": {"fsdp2"},
                       "subgroup": {"ddp"} | _DEEPSPEED}
 
 
@@ -193,6 +195,8 @@ def _apply(layer: str, model: torch.nn.Module, device: torch.device, precision: 
             kwargs["mixed_precision"] = MixedPrecision(param_dtype=half, reduce_dtype=torch.float32)
         if topology == "hsdp":
             kwargs.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=_two_d_mesh(device))
+        elif topology == "hybrid-zero2":
+            kwargs.update(sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2, device_mesh=_two_d_mesh(device))
         elif topology == "hybrid-groups":
             mesh = _two_d_mesh(device)
             kwargs.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD,
