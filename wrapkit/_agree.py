@@ -131,8 +131,12 @@ def agree_over_models(flags: list[bool], *wms: Adapter) -> list[bool]:
     use, group = models_group(*wms)
     if not use:
         return list(flags)
-    replicas = next(wm.replica_groups() for wm in wms if wm.distributed)
-    return agree_flags(flags, group, replicas=replicas)
+    return agree_flags(flags, group, replicas=_replicas_of(*wms))
+
+
+def _replicas_of(*wms: Adapter) -> list[Any]:
+    """The replica groups (HSDP) of the model whose group ``models_group`` chose."""
+    return next((wm.replica_groups() for wm in wms if wm.distributed), [])
 
 
 def first_replica(wm: Adapter) -> bool:
@@ -162,7 +166,7 @@ def raise_agreed(problems: list[str], what: str, fix: str, *wms: Adapter, agreed
         else:
             problems = [f"rank {r}: {p}" for r, lst in enumerate(lists) for p in lst]
         # And from every copy of the model (HSDP): a problem found by one replica's writer is told to all.
-        for replica_group in next(wm.replica_groups() for wm in wms if wm.distributed):
+        for replica_group in _replicas_of(*wms):
             lists = [None] * dist.get_world_size(replica_group)
             dist.all_gather_object(lists, problems, group=replica_group)
             problems = list(dict.fromkeys(p for lst in lists for p in lst))

@@ -81,9 +81,9 @@ class DeepSpeedAdapter(Adapter):
 
         # ZeRO-0's unfused optimizer keeps one fp32 parameter per 16-bit one, group by group;
         # ZeRO 1-3 and the bf16 optimizer link each parameter to its fp32 fragment themselves.
-        unfused: dict[int, torch.Tensor] = {id(low): high for lows, highs in zip(getattr(optimizer, "fp16_groups", ()),
-                                                         getattr(optimizer, "fp32_groups", ()), strict=False)
-                   for low, high in zip(lows, highs, strict=False)}
+        groups = zip(getattr(optimizer, "fp16_groups", ()), getattr(optimizer, "fp32_groups", ()), strict=False)
+        unfused: dict[int, torch.Tensor] = {id(low): high for lows, highs in groups
+                                            for low, high in zip(lows, highs, strict=False)}
 
         def master(p: Any) -> torch.Tensor | None:
             if id(p) in unfused:

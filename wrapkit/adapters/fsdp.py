@@ -178,18 +178,14 @@ class FSDPAdapter(Adapter):
                 cast[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
             return cast[id(p)]
 
-        handles = [self._cast_root_inputs()] if dtypes else []
+        # Reading in the compute dtype: the units' shards are gathered in it, as FSDP1's forward
+        # gathers them (half the bytes in bf16), and summon_full_params is not needed.
         fast = self._gather_in(dtypes) if dtypes else None
-        if fast is not None:
-            # Read in the compute dtype: the units' shards were gathered in it, as FSDP1's forward
-            # gathers them (half the bytes in bf16), and summon_full_params is not needed.
-            try:
-                yield lambda mod, name, p: fast.get(id(p))
-            finally:
-                for handle in handles:
-                    handle.remove()
-            return
+        handles = [self._cast_root_inputs()] if dtypes else []
         try:
+            if fast is not None:
+                yield lambda mod, name, p: fast.get(id(p))
+                return
             assert self._backend_obj is not None
             with FullyShardedDataParallel.summon_full_params(
                 self._backend_obj, recurse=True, writeback=modifier_rank is not None

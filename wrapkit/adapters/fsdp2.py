@@ -62,11 +62,12 @@ class FSDP2Adapter(Adapter):
                 fsdp: Any = m
                 yield fsdp, fsdp._get_fsdp_state()
 
-    def _compute_dtypes(self) -> dict[int, torch.dtype]:
+    @staticmethod
+    def _compute_dtypes(states: list[tuple[Any, Any]]) -> dict[int, torch.dtype]:
         """id(sharded parameter) -> the ``param_dtype`` of its ``MixedPrecisionPolicy``, where
         that is not its own dtype: what FSDP2 all-gathers it in and computes with."""
         out: dict[int, torch.dtype] = {}
-        for _, state in self._fsdp_states():
+        for _, state in states:
             for group in getattr(state, "_fsdp_param_groups", ()):
                 dtype = group.mp_policy.param_dtype
                 for fsdp_param in group.fsdp_params:
@@ -144,12 +145,13 @@ class FSDP2Adapter(Adapter):
         # But FSDP2 leaves the root's parameters unsharded (and registered, in param_dtype)
         # after a forward that no backward follows: reshard first, so that every parameter
         # is a DTensor shard again and the copies all come from the same place.
-        for m, _ in self._fsdp_states():
+        states = list(self._fsdp_states())
+        for m, _ in states:
             m.reshard()
         group = self.process_group()
         # Reading, the copies are in the dtype FSDP2's forward computes in; writing
         # (modifier_rank), in the parameters' own dtype, so that the writes are kept exactly.
-        dtypes = self._compute_dtypes() if modifier_rank is None else {}
+        dtypes = self._compute_dtypes(states) if modifier_rank is None else {}
         copies: dict[int, tuple[Any, torch.nn.Parameter]] = {}
         for p, full in _all_full(list(self._unique_parameters()), dtypes):
             copies[id(p)] = (p, torch.nn.Parameter(full, requires_grad=p.requires_grad))
@@ -173,7 +175,7 @@ class FSDP2Adapter(Adapter):
 
         # FSDP2's own casts of floating inputs (to param_dtype) and outputs (to output_dtype) are
         # hooks that ``bypassed`` takes out with the rest; the same casts go back in as hooks of ours.
-        handles = [h for m, state in self._fsdp_states() for h in _cast_hooks(m, state)] if dtypes else []
+        handles = [h for m, state in states for h in _cast_hooks(m, state)] if dtypes else []
         try:
             with settle(finish, modifier_rank is not None, group, self.world_size, self.replica_groups()):
                 yield replace
