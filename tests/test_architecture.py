@@ -14,7 +14,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "wrapkit"
 
 # Lowest first. A module may import its own layer and the ones below it.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundations", {"_errors", "_names", "_imports", "_protocol", "_agree", "_gather"}),
+    ("foundations", {"_errors", "_names", "_imports", "_protocol", "_agree", "_gather",
+                     "_memory"}),
     ("backends", {"adapters", "layers"}),
     ("detection", {"_registry"}),
     ("operations", {"placement", "full_parameters", "state_dict", "checkpoint", "sync", "wrapping", "view",

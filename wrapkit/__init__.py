@@ -2,6 +2,7 @@
 
 from ._errors import (
     AdapterRegistrationError,
+    ArgumentError,
     DistributedStateError,
     MissingConfigError,
     MissingDependencyError,
@@ -38,5 +39,6 @@ __all__ = [
     "MissingDependencyError",
     "AdapterRegistrationError",
     "StateDictError",
+    "ArgumentError",
     "read_checkpoint",
 ]

@@ -87,15 +87,20 @@ def settle(on_exit: Callable[[bool], None], agree: bool, group: Any, world_size:
 
 
 def check_modifier_rank(modifier_rank: int | None, world_size: int, group: Any,
-                        replicas: Sequence[Any] = ()) -> None:
-    """Refuse, on every rank alike, a ``modifier_rank`` that is out of range or differs across ranks."""
+                        replicas: Sequence[Any] = (), flags: Sequence[bool] = ()) -> list[bool]:
+    """Refuse, on every rank alike, a ``modifier_rank`` that is out of range or differs across ranks.
+
+    ``flags`` ride along in the same collective: returned OR-ed over the ranks."""
     bad = modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world_size)
     value = -1 if modifier_rank is None or bad else int(modifier_rank)
+    agreed = [bool(f) for f in flags]
     if is_distributed(world_size):
-        # [any bad, max value, -min value] in one collective, before any other collective starts.
-        t = torch.tensor([int(bad), value, -value], device=_flag_device(group))
+        # [any bad, max value, -min value, *flags] in one collective, before any other collective starts.
+        t = torch.tensor([int(bad), value, -value, *map(int, agreed)], device=_flag_device(group))
         _max_over(t, group, replicas)
-        any_bad, differs = bool(t[0].item()), int(t[1].item()) != -int(t[2].item())
+        values = [int(x) for x in t.tolist()]
+        any_bad, differs = bool(values[0]), values[1] != -values[2]
+        agreed = [bool(x) for x in values[3:]]
     else:
         any_bad, differs = bad, False
     if any_bad:
@@ -108,6 +113,7 @@ def check_modifier_rank(modifier_rank: int | None, world_size: int, group: Any,
             f"modifier_rank differs across ranks (this rank passed {modifier_rank!r}); every rank must pass the "
             "same value, since the rank whose writes are kept is decided collectively."
         )
+    return agreed
 
 
 # -- agreement over the group of one or more models -----------------------------------

@@ -13,6 +13,7 @@ __all__ = [
     "MissingDependencyError",
     "AdapterRegistrationError",
     "StateDictError",
+    "ArgumentError",
 ]
 
 
@@ -50,3 +51,7 @@ class AdapterRegistrationError(WrapkitError, ValueError):
 
 class StateDictError(WrapkitError, ValueError):
     """A state dict, checkpoint file or copy source does not fit the model, or cannot be read."""
+
+
+class ArgumentError(WrapkitError, ValueError):
+    """An argument has a value the operation does not accept (e.g. an unknown mode or size)."""

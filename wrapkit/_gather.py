@@ -25,6 +25,7 @@ from ._imports import lookup
 __all__ = [
     "bypassed", "broadcast_", "Replace",
     "set_modes", "restore_modes", "set_checkpointing", "restore_checkpointing", "generation_modes",
+    "synced_generate",
 ]
 
 # Returns the tensor to put in place of ``module._parameters[name]``, or None to keep it.
@@ -177,3 +178,28 @@ def generation_modes(root: torch.nn.Module) -> Iterator[None]:
         finally:
             restore_checkpointing(ckpt)
             restore_modes(modes)
+
+
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def synced_generate(root: torch.nn.Module) -> Iterator[None]:
+    """Make transformers' ``generate()`` keep every rank stepping until all are done.
+
+    When each forward gathers weights collectively, a rank that finished its sequences
+    must still run forwards while another decodes, or the group hangs. ``generate()``
+    does so (``synced_gpus``) for modules carrying FSDP's ``_is_fsdp_managed_module``
+    flag, which ZeRO-3 modules lack unless transformers' own DeepSpeed config is set.
+    The flag is set on every submodule inside and put back as it was on exit."""
+    saved = [(m, m.__dict__.get("_is_fsdp_managed_module", _MISSING)) for m in root.modules()]
+    for m, _ in saved:
+        m.__dict__["_is_fsdp_managed_module"] = True
+    try:
+        yield
+    finally:
+        for m, value in saved:
+            if value is _MISSING:
+                m.__dict__.pop("_is_fsdp_managed_module", None)
+            else:
+                m.__dict__["_is_fsdp_managed_module"] = value

@@ -155,8 +155,10 @@ class WrappedModel(Protocol):
         ``modifier_rank`` (on normal exit). Collective."""
         ...
 
-    def generation(self) -> AbstractContextManager[torch.nn.Module]:
-        """``gathered()`` + eval + gradient checkpointing off, at unsharded speed; everything restored on exit."""
+    def generation(self, gather: str = "auto") -> AbstractContextManager[torch.nn.Module]:
+        """Eval + no autograd + gradient checkpointing off, everything restored on exit; ``gather``:
+        ``"full"`` (``gathered()``, unsharded speed), ``"layerwise"`` (per-unit, for models bigger than
+        one device) or ``"auto"`` (full when it fits in memory)."""
         ...
 
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -120,15 +120,20 @@ class Wrapped(Handle):
         """
         return full_parameters.gathered(self._below, modifier_rank)
 
-    def generation(self) -> AbstractContextManager[torch.nn.Module]:
-        """``gathered()`` plus eval mode, no autograd and gradient checkpointing off, for ``generate()``.
+    def generation(self, gather: str = "auto") -> AbstractContextManager[torch.nn.Module]:
+        """Eval mode, no autograd and gradient checkpointing off, for ``generate()``. Collective.
 
-        Collective. Inside, ``generate()`` runs at the unsharded model's speed on every
-        backend; entering costs one gather of the parameters. On exit,
-        normal or by exception, every submodule's ``training`` flag and checkpointing
-        setting are restored exactly; hooks and backend state were never changed.
+        ``gather="full"``: ``gathered()`` inside; ``generate()`` runs at the unsharded model's
+        speed on every backend, and entering costs one gather of the parameters.
+        ``"layerwise"``: the backend's own per-unit gathering (ZeRO-3's hooks, FSDP units
+        that unshard for their forward), for models that do not fit on one device whole;
+        each rank holds its shards plus a unit or two, and every forward is collective.
+        ``"auto"``: "full" when the gathered model fits this rank's free memory (less a
+        margin; ``WRAPKIT_MEMORY_BUDGET`` overrides), "layerwise" otherwise, the same choice
+        on every rank. Both give the same tokens. On exit, normal or by exception, every
+        submodule's ``training`` flag and checkpointing setting are restored exactly.
         """
-        return full_parameters.generation(self._below)
+        return full_parameters.generation(self._below, gather)
 
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(canonical_name, full tensor)`` for every parameter, gathering one at a time. Collective.

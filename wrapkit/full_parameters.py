@@ -2,32 +2,73 @@
 
 Written against the backend primitives: ``gather_full`` makes every parameter full (and
 writes back from ``modifier_rank``), ``gather_bypass`` says whether the module must be taken
-out of the backend's hooks to run on them (``_gather.bypassed``). Both contexts put every
-submodule's ``training`` flag back on exit, and ``generation()`` also gradient checkpointing,
-whatever the body did, exception or not.
+out of the backend's hooks to run on them (``_gather.bypassed``), and ``gather_layerwise``
+sets up the backend's own per-unit gathering, for models too big to gather whole. Both
+contexts put every submodule's ``training`` flag back on exit, and ``generation()`` also
+gradient checkpointing, whatever the body did, exception or not.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 
 from ._agree import check_modifier_rank
-from ._gather import bypassed, generation_modes, restore_modes
+from ._errors import ArgumentError, PlacementError
+from ._gather import bypassed, generation_modes, restore_modes, synced_generate
+from ._memory import BUDGET_ENV, format_bytes, memory_budget
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
 
-__all__ = ["gathered", "generation"]
+__all__ = ["gathered", "generation", "GATHER_MODES"]
+
+GATHER_MODES = ("auto", "full", "layerwise")
+_log = logging.getLogger(__name__.rpartition(".")[0] or __name__)
+
+
+def _over_budget(wm: Adapter) -> str | None:
+    """Why gathering the whole model would not fit on this rank, or None when it fits."""
+    if not wm.is_sharded:
+        return None
+    need, budget = wm.full_parameter_bytes(), memory_budget(wm.device)
+    if need <= budget:
+        return None
+    return (f"the gathered model takes {format_bytes(need)}, more than the {format_bytes(budget)} this rank "
+            f"may still allocate on {wm.device} (free memory less a margin, or {BUDGET_ENV})")
+
+
+def _enter(wm: Adapter, modifier_rank: int | None, flags: list[bool]) -> list[bool]:
+    """The agreement every rank makes on entry, in one collective: ``modifier_rank`` checked,
+    ``flags`` OR-ed over the ranks (and the replicas of an HSDP model)."""
+    return check_modifier_rank(modifier_rank, wm.world_size, wm.process_group(), wm.replica_groups(), flags)
+
+
+def _refuse_too_big(why: str | None) -> None:
+    raise PlacementError(
+        f"gathering the whole model does not fit ({why or 'on another rank'}). Generate with "
+        "generation(gather='layerwise'), export with save_pretrained() or named_full_parameters(), "
+        f"or raise {BUDGET_ENV} if the memory is there."
+    )
 
 
 @contextlib.contextmanager
 def gathered(wm: Adapter, modifier_rank: int | None = None) -> Iterator[torch.nn.Module]:
     """``wm.unwrap()`` holding the full parameters on every rank; see ``WrappedModel.gathered``."""
-    check_modifier_rank(modifier_rank, wm.world_size, wm.process_group(), wm.replica_groups())
+    why = _over_budget(wm)
+    [too_big] = _enter(wm, modifier_rank, [why is not None])
+    if too_big:
+        _refuse_too_big(why)
+    with _gathered(wm, modifier_rank) as inner:
+        yield inner
+
+
+@contextlib.contextmanager
+def _gathered(wm: Adapter, modifier_rank: int | None) -> Iterator[torch.nn.Module]:
     # Modes are restored too: code inside often calls eval() to run the model and forgets train().
     modes = [(m, m.training) for m in wm.module.modules()]
     try:
@@ -42,7 +83,28 @@ def gathered(wm: Adapter, modifier_rank: int | None = None) -> Iterator[torch.nn
 
 
 @contextlib.contextmanager
-def generation(wm: Adapter) -> Iterator[torch.nn.Module]:
-    """``gathered()`` plus eval mode, no autograd and gradient checkpointing off; see ``WrappedModel.generation``."""
-    with gathered(wm) as inner, generation_modes(wm.module):
-        yield inner
+def generation(wm: Adapter, gather: str = "auto") -> Iterator[torch.nn.Module]:
+    """``gathered()`` (or per-unit gathering) plus eval mode, no autograd and gradient
+    checkpointing off; see ``WrappedModel.generation``."""
+    bad = gather not in GATHER_MODES
+    why = None if bad or gather == "layerwise" else _over_budget(wm)
+    bad_any, too_big = _enter(wm, None, [bad, why is not None])
+    if bad_any:
+        raise ArgumentError(f"generation(gather=...) got an unknown mode on at least one rank (this rank: "
+                            f"{gather!r}); pass one of {', '.join(map(repr, GATHER_MODES))}, the same on every rank")
+    layerwise = wm.is_sharded and (gather == "layerwise" or (gather == "auto" and too_big))
+    if gather == "full" and too_big:
+        _refuse_too_big(why)
+    if gather == "auto":
+        _log.info("generation(gather='auto') on %s: %s", wm.backend,
+                  f"layerwise ({why or 'too big on another rank'})" if layerwise else "full")
+    if not layerwise:
+        with _gathered(wm, None) as inner, generation_modes(wm.module):
+            yield inner
+        return
+    modes = [(m, m.training) for m in wm.module.modules()]
+    try:
+        with wm.gather_layerwise(), generation_modes(wm.module), synced_generate(wm.unwrap()):
+            yield wm.unwrap()
+    finally:
+        restore_modes(modes)

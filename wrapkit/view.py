@@ -148,12 +148,12 @@ class AdapterDisabledView(Handle):
             yield inner
 
     @contextlib.contextmanager
-    def generation(self) -> Iterator[torch.nn.Module]:
-        """The policy's ``generation()`` with the adapters off: the base model generates, and the
-        policy's modes, checkpointing, adapters and ``requires_grad`` flags come back on exit."""
+    def generation(self, gather: str = "auto") -> Iterator[torch.nn.Module]:
+        """The policy's ``generation(gather)`` with the adapters off: the base model generates, and
+        the policy's modes, checkpointing, adapters and ``requires_grad`` flags come back on exit."""
         p = self._policy
         _check_unmerged(p)
-        with generation(p) as inner, adapters_off(p.unwrap(keep_peft=True)):
+        with generation(p, gather) as inner, adapters_off(p.unwrap(keep_peft=True)):
             yield inner
 
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:

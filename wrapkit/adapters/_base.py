@@ -245,6 +245,16 @@ class Adapter:
         for name, p in self.unwrap().named_parameters(remove_duplicate=False):
             yield canonical_name(name), self.gather_one(p)
 
+    def full_parameter_bytes(self) -> int:
+        """Bytes that every parameter, gathered, takes in the dtype the backend computes in."""
+        return sum(self.global_numel(p) * p.element_size() for p in self._unique_parameters())
+
+    @contextlib.contextmanager
+    def gather_layerwise(self) -> Iterator[None]:
+        """Inside, ``unwrap()`` runs with the backend's own gathering, one unit at a time, for
+        its forward: nothing to set up for an unsharded module."""
+        yield
+
     # Backend hooks for the three above; the base serves every unsharded backend.
     def gather_bypass(self) -> bool:
         """Whether the module must be taken out of the backend's hooks to run on full parameters."""

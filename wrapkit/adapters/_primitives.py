@@ -78,6 +78,15 @@ class BackendPrimitives(Protocol):
         """Every parameter full inside; writes on ``modifier_rank`` kept on exit; yields a ``Replace`` or None."""
         ...
 
+    def gather_layerwise(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, ``unwrap()`` runs on the backend's own per-unit gathering (its forward gathers a
+        unit, runs it and frees it); everything set up is undone on exit."""
+        ...
+
+    def full_parameter_bytes(self) -> int:
+        """Bytes of every parameter gathered, in the dtype the backend gathers and computes in."""
+        ...
+
     def gather_bypass(self) -> bool:
         """Whether running on full parameters needs the backend's hooks taken out of the call path."""
         ...

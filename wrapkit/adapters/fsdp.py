@@ -202,6 +202,43 @@ class FSDPAdapter(Adapter):
                     else:
                         self.weights_written()
 
+    def full_parameter_bytes(self) -> int:
+        total = 0
+        for unit in self._units():
+            handle = getattr(unit, "_handle", None)
+            if handle is not None:
+                flat = handle.flat_param
+                dtype = getattr(handle, "_fwd_bwd_param_dtype", None) or flat.dtype
+                total += flat._unpadded_unsharded_size.numel() * dtype.itemsize
+        return total
+
+    @contextlib.contextmanager
+    def gather_layerwise(self) -> Iterator[None]:
+        # The inner units gather themselves in their forward. The root unit's parameters
+        # (embeddings, final norm, head) are used by ``unwrap()``'s own code, outside any
+        # unit's forward: they are unsharded here, as the root's forward would, in the dtype
+        # it computes in, and resharded on exit. The root's lazy init runs first, so that
+        # an inner unit never takes itself for the root.
+        from torch.distributed.fsdp._runtime_utils import _lazy_init
+
+        root: Any = self._backend_obj
+        _lazy_init(root, root)
+        handle = getattr(root, "_handle", None)
+        hooks = [self._cast_root_inputs()] if self._compute_dtypes() else []
+        try:
+            if handle is not None:
+                handle.pre_unshard()
+                handle.unshard()
+                handle.post_unshard()
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
+            if handle is not None:
+                handle.reshard(handle.uses_sharded_strategy)
+                handle.post_reshard()
+                handle._prefetched = False
+
     def _gather_in(self, dtypes: dict[int, torch.dtype]) -> dict[int, torch.nn.Parameter] | None:
         """Every original parameter, full, in its unit's compute dtype, from one all-gather of all
         the units' shards; None where that layout does not hold (use_orig_params=False, NO_SHARD,

@@ -183,6 +183,22 @@ class FSDP2Adapter(Adapter):
             for handle in handles:
                 handle.remove()
 
+    def full_parameter_bytes(self) -> int:
+        dtypes = self._compute_dtypes(list(self._fsdp_states()))
+        return sum(p.numel() * dtypes.get(id(p), p.dtype).itemsize for p in self._unique_parameters())
+
+    @contextlib.contextmanager
+    def gather_layerwise(self) -> Iterator[None]:
+        # ``fully_shard`` hooks every unit, the root included, so the module's own forward
+        # gathers unit by unit. FSDP2 keeps the root (and a no-grad forward's last units)
+        # unsharded after a forward; resharding on exit frees them, as before entry.
+        states = list(self._fsdp_states())
+        try:
+            yield
+        finally:
+            for m, _ in states:
+                m.reshard()
+
     # -- placement and freezing (place / to_eval_frozen) -------------------------------
     # Moving goes through ``nn.Module._apply``, which FSDP2 overrides to re-register
     # the padded local shards; only the check needs to look inside the DTensors.
