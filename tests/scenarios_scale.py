@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from typing import Any
@@ -37,7 +38,7 @@ def _snapshot(model: torch.nn.Module) -> dict[str, Any]:
     }
 
 
-def _lean_zero3(precision: str) -> torch.nn.Module:
+def _lean_zero3(precision: str, seed: int = 0) -> torch.nn.Module:
     """ZeRO-3 that keeps nothing gathered between forwards and prefetches little: the setting
     for a model bigger than one device (the defaults keep parameters under 1e5 elements, all
     of a tiny model's, gathered for good)."""
@@ -48,15 +49,15 @@ def _lean_zero3(precision: str) -> torch.nn.Module:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 1,
             "stage3_max_live_parameters": 1}
     extra = {} if precision == "fp32" else {precision: {"enabled": True}}
-    engine, *_ = deepspeed.initialize(model=tiny_llama(0, layers=LAYERS),
+    engine, *_ = deepspeed.initialize(model=tiny_llama(seed, layers=LAYERS),
                                       config=ds_config(3, zero_optimization=zero, **extra))
     return engine  # type: ignore[no-any-return]
 
 
-def build_scale(spec: str, precision: str = "fp32", topology: str = "flat") -> torch.nn.Module:
+def build_scale(spec: str, precision: str = "fp32", topology: str = "flat", seed: int = 0) -> torch.nn.Module:
     if spec == "zero3":
-        return _lean_zero3(precision)
-    return build(spec, model=tiny_llama(0, layers=LAYERS), precision=precision, topology=topology)
+        return _lean_zero3(precision, seed)
+    return build(spec, model=tiny_llama(seed, layers=LAYERS), precision=precision, topology=topology)
 
 
 def unit_bytes(precision: str) -> list[int]:
@@ -163,3 +164,153 @@ def auto_choice(spec: str, budget: str | None) -> dict[str, Any]:
         logger.removeHandler(handler)
         logger.setLevel(level)
     return obs
+
+
+class _Records(logging.Handler):
+    """The messages the package logs at ``level`` while in use."""
+
+    def __init__(self, level: int) -> None:
+        super().__init__(level)
+        self.messages: list[str] = []
+        self.logger = logging.getLogger("wrapkit")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def __enter__(self) -> _Records:
+        self.saved = self.logger.level
+        self.logger.addHandler(self)
+        self.logger.setLevel(self.level)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.saved)
+
+
+def save_pretrained(spec: str, precision: str, path: str, shard_size: str, merge: bool = False) -> dict[str, Any]:
+    """save_pretrained -> from_pretrained: the same values, bitwise, as full_state_dict(); files of at most
+    shard_size, written by every rank, each holding at most one file."""
+    wm = wrapkit.adapt(build_scale(spec, precision))
+    sd = wm.full_state_dict(merge_adapters=merge)
+    with _Records(logging.DEBUG) as records:
+        wm.save_pretrained(path, max_shard_size=shard_size, merge_adapters=merge)
+    obs: dict[str, Any] = {"written": [m for m in records.messages if m.startswith("save_pretrained")]}
+    if dist.get_rank() == 0:
+        from safetensors import safe_open
+        from transformers import AutoModelForCausalLM
+
+        obs["files"] = sorted(os.listdir(path))
+        with open(os.path.join(path, "model.safetensors.index.json")) as f:
+            index = json.load(f)
+        obs["index_files"] = sorted(set(index["weight_map"].values()))
+        sizes = []
+        for name in obs["index_files"]:
+            with safe_open(os.path.join(path, name), "pt") as f:
+                sizes.append(sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys()))
+        obs["file_bytes"] = sizes
+        obs["total_size"] = index["metadata"]["total_size"]
+        loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
+        obs["same_keys"] = sorted(loaded) == sorted(sd)
+        obs["bitwise"] = [k for k in sd if not (k in loaded and loaded[k].dtype == sd[k].dtype
+                                                and torch.equal(loaded[k], sd[k]))]
+        obs["entry_bytes"] = max(t.numel() * t.element_size() for t in sd.values())
+    return obs
+
+
+def _bitwise_as(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[str]:
+    """Keys whose values differ, ``want`` cast to the dtype ``got`` holds (a bf16 model keeps bf16)."""
+    return [k for k in want if k not in got or not torch.equal(got[k], want[k].to(got[k].dtype))]
+
+
+def cross_load(src_spec: str, precision: str, path: str, dst_specs: list[str]) -> dict[str, Any]:
+    """A sharded checkpoint of one backend loads into every other, bitwise, each rank reading its
+    slices (or rank 1 reading for all); the loaded model trains on."""
+    src = wrapkit.adapt(build_scale(src_spec, precision))
+    with src.gathered(modifier_rank=0) as m, torch.no_grad():
+        gen = torch.Generator().manual_seed(7)
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=gen).to(p.dtype))
+    want = src.full_state_dict(rank0_only=False)
+    src.save_pretrained(path, max_shard_size="20KB")
+    obs: dict[str, Any] = {}
+    for i, dst in enumerate(dst_specs):
+        wm = wrapkit.adapt(build_scale(dst, precision, seed=3))
+        kwargs = {"src_rank": 1} if i % 2 else {}
+        wm.load(path, **kwargs)
+        obs[dst] = _bitwise_as(wm.full_state_dict(rank0_only=False), want)
+        model = wm.module
+        out = _logits(model(input_ids=PROMPT))
+        out.float().mean().backward()
+        obs[f"{dst}_trains"] = bool(torch.isfinite(out).all())
+    return obs
+
+
+def hsdp_save(spec: str, path: str) -> dict[str, Any]:
+    """save_pretrained on a multi-node layout: the first replica's ranks write, and the checkpoint
+    loads into a flat model over all four ranks."""
+    src = wrapkit.adapt(build_scale(spec, topology="hsdp"))
+    want = src.full_state_dict(rank0_only=False)
+    with _Records(logging.DEBUG) as records:
+        src.save_pretrained(path, max_shard_size="20KB")
+    flat = wrapkit.adapt(build_scale(spec, seed=5))
+    flat.load(path)
+    back = wrapkit.adapt(build_scale(spec, topology="hsdp", seed=6))
+    back.load(path, src_rank=1)
+    return {"written": records.messages, "flat": _bitwise_as(flat.full_state_dict(rank0_only=False), want),
+            "hsdp": _bitwise_as(back.full_state_dict(rank0_only=False), want)}
+
+
+def bad_checkpoints(spec: str, tmpdir: str) -> dict[str, Any]:
+    """Incomplete and mistaken checkpoints and arguments: a typed error on every rank, nothing changed."""
+    wm = wrapkit.adapt(build_scale(spec))
+    before = wm.full_state_dict(rank0_only=False)
+    good = os.path.join(tmpdir, f"{spec}-good")
+    wm.save_pretrained(good, max_shard_size="20KB")
+    obs: dict[str, Any] = {}
+
+    def attempt(fn: Any) -> str:
+        try:
+            fn()
+        except wrapkit.WrapkitError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    holed = os.path.join(tmpdir, f"{spec}-holed")
+    if dist.get_rank() == 0:
+        import shutil
+
+        shutil.copytree(good, holed)
+        os.unlink(os.path.join(holed, "model-00003-of-00012.safetensors"))
+        with open(os.path.join(tmpdir, f"{spec}-file"), "w") as f:
+            f.write("x")
+    dist.barrier()
+    obs["holed"] = attempt(lambda: wm.load(holed))
+    obs["bad_src"] = attempt(lambda: wm.load(good, src_rank=5))
+    obs["empty_dir"] = attempt(lambda: wm.load(tmpdir))
+    obs["bad_size"] = attempt(lambda: wm.save_pretrained(os.path.join(tmpdir, "x"), max_shard_size="lots"))
+    obs["onto_file"] = attempt(lambda: wm.save_pretrained(os.path.join(tmpdir, f"{spec}-file")))
+    obs["no_parent"] = attempt(lambda: wm.save_pretrained(os.path.join(tmpdir, "no", "such")))
+    obs["unchanged"] = _bitwise_as(wm.full_state_dict(rank0_only=False), before)
+    obs["good_untouched"] = sorted(os.listdir(good)) == sorted(
+        ["config.json", "generation_config.json", "model.safetensors.index.json"]
+        + [f"model-{k:05d}-of-00012.safetensors" for k in range(1, 13)])
+    obs["leftovers"] = sorted(n for n in os.listdir(tmpdir) if ".wrapkit-" in n)
+    return obs
+
+
+# The script of a save killed midway: a previous checkpoint of seed 1, then a save of seed 2
+# whose writer dies (SIGKILL, as an OOM kill would) after its first file.
+KILLED_SAVE = """
+import os, signal, sys
+import wrapkit, wrapkit.pretrained as pre
+from wrapkit.cli._models import tiny_llama
+path, layers = sys.argv[1], int(sys.argv[2])
+wrapkit.adapt(tiny_llama(1, layers=layers)).save_pretrained(path, max_shard_size="20KB")
+write = pre._write_file
+def dying(tensors, file):
+    write(tensors, file)
+    os.kill(os.getpid(), signal.SIGKILL)
+pre._write_file = dying
+wrapkit.adapt(tiny_llama(2, layers=layers)).save_pretrained(path, max_shard_size="20KB")
+"""

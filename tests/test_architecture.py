@@ -18,8 +18,8 @@ LAYERS: list[tuple[str, set[str]]] = [
                      "_memory"}),
     ("backends", {"adapters", "layers"}),
     ("detection", {"_registry"}),
-    ("operations", {"placement", "full_parameters", "state_dict", "checkpoint", "sync", "wrapping", "view",
-                    "reference"}),
+    ("operations", {"placement", "full_parameters", "state_dict", "checkpoint", "pretrained", "reading", "sync",
+                    "wrapping", "view", "reference"}),
     ("public API", {"", "_wrapped"}),
     ("integrations and cli", {"integrations", "cli", "__main__"}),
 ]

@@ -178,8 +178,13 @@ class WrappedModel(Protocol):
         """One safetensors file, written atomically by rank 0."""
         ...
 
-    def load(self, path: str | os.PathLike[str], strict: bool = True) -> None:
-        """Load a safetensors file (canonical names) into this model."""
+    def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
+                        merge_adapters: bool = False) -> None:
+        """Sharded safetensors files + index in the Hugging Face layout, streamed, atomic per directory."""
+        ...
+
+    def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None) -> None:
+        """Load a safetensors file or a ``save_pretrained`` directory, each rank reading only its slices."""
         ...
 
     def copy_to(self, target: WrappedModel, alpha: float = 1.0) -> None:

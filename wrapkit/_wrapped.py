@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import torch
 
-from . import checkpoint, full_parameters, placement, reference, state_dict, sync
+from . import checkpoint, full_parameters, placement, pretrained, reading, reference, state_dict, sync
 from ._protocol import Handle, WrappedModel
 from ._registry import as_adapter, copy_target
 from .adapters import Adapter
@@ -164,9 +164,30 @@ class Wrapped(Handle):
         """Write one safetensors file atomically from rank 0 (temp file, fsync, rename). Collective."""
         checkpoint.save(self._below, path)
 
-    def load(self, path: str | os.PathLike[str], strict: bool = True) -> None:
-        """Load a safetensors file written by ``save`` (every rank reads it). Collective."""
-        checkpoint.load(self._below, path, strict)
+    def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
+                        merge_adapters: bool = False) -> None:
+        """Write a Hugging Face layout checkpoint into ``directory``: ``model-0000k-of-0000n.safetensors``
+        files of at most ``max_shard_size`` each, ``model.safetensors.index.json``, and the model's
+        ``config.json`` / ``generation_config.json``. Collective.
+
+        Streamed: parameters are gathered one (or one FSDP1 unit) at a time, and each rank of
+        the group writes its share of the files in parallel, holding at most one file beyond
+        its shards. Atomic per directory: everything is written to a temporary directory that
+        replaces ``directory`` only when complete. ``merge_adapters`` folds LoRA in, layer by
+        layer, under the base model's names (then ``from_pretrained`` of the base class loads it).
+        """
+        pretrained.save_pretrained(self._below, directory, max_shard_size, merge_adapters)
+
+    def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None) -> None:
+        """Load a checkpoint: a safetensors file (``save``) or a directory (``save_pretrained``, or any
+        Hugging Face layout with canonical names). Collective.
+
+        Each rank reads only the byte ranges of the parameter elements it holds (its shards,
+        or whole parameters where unsharded). With ``src_rank=r`` rank ``r`` alone reads and
+        sends each tensor to the others, for nodes without shared storage. Every missing,
+        unexpected or mis-shaped key, and every unreadable file, is reported on every rank
+        before anything is written (``StateDictError``)."""
+        reading.load(self._below, path, strict, src_rank)
 
     def copy_to(self, target: Any, alpha: float = 1.0) -> None:
         """``target = alpha*self + (1-alpha)*target``, by canonical name, any backend to any backend."""

@@ -1,6 +1,7 @@
-"""Checkpoints: one safetensors file, written atomically by rank 0 (``save``), read on every
-rank (``load``, ``read_checkpoint``). A write failure on rank 0 and a read failure on any rank
-are agreed on across the group (``_agree``), so every rank raises alike and none waits.
+"""Checkpoints of one file: the full state dict written atomically by rank 0 (``save``), and
+read whole (``read_checkpoint``); ``reading.load`` loads it, or a sharded directory, into a
+model. A write failure on rank 0 is agreed on across the group (``_agree``), so every rank
+raises alike and none waits.
 """
 
 from __future__ import annotations
@@ -15,12 +16,12 @@ import torch
 from ._agree import any_over_models, first_replica, raise_agreed
 from ._errors import StateDictError
 from ._imports import require
-from .state_dict import full_state_dict, load_full_state_dict
+from .state_dict import full_state_dict
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
 
-__all__ = ["save", "load", "read_checkpoint", "write_checkpoint"]
+__all__ = ["save", "read_checkpoint", "write_checkpoint"]
 
 
 def _fsync_dir(directory: str) -> None:
@@ -127,18 +128,3 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
         ) from exc
     return sd
 
-
-def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True) -> None:
-    """Load a file written by :func:`save` (or any safetensors file with canonical names) into ``wm``.
-
-    Every rank must call it and reads the file itself.
-    """
-    sd: dict[str, torch.Tensor] = {}
-    error: StateDictError | None = None
-    try:
-        sd = read_checkpoint(path)
-    except StateDictError as exc:
-        error = exc
-    if any_over_models(error is not None, wm):
-        raise error or StateDictError(f"another rank could not read {os.fspath(path)!r} (see its error)")
-    load_full_state_dict(wm, sd, strict=strict)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .adapters._base import Adapter
 
 __all__ = ["full_state_dict", "load_full_state_dict", "expected_shapes", "check_entries", "write", "assign",
-           "live_buffers", "Shape"]
+           "live_buffers", "Shape", "lora_fold_plan", "lora_fold_stream"]
 
 Shape = tuple[int, ...]
 
@@ -177,26 +177,70 @@ def _lora_fold_plan(wm: Adapter) -> _LoraFoldPlan | None:
     return _LoraFoldPlan(base_key_map(peft_root), layers)
 
 
+def _fold_keys(name: str, mod: Any) -> list[str]:
+    """The entries a LoRA layer's merged weight is computed from: its base weight first."""
+    keys = [f"{name}.base_layer.weight"]
+    if not mod.merged and not mod.disable_adapters:
+        for adapter in mod.active_adapters:
+            if adapter in mod.lora_A:
+                keys += [f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight"]
+    return keys
+
+
+def _folded(mod: Any, keys: list[str], sd: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``W + sum(scale * B @ A)`` over the active adapters, in float32, back in W's dtype."""
+    weight = sd[keys[0]]
+    if len(keys) == 1:
+        return weight.contiguous()
+    acc = weight.float()
+    for a_key, b_key in zip(keys[1::2], keys[2::2], strict=True):
+        adapter = a_key.rsplit(".", 2)[-2]
+        delta = sd[b_key].float() @ sd[a_key].float()
+        if mod.fan_in_fan_out:
+            delta = delta.T
+        acc = acc + delta * mod.scaling[adapter]
+    return acc.to(weight.dtype).contiguous()
+
+
 def _fold_lora(sd: dict[str, torch.Tensor], plan: _LoraFoldPlan) -> dict[str, torch.Tensor]:
     """``sd`` of the PEFT model -> the base model's state dict with the adapters folded in."""
-    folded: dict[str, torch.Tensor] = {}
-    for name, mod in plan.layers:
-        key = f"{name}.base_layer.weight"
-        weight = sd[key]
-        if not mod.merged and not mod.disable_adapters:
-            acc = weight.float()
-            for adapter in mod.active_adapters:
-                if adapter not in mod.lora_A:
-                    continue
-                a = sd[f"{name}.lora_A.{adapter}.weight"].float()
-                b = sd[f"{name}.lora_B.{adapter}.weight"].float()
-                delta = b @ a
-                if mod.fan_in_fan_out:
-                    delta = delta.T
-                acc = acc + delta * mod.scaling[adapter]
-            weight = acc.to(weight.dtype)
-        folded[key] = weight.contiguous()
+    folded = {f"{name}.base_layer.weight": _folded(mod, _fold_keys(name, mod), sd) for name, mod in plan.layers}
     return {new: folded.get(key, value) for key, value in sd.items() if (new := plan.rename(key)) is not None}
+
+
+def lora_fold_plan(wm: Adapter) -> _LoraFoldPlan | None:
+    """What merging ``wm``'s LoRA adapters needs (None without PEFT); ``UnsupportedModelError``,
+    raised alike on every rank, for layers that cannot be merged."""
+    return _lora_fold_plan(wm)
+
+
+def lora_fold_stream(plan: _LoraFoldPlan | None,
+                     entries: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``entries`` of the PEFT model -> the base model's, each LoRA layer merged as soon as its
+    pieces have come by: no more than one layer's pieces are held at a time."""
+    if plan is None:
+        yield from entries
+        return
+    layer_of: dict[str, tuple[Any, list[str]]] = {}
+    for name, mod in plan.layers:
+        keys = _fold_keys(name, mod)
+        for key in keys:
+            layer_of[key] = (mod, keys)
+    pieces: dict[str, torch.Tensor] = {}
+    for key, value in entries:
+        hit = layer_of.get(key)
+        if hit is None:
+            if (new := plan.rename(key)) is not None:
+                yield new, value
+            continue
+        mod, keys = hit
+        pieces[key] = value
+        if all(k in pieces for k in keys):
+            weight = _folded(mod, keys, pieces)
+            for k in keys:
+                del pieces[k]
+            if (new := plan.rename(keys[0])) is not None:
+                yield new, weight
 
 
 # -- writing ---------------------------------------------------------------------------

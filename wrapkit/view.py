@@ -12,6 +12,7 @@ owns no parameters: every operation is the policy's own, run with every adapter 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -29,7 +30,8 @@ from .checkpoint import write_checkpoint
 from .full_parameters import gathered, generation
 from .layers.peft import adapters_off, base_key_map, merged_layers
 from .placement import resolve_device
-from .state_dict import expected_shapes, full_state_dict
+from .pretrained import write_pretrained
+from .state_dict import expected_shapes, full_state_dict, live_buffers
 from .sync import copy_stream_to, source_stream
 
 __all__ = ["AdapterDisabledView", "view_possible"]
@@ -179,6 +181,19 @@ class AdapterDisabledView(Handle):
         """The base model's weights in one safetensors file, written atomically by rank 0."""
         write_checkpoint(self._policy, path, lambda: self.full_state_dict(rank0_only=True))
 
+    def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
+                        merge_adapters: bool = False) -> None:
+        """The base model's weights as a Hugging Face layout checkpoint (``from_pretrained`` of the
+        base class loads it). ``merge_adapters`` changes nothing: the adapters are off."""
+        rename = self._rename()
+
+        def entries() -> Iterator[tuple[str, torch.Tensor]]:
+            for name, t in itertools.chain(self._policy.gather_each(), live_buffers(self._policy.unwrap())):
+                if (new := rename(name)) is not None:
+                    yield new, t
+
+        write_pretrained(self._policy, directory, max_shard_size, entries, True)
+
     def copy_to(self, target: Any, alpha: float = 1.0) -> None:
         """``target = alpha*base + (1-alpha)*target``, into a model of the base architecture."""
         tgt = copy_target(target)
@@ -192,7 +207,7 @@ class AdapterDisabledView(Handle):
     def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         raise _refusal("load_full_state_dict() into it")
 
-    def load(self, path: str | os.PathLike[str], strict: bool = True) -> None:
+    def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None) -> None:
         raise _refusal("load() into it")
 
     def _rename(self) -> Callable[[str], str | None]:

@@ -18,7 +18,7 @@ from .._agree import agree_any, settle
 from .._errors import DistributedStateError, MissingConfigError
 from .._gather import broadcast_
 from .._names import canonical_name
-from ._primitives import BackendPrimitives
+from ._primitives import BackendPrimitives, Piece
 
 __all__ = ["Adapter", "ReplicatedAdapter", "Entry", "model_class_name", "move_buffers"]
 
@@ -233,6 +233,18 @@ class Adapter:
         """Called after ``local_shards()`` tensors were written in place: rebuild any full
         copies the backend keeps of them. Collective where the backend's refresh is."""
 
+    def load_pieces(self) -> list[Piece]:
+        """This rank's part of every parameter: here, the whole of each (tied ones once)."""
+        out: list[Piece] = []
+        for name, p in self.unwrap().named_parameters():
+            out.append(Piece(canonical_name(name), 0, p.numel(), tuple(p.shape), copy_into(p.data)))
+        return out
+
+    def pieces_written(self) -> None:
+        """Called after every ``load_pieces()`` piece was written."""
+        self.weights_written()
+        self.shards_written()
+
     def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
         """Canonical name -> (this rank's shard, a layout key), for backends that keep one shard per
         parameter. Two models whose keys agree hold the same slice of every parameter on this rank,
@@ -362,6 +374,14 @@ class Adapter:
         """``flag`` or-ed over the group, so that every rank takes the same branch."""
         # Non-distributed adapters may live in a distributed process: they never vote.
         return agree_any(flag, self.process_group(), self.world_size) if self.distributed else flag
+
+
+def copy_into(dst: torch.Tensor) -> Any:
+    """A ``Piece.write`` that copies 1-D values into ``dst`` (any shape), cast to its dtype."""
+    def write(values: torch.Tensor) -> None:
+        with torch.no_grad():
+            dst.copy_(values.reshape(dst.shape))
+    return write
 
 
 def move_buffers(root: torch.nn.Module, target: torch.device, copy: bool) -> None:

@@ -10,14 +10,26 @@ including third-party ones registered with ``register_adapter``.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
-__all__ = ["BackendPrimitives"]
+__all__ = ["BackendPrimitives", "Piece"]
 
 Shape = tuple[int, ...]
+
+
+class Piece(NamedTuple):
+    """Elements ``[start, start + numel)`` of the flattened full parameter ``name`` (shape
+    ``full_shape``) that this rank holds; ``write(values)`` stores them (a 1-D tensor of ``numel``
+    elements, any dtype) in this rank's storage, and in the optimizer's master copy where one is kept."""
+
+    name: str
+    start: int
+    numel: int
+    full_shape: Shape
+    write: Callable[[torch.Tensor], None]
 
 
 class BackendPrimitives(Protocol):
@@ -89,6 +101,14 @@ class BackendPrimitives(Protocol):
 
     def gather_bypass(self) -> bool:
         """Whether running on full parameters needs the backend's hooks taken out of the call path."""
+        ...
+
+    def load_pieces(self) -> list[Piece]:
+        """This rank's part of every parameter (tied ones once), for filling it from a checkpoint."""
+        ...
+
+    def pieces_written(self) -> None:
+        """Every ``load_pieces()`` piece was written: refresh what the backend derives from them."""
         ...
 
     def shards_written(self) -> None:

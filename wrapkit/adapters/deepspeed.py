@@ -17,7 +17,8 @@ import torch.distributed as dist
 from .._agree import agree_any
 from .._imports import is_instance, lookup, require
 from .._names import canonical_name
-from ._base import Adapter, move_buffers
+from ._base import Adapter, copy_into, move_buffers
+from ._primitives import Piece
 
 
 class DeepSpeedAdapter(Adapter):
@@ -123,6 +124,31 @@ class DeepSpeedAdapter(Adapter):
                     safe_set_full_fp32_param(p, value.to(device=self.device, dtype=torch.float32))
                 elif (own := master(p)) is not None:  # ZeRO-0's unfused optimizer: the fp32 parameter itself
                     own.copy_(value.reshape(own.shape))
+
+    def load_pieces(self) -> list[Piece]:
+        # ZeRO-3: each rank's partition is a contiguous range of the flattened, padded parameter.
+        # A 16-bit engine's optimizer also gets the exact values in its fp32 masters.
+        master = self._masters()
+        out: list[Piece] = []
+        for name, p in self.unwrap().named_parameters():
+            keep = master if (master is not None and p.requires_grad) else None
+            part = getattr(p, "ds_tensor", None)
+            if part is None:
+                shape = tuple(p.shape)
+                out.append(Piece(canonical_name(name), 0, p.numel(), shape, _full_writer(p, keep)))
+                continue
+            size = part.numel()
+            start = dist.get_rank(p.ds_process_group) * size  # type: ignore[attr-defined]
+            valid = max(0, min(size, int(p.ds_numel) - start))  # type: ignore[attr-defined]
+            if valid:
+                shape = tuple(p.ds_shape)  # type: ignore[attr-defined]
+                out.append(Piece(canonical_name(name), start, valid, shape, _partition_writer(p, part, valid, keep)))
+        return out
+
+    def pieces_written(self) -> None:
+        if self._masters() is None:
+            self.weights_written()  # fp32 engines: the optimizer's copies come from the weights
+        self.shards_written()
 
     def resident_parameter_bytes(self) -> int:
         if self.zero_stage != 3:
@@ -280,3 +306,39 @@ def _plain_linear() -> tuple[Any, Any] | None:
     if original is None or current is original:
         return None
     return original, current
+
+
+def _full_writer(p: Any, master: Callable[[Any], torch.Tensor | None] | None) -> Callable[[torch.Tensor], None]:
+    """Write a whole (ZeRO 0-2) parameter, and its fp32 master where the optimizer keeps one."""
+    write = copy_into(p.data)
+
+    def both(values: torch.Tensor) -> None:
+        write(values)
+        if master is None:
+            return
+        with torch.no_grad():
+            if hasattr(p, "_hp_mapping"):  # ZeRO 1-2, bf16 optimizer: this rank's fragment
+                from deepspeed.utils import safe_set_full_fp32_param
+
+                safe_set_full_fp32_param(p, values.reshape(p.shape).to(device=p.device, dtype=torch.float32))
+            elif (own := master(p)) is not None:  # ZeRO-0's unfused optimizer: the fp32 parameter itself
+                own.copy_(values.reshape(own.shape))
+    return both
+
+
+def _partition_writer(p: Any, part: torch.Tensor, valid: int,
+                      master: Callable[[Any], torch.Tensor | None] | None) -> Callable[[torch.Tensor], None]:
+    """Write a ZeRO-3 partition (its first ``valid`` elements; the rest is padding), and its fp32 master."""
+    write = copy_into(part.view(-1)[:valid])
+
+    def both(values: torch.Tensor) -> None:
+        write(values)
+        if master is None:
+            return
+        from deepspeed.utils import safe_set_local_fp32_param
+
+        with torch.no_grad():
+            padded = torch.zeros(part.numel(), dtype=torch.float32, device=part.device)
+            padded[:valid] = values.reshape(-1)
+            safe_set_local_fp32_param(p, padded)
+    return both

@@ -15,6 +15,8 @@ from .._gather import broadcast_, bypassed
 from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import Adapter, move_buffers
+from ._fsdp_flat import flat_pieces
+from ._primitives import Piece
 
 
 class FSDPAdapter(Adapter):
@@ -238,6 +240,10 @@ class FSDPAdapter(Adapter):
                 handle.reshard(handle.uses_sharded_strategy)
                 handle.post_reshard()
                 handle._prefetched = False
+
+    def load_pieces(self) -> list[Piece]:
+        handles = [u._handle for u in self._units() if getattr(u, "_handle", None) is not None]
+        return flat_pieces(self.unwrap(), handles)
 
     def _gather_in(self, dtypes: dict[int, torch.dtype]) -> dict[int, torch.nn.Parameter] | None:
         """Every original parameter, full, in its unit's compute dtype, from one all-gather of all

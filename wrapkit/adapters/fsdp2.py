@@ -4,6 +4,7 @@ subclass and its parameters become ``DTensor`` shards over a device mesh."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +14,8 @@ import torch.distributed as dist
 from .._agree import settle
 from .._imports import is_instance, lookup
 from .._names import canonical_name
-from ._base import Adapter
+from ._base import Adapter, copy_into
+from ._primitives import Piece
 
 
 class FSDP2Adapter(Adapter):
@@ -199,6 +201,32 @@ class FSDP2Adapter(Adapter):
             for m, _ in states:
                 m.reshard()
 
+    def load_pieces(self) -> list[Piece]:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        for m, _ in self._fsdp_states():
+            m.reshard()  # the root may hold full copies after a forward: write where they come from
+        out: list[Piece] = []
+        for name, p in self.unwrap().named_parameters():
+            local = getattr(p, "_local_tensor", None)
+            full_shape = tuple(p.shape)
+            if not isinstance(local, torch.Tensor):
+                out.append(Piece(canonical_name(name), 0, p.numel(), full_shape, copy_into(p.data)))
+                continue
+            if local.numel() == 0:
+                continue
+            shape, offset = compute_local_shape_and_global_offset(
+                p.shape, p.device_mesh, p.placements)  # type: ignore[attr-defined]
+            if tuple(shape[1:]) == full_shape[1:] and local.is_contiguous():
+                # Rows ``offset[0]:`` of the full parameter: one contiguous range of it.
+                row = math.prod(full_shape[1:])
+                out.append(Piece(canonical_name(name), offset[0] * row, local.numel(), full_shape, copy_into(local)))
+            else:  # sharded along another dimension: read the whole and take this rank's block
+                block = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+                out.append(Piece(canonical_name(name), 0, p.numel(), full_shape,
+                                 _block_writer(local, full_shape, block)))
+        return out
+
     # -- placement and freezing (place / to_eval_frozen) -------------------------------
     # Moving goes through ``nn.Module._apply``, which FSDP2 overrides to re-register
     # the padded local shards; only the check needs to look inside the DTensors.
@@ -290,3 +318,10 @@ def _all_full(params: list[Any], dtypes: dict[int, torch.dtype]) -> list[tuple[A
             out.append((p, torch.cat(pieces).view(p.shape)))
             offset += size
     return out
+
+
+def _block_writer(local: torch.Tensor, full_shape: tuple[int, ...], block: tuple[slice, ...]) -> Any:
+    def write(values: torch.Tensor) -> None:
+        with torch.no_grad():
+            local.copy_(values.reshape(full_shape)[block])
+    return write

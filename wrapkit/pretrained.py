@@ -1,0 +1,282 @@
+"""Checkpoints in the Hugging Face layout: ``save_pretrained`` writes sharded safetensors files
+and their index, streamed and written by several ranks; ``load`` reads them back.
+
+Saving walks the parameters in ``gather_each`` order (one parameter, or one FSDP1 unit, gathered
+at a time). Every rank cuts the same stream into files of at most ``max_shard_size`` the same way,
+so all agree, without talking, on which file each tensor goes to; file ``k`` belongs to writer
+``k mod W`` (the ranks of the first replica that see the same directory), which keeps only the
+tensors of the file it is filling and writes it in a thread while the next ones are gathered.
+Everything goes to a temporary directory beside the target, swapped in when complete: a save
+killed at any point leaves the previous checkpoint as it was, and the next save sweeps the
+leftovers.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ._agree import any_over_models, first_replica, models_group, raise_agreed
+from ._errors import ArgumentError, StateDictError
+from ._imports import require
+from ._memory import parse_size
+from .checkpoint import _fsync_dir
+from .reading import INDEX_NAME
+from .state_dict import live_buffers, lora_fold_plan, lora_fold_stream
+
+if TYPE_CHECKING:
+    from .adapters._base import Adapter
+
+__all__ = ["save_pretrained", "write_pretrained", "INDEX_NAME"]
+
+_log = logging.getLogger(__name__.rpartition(".")[0] or __name__)
+_TMP, _OLD = ".wrapkit-tmp-", ".wrapkit-old-"
+
+
+def _file_name(k: int, n: int) -> str:
+    return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+
+
+# -- the directory swap ------------------------------------------------------------------
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return int(fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)) == 0
+
+
+def _sweep(directory: str) -> None:
+    """Remove this package's leftovers of ``directory`` (from killed saves); first put back a
+    previous checkpoint that a killed save had moved aside and not yet replaced."""
+    parent, base = os.path.split(os.path.abspath(directory))
+    leftovers = [n for n in os.listdir(parent) if n.startswith(f".{base}{_TMP}") or n.startswith(f".{base}{_OLD}")]
+    if not os.path.exists(directory):
+        aside = sorted(n for n in leftovers if n.startswith(f".{base}{_OLD}"))
+        if aside:
+            os.replace(os.path.join(parent, aside[-1]), directory)
+            leftovers.remove(aside[-1])
+    for name in leftovers:
+        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+
+
+def _commit(tmp: str, directory: str) -> None:
+    """Put the complete ``tmp`` at ``directory``: the previous checkpoint there stays whole until then."""
+    parent, base = os.path.split(os.path.abspath(directory))
+    if not os.path.exists(directory):
+        os.replace(tmp, directory)
+    elif _exchange(tmp, directory):
+        shutil.rmtree(tmp, ignore_errors=True)  # now the previous checkpoint
+    else:
+        # Two renames; a kill between them leaves the previous checkpoint aside, which the
+        # next save (``_sweep``) puts back before anything else.
+        aside = os.path.join(parent, f".{base}{_OLD}{uuid.uuid4().hex[:8]}")
+        os.replace(directory, aside)
+        try:
+            os.replace(tmp, directory)
+        except OSError:
+            os.replace(aside, directory)
+            raise
+        shutil.rmtree(aside, ignore_errors=True)
+    _fsync_dir(parent)
+
+
+# -- writing ------------------------------------------------------------------------------
+def _write_file(tensors: dict[str, torch.Tensor], path: str) -> None:
+    st = require("safetensors.torch", feature="save_pretrained", extra="transformers")
+    st.save_file(tensors, path, metadata={"format": "pt"})
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Writer:
+    """The files one rank owns: filled one at a time, each written by a background thread
+    while the next tensors are gathered. A write error is kept, not raised, so that the rank
+    goes on taking part in the gathers; it is reported once all ranks are through."""
+
+    def __init__(self, tmp: str, me: int, writers: int) -> None:
+        self.tmp, self.me, self.writers = tmp, me, writers
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+        self.pending: concurrent.futures.Future[None] | None = None
+        self.filling: dict[str, torch.Tensor] = {}
+        self.written: list[int] = []
+        self.error: BaseException | None = None
+        self.held = self.peak = 0  # bytes of tensors copied and not yet written out
+
+    def owns(self, k: int) -> bool:
+        return k % self.writers == self.me
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if not self.filling:
+            self._wait()  # the previous file is on disk before this one grows: one file held at most
+        if self.error is None:
+            # A CPU copy of its own: gathered buffers are reused, and tied tensors must not share.
+            self.filling[name] = t.detach().to("cpu", copy=True).contiguous()
+            self.held += t.numel() * t.element_size()
+            self.peak = max(self.peak, self.held)
+
+    def _wait(self) -> None:
+        if self.pending is not None:
+            try:
+                self.pending.result()
+            except Exception as exc:
+                self.error = self.error or exc
+            self.pending = None
+            self.held = sum(t.numel() * t.element_size() for t in self.filling.values())
+
+    def close(self, k: int) -> None:
+        tensors, self.filling = self.filling, {}
+        if self.error is None:
+            self.written.append(k)
+            self.pending = self.pool.submit(_write_file, tensors, self._part(k))
+
+    def _part(self, k: int) -> str:
+        return os.path.join(self.tmp, f"part-{k:05d}")
+
+    def finish(self, n: int) -> None:
+        """Wait for the last write, then give this rank's files their final names."""
+        self._wait()
+        self.pool.shutdown(wait=True)
+        if self.error is None:
+            try:
+                for k in self.written:
+                    os.replace(self._part(k), os.path.join(self.tmp, _file_name(k, n)))
+            except OSError as exc:
+                self.error = exc
+        _log.debug("save_pretrained: rank %d wrote files %s of %d, holding at most %d bytes",
+                   self.me, [k + 1 for k in self.written], n, self.peak)
+
+
+def _config_files(wm: Adapter, tmp: str, base_keys: bool) -> None:
+    """config.json and generation_config.json, where the model has them and the keys are its own."""
+    if not base_keys:
+        return  # a PEFT model's keys are not the base model's: its config would mislead from_pretrained
+    inner = wm.unwrap(keep_peft=False)
+    for obj in (getattr(inner, "config", None), getattr(inner, "generation_config", None)):
+        if obj is not None and callable(getattr(obj, "save_pretrained", None)):
+            obj.save_pretrained(tmp)
+
+
+def _share(value: Any, wm: Adapter) -> Any:
+    """``value`` as the first replica's rank 0 has it, on every rank (its shard group, then across
+    the replicas)."""
+    use, group = models_group(wm)
+    if not use:
+        return value
+    for g in [group, *wm.replica_groups()]:
+        box = [value]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(g, 0) if g is not None else 0, group=g)
+        value = box[0]
+    return value
+
+
+def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
+                    merge_adapters: bool = False) -> None:
+    """Write every parameter and persistent buffer as ``model-0000k-of-0000n.safetensors`` files plus
+    ``model.safetensors.index.json`` (and the model's ``config.json`` and ``generation_config.json``)
+    into ``directory``, atomically. Collective; see the module docstring."""
+    plan = lora_fold_plan(wm) if merge_adapters else None  # refused alike on every rank
+    base_keys = plan is not None or wm.unwrap(keep_peft=True) is wm.unwrap(keep_peft=False)
+
+    def entries() -> Iterator[tuple[str, torch.Tensor]]:
+        # Parameters gathered one at a time, LoRA merged layer by layer with a plan; then buffers.
+        yield from lora_fold_stream(plan, wm.gather_each())
+        yield from lora_fold_stream(plan, live_buffers(wm.unwrap()))
+
+    write_pretrained(wm, directory, max_shard_size, entries, base_keys)
+
+
+def write_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_size: int | str,
+                     entries: Callable[[], Iterator[tuple[str, torch.Tensor]]], base_keys: bool) -> None:
+    """``save_pretrained`` of the (name, full tensor) stream that ``entries()`` gives, the same on every
+    rank of ``wm``'s group; ``base_keys``: the names are the base model's (its config files go along)."""
+    directory = os.path.abspath(os.fspath(directory))
+    parent, base = os.path.split(directory)
+    rank0 = wm.rank == 0 and first_replica(wm)
+    problems: list[str] = []
+    limit = 1
+    try:
+        limit = parse_size(max_shard_size, "max_shard_size")
+    except ArgumentError as exc:
+        problems.append(str(exc))
+    if not os.path.isdir(parent):
+        problems.append(f"directory {parent!r} does not exist; create it first")
+    elif os.path.exists(directory) and not os.path.isdir(directory):
+        problems.append(f"{directory!r} is a file; pass a directory path")
+    tmp = ""
+    if rank0 and not problems:
+        try:
+            _sweep(directory)
+            tmp = os.path.join(parent, f".{base}{_TMP}{uuid.uuid4().hex[:8]}")
+            os.mkdir(tmp)
+        except OSError as exc:
+            problems.append(f"cannot create a temporary directory beside {directory!r}: {exc}")
+    raise_agreed(problems, f"save_pretrained to {directory!r}",
+                 "Pass a directory whose parent exists and is writable, and a size such as '5GB'.", wm)
+    tmp = _share(tmp, wm)
+    # Writers: the first replica's ranks, when they all see the temporary directory (shared
+    # storage); otherwise rank 0 alone writes every file.
+    me = wm.rank if first_replica(wm) else -1
+    writers = wm.world_size if wm.distributed else 1
+    if any_over_models(me >= 0 and not os.path.isdir(tmp), wm):
+        writers, me = 1, (0 if rank0 else -1)
+    writer = _Writer(tmp, me, writers) if me >= 0 else None
+    weight_map: dict[str, int] = {}
+    k = size = total = 0
+    with torch.no_grad():
+        for name, t in entries():
+            nbytes = t.numel() * t.element_size()
+            if size and size + nbytes > limit:
+                if writer is not None and writer.owns(k):
+                    writer.close(k)
+                k, size = k + 1, 0
+            size, total = size + nbytes, total + nbytes
+            weight_map[name] = k
+            if writer is not None and writer.owns(k):
+                writer.add(name, t)
+    n = k + 1
+    if writer is not None:
+        if writer.owns(k):
+            writer.close(k)
+        writer.finish(n)
+    error = writer.error if writer is not None else None
+    if not any_over_models(error is not None, wm) and rank0:
+        try:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": {name: _file_name(f, n) for name, f in weight_map.items()}}
+            with open(os.path.join(tmp, INDEX_NAME), "w") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            _config_files(wm, tmp, base_keys)
+            _fsync_dir(tmp)
+            _commit(tmp, directory)
+        except Exception as exc:
+            error = exc
+    failed = any_over_models(error is not None, wm)
+    if failed:
+        if rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        cause = f"{type(error).__name__}: {error}" if error is not None else "see the writing rank's error"
+        raise StateDictError(
+            f"save_pretrained could not write {directory!r} ({cause}); any earlier checkpoint there is "
+            "untouched and the temporary directory was removed. Check the free space and permissions."
+        ) from error
+

@@ -1,0 +1,194 @@
+"""``load``: a safetensors file, or a directory in the Hugging Face layout (sharded with an index,
+or one ``model.safetensors``), into a model on any backend, each rank reading only the byte
+ranges of the parameter elements it holds.
+
+Everything is checked before anything is written: every file opened, every name and shape
+compared with the model, and the verdict agreed across ranks. Then each rank fills its pieces
+(``load_pieces``: its shards, or whole parameters where unsharded) from safetensors slices of
+the rows that cover them; with ``src_rank`` that rank alone reads, one tensor at a time, and
+broadcasts it to the others (for nodes that do not share storage).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from contextlib import ExitStack
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from ._agree import models_group, raise_agreed
+from ._errors import StateDictError
+from ._imports import require
+from .state_dict import check_entries, expected_shapes, live_buffers
+
+if TYPE_CHECKING:
+    from .adapters._base import Adapter
+
+__all__ = ["load", "Catalog"]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+
+
+class Catalog:
+    """The tensors of a checkpoint: their names, shapes and dtypes from the files' headers, and
+    reads of element ranges. Opening it checks every file; ``StateDictError`` if one is missing,
+    truncated or corrupt."""
+
+    def __init__(self, path: str, stack: ExitStack) -> None:
+        st = require("safetensors", feature="loading a safetensors checkpoint", extra="transformers")
+        files = self._files(path)
+        self.where: dict[str, Any] = {}
+        self.entries: dict[str, tuple[tuple[int, ...], str]] = {}
+        for file, names in files.items():
+            try:
+                handle = stack.enter_context(st.safe_open(file, framework="pt", device="cpu"))
+                keys = list(handle.keys())
+                for key in keys:
+                    piece = handle.get_slice(key)
+                    self.entries[key] = (tuple(piece.get_shape()), piece.get_dtype())
+                    self.where[key] = handle
+            except Exception as exc:  # safetensors raises its own error type (and OSError for I/O)
+                raise StateDictError(
+                    f"{file!r} is not a readable safetensors file ({type(exc).__name__}: {exc}); it is truncated "
+                    "or corrupt. Save it again, or load an earlier checkpoint."
+                ) from exc
+            absent = [n for n in names if n not in self.where] if names is not None else []
+            if absent:
+                raise StateDictError(f"the index of {path!r} puts {absent[:3]} in {file!r}, which lacks them; "
+                                     "the checkpoint is incomplete: save it again")
+
+    @staticmethod
+    def _files(path: str) -> dict[str, list[str] | None]:
+        """file -> the names the index puts in it (None: no index)."""
+        if os.path.isfile(path):
+            return {path: None}
+        if not os.path.isdir(path):
+            raise StateDictError(f"no checkpoint file or directory at {path!r}; pass the path that save() or "
+                                 "save_pretrained() wrote")
+        index = os.path.join(path, INDEX_NAME)
+        if os.path.isfile(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise StateDictError(f"{index!r} is not a readable index ({type(exc).__name__}: {exc}); save the "
+                                     "checkpoint again") from exc
+            files: dict[str, list[str] | None] = {}
+            for name, file in weight_map.items():
+                names = files.setdefault(os.path.join(path, file), [])
+                assert names is not None
+                names.append(name)
+            missing = [f for f in files if not os.path.isfile(f)]
+            if missing:
+                raise StateDictError(f"the checkpoint in {path!r} lacks {len(missing)} file(s) its index names "
+                                     f"({os.path.basename(missing[0])}, ...); it is incomplete: save it again")
+            return files
+        single = os.path.join(path, SINGLE_NAME)
+        if os.path.isfile(single):
+            return {single: None}
+        raise StateDictError(f"{path!r} holds neither {INDEX_NAME} nor {SINGLE_NAME}; pass a directory that "
+                             "save_pretrained() wrote, or a safetensors file")
+
+    def read(self, name: str, start: int, numel: int) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of the flattened tensor ``name``: only the rows that
+        cover them are read."""
+        shape, _ = self.entries[name]
+        if len(shape) == 0:
+            scalar: torch.Tensor = self.where[name].get_tensor(name)
+            return scalar.reshape(-1)
+        row = math.prod(shape[1:])
+        first, last = start // row, (start + numel + row - 1) // row
+        rows: torch.Tensor = self.where[name].get_slice(name)[first:last]
+        return rows.reshape(-1)[start - first * row: start - first * row + numel]
+
+    def full(self, name: str) -> torch.Tensor:
+        out: torch.Tensor = self.where[name].get_tensor(name)
+        return out
+
+
+def _share(value: Any, src: int, group: Any) -> Any:
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+    return box[0]
+
+
+def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_rank: int | None = None) -> None:
+    """Load a checkpoint (file or directory) into ``wm``; see the module docstring. Collective."""
+    path = os.fspath(path)
+    use, group = models_group(wm)
+    problems: list[str] = []
+    if src_rank is not None and not (isinstance(src_rank, int) and 0 <= src_rank < wm.world_size):
+        problems.append(f"src_rank={src_rank!r} is not a rank of this group of {wm.world_size}; pass None (every "
+                        f"rank reads) or a rank in 0..{wm.world_size - 1}")
+        src_rank = None
+    broadcast = use and src_rank is not None
+    reads = not broadcast or wm.rank == src_rank
+    with ExitStack() as stack:
+        catalog: Catalog | None = None
+        entries: dict[str, tuple[tuple[int, ...], str]] = {}
+        if reads and not problems:
+            try:
+                catalog = Catalog(path, stack)
+                entries = catalog.entries
+            except StateDictError as exc:
+                problems.append(str(exc))
+        if broadcast:
+            # The reader's verdict and headers go to every rank, which checks them against its model.
+            problems, entries = _share((problems, entries), src_rank or 0, group) if not problems else (problems, {})
+        if not problems:
+            shapes: dict[str, tuple[int, ...] | None] = {k: v[0] for k, v in entries.items()}
+            problems = check_entries(shapes, expected_shapes(wm), strict, (f"the checkpoint {path!r}", "the model"))
+        raise_agreed(problems, f"load {path!r} into {' > '.join(wm.stack)}",
+                     "Pass a checkpoint of this architecture (written by save() or save_pretrained() of such a "
+                     "model); strict=False skips missing and unexpected keys, never a wrong shape.", wm)
+        with torch.no_grad():
+            if broadcast:
+                _fill_broadcast(wm, catalog, entries, src_rank or 0, group)
+            else:
+                assert catalog is not None
+                _fill(wm, catalog)
+        wm.pieces_written()
+
+
+def _fill(wm: Adapter, catalog: Catalog) -> None:
+    for piece in wm.load_pieces():
+        if piece.name in catalog.entries:
+            piece.write(catalog.read(piece.name, piece.start, piece.numel))
+    for name, b in live_buffers(wm.unwrap()):
+        if name in catalog.entries:
+            b.copy_(catalog.full(name).reshape(b.shape))
+
+
+def _fill_broadcast(wm: Adapter, catalog: Catalog | None, entries: dict[str, tuple[tuple[int, ...], str]],
+                    src: int, group: Any) -> None:
+    """One tensor at a time: the source reads it whole and broadcasts it; each rank takes its pieces."""
+    pieces: dict[str, list[Any]] = {}
+    for piece in wm.load_pieces():
+        pieces.setdefault(piece.name, []).append(piece)
+    buffers = dict(live_buffers(wm.unwrap()))
+    params = wm.param_shapes()
+    names = [n for n in entries if n in params or n in buffers]
+    device = wm.device if wm.device.type != "meta" else torch.device("cpu")
+    global_src = dist.get_global_rank(group, src) if group is not None else src
+    for name in names:
+        shape, dtype = entries[name]
+        if catalog is not None:
+            full = catalog.full(name).to(device)
+        else:
+            full = torch.empty(shape, dtype=_DTYPES[dtype], device=device)
+        dist.broadcast(full, global_src, group=group)
+        flat = full.reshape(-1)
+        for piece in pieces.get(name, ()):
+            piece.write(flat[piece.start: piece.start + piece.numel])
+        if name in buffers:
+            buffers[name].copy_(full.reshape(buffers[name].shape))
+
