@@ -237,7 +237,9 @@ def cross_load(src_spec: str, precision: str, path: str, dst_specs: list[str]) -
     for i, dst in enumerate(dst_specs):
         wm = wrapkit.adapt(build_scale(dst, precision, seed=3))
         kwargs = {"src_rank": 1} if i % 2 else {}
-        wm.load(path, **kwargs)
+        with _Records(logging.DEBUG) as records:
+            wm.load(path, **kwargs)
+        obs[f"{dst}_read"] = [m for m in records.messages if m.startswith("load:")]
         obs[dst] = _bitwise_as(wm.full_state_dict(rank0_only=False), want)
         model = wm.module
         out = _logits(model(input_ids=PROMPT))
@@ -314,3 +316,58 @@ def dying(tensors, file):
 pre._write_file = dying
 wrapkit.adapt(tiny_llama(2, layers=layers)).save_pretrained(path, max_shard_size="20KB")
 """
+
+
+def meta_load(kind: str, path: str) -> dict[str, Any]:
+    """A model too big for one rank is never whole anywhere: created on the meta device (or
+    partitioned at creation by zero.Init), sharded, then filled by load() from a checkpoint."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaForCausalLM
+
+    from wrapkit.wrapping import fully_shard_per_block
+
+    plain = tiny_llama(11, layers=LAYERS)
+    if dist.get_rank() == 0:
+        wrapkit.adapt(plain).save_pretrained(path, max_shard_size="20KB")
+    dist.barrier()
+    want = plain.state_dict()
+    config = plain.config
+    if kind == "fsdp2":
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        wrapped: torch.nn.Module = fully_shard_per_block(model, mesh)
+    elif kind == "fsdp":
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config)
+
+        def init(module: torch.nn.Module) -> None:
+            # What a trainer's param_init_fn does: storage on the device, buffers rebuilt.
+            module.to_empty(device=torch.device("cpu"), recurse=False)
+            if "RotaryEmbedding" in type(module).__name__:
+                model._init_weights(module)
+
+        wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({LlamaDecoderLayer}),
+                                           param_init_fn=init, use_orig_params=True, device_id=torch.device("cpu"))
+    else:
+        import deepspeed
+        from deepspeed.utils import groups
+
+        groups.mpu = None
+        cfg = ds_config(3, zero_optimization={"stage": 3, "stage3_param_persistence_threshold": 0})
+        with deepspeed.zero.Init(config_dict_or_path=cfg):
+            model = LlamaForCausalLM(config)
+        wrapped, *_ = deepspeed.initialize(model=model, config=cfg)
+    wm = wrapkit.adapt(wrapped)
+    obs: dict[str, Any] = {"resident_before": wm.resident_parameter_bytes(), "full": 4 * wm.num_parameters()}
+    wm.load(path)
+    obs["resident_after"] = wm.resident_parameter_bytes()
+    got = wm.full_state_dict(rank0_only=False)
+    obs["diff"] = _bitwise_as(got, want)
+    with torch.no_grad():
+        obs["logits"] = float((_logits(wm(input_ids=PROMPT)) - _logits(plain(input_ids=PROMPT))).abs().max())
+    return obs

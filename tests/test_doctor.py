@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from wrapkit.cli._ops import OPS
+
 EXPECTED_ROWS = ["plain", "dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3"]
 
 
@@ -64,7 +66,7 @@ def test_doctor_four_ranks_hsdp(tmp_path: Path) -> None:
     assert data["results"]["ddp"]["_status"] == "unsupported" and "fsdp" in data["results"]["ddp"]["_why"]
     for backend in ("fsdp", "fsdp2"):
         cells = data["results"][backend]
-        assert len(cells) == 15 and all(cell[0] for cell in cells.values()), (backend, cells)
+        assert len(cells) == 1 + len(OPS) and all(cell[0] for cell in cells.values()), (backend, cells)
 
 
 def test_doctor_hsdp_needs_four_ranks(tmp_path: Path) -> None:

@@ -101,10 +101,22 @@ def test_save_pretrained_merges_adapters(group: Any, tmp_path: Path) -> None:
 @pytest.mark.parametrize(("spec", "precision"), [("fsdp", "fp32"), ("zero3", "bf16"), ("fsdp2", "bf16")])
 def test_sharded_checkpoint_loads_into_every_backend(group: Any, tmp_path: Path, spec: str, precision: str) -> None:
     targets = ["plain", "ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3"]
-    for obs in group.run(ss.cross_load, spec, precision, str(tmp_path / "ckpt"), targets, timeout=400):
-        for target in targets:
+    results = group.run(ss.cross_load, spec, precision, str(tmp_path / "ckpt"), targets, timeout=400)
+    for rank, obs in enumerate(results):
+        for i, target in enumerate(targets):
             assert obs[target] == [], f"{spec} {precision} -> {target}: {obs[target][:5]}"
             assert obs[f"{target}_trains"]
+            lines = obs[f"{target}_read"]
+            if i % 2:  # src_rank=1: rank 1 alone read, every tensor once
+                assert len(lines) == rank and all(" read 181376 of the 181376 " in x for x in lines), lines
+                continue
+            [line] = lines
+            done, total = (int(x) for x in line.split(" read ")[1].split(" bytes")[0].split(" of the "))
+            if target in ("fsdp", "fsdp2", "zero3"):
+                # Its shard's rows and no more (a row cut between two ranks is read by both).
+                assert done <= total // 2 + 8 * 1024, (target, line)
+            else:
+                assert done == total, (target, line)
 
 
 @pytest.mark.parametrize("spec", ["fsdp", "fsdp2"])
@@ -170,3 +182,12 @@ def test_a_checkpoint_moved_aside_is_put_back(tmp_path: Path) -> None:
     old = tiny_llama(1, layers=ss.LAYERS).state_dict()
     loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
     assert all(torch.equal(loaded[k], old[k]) for k in old)
+
+
+@pytest.mark.parametrize("kind", ["fsdp2", "fsdp", "zero3"])
+def test_load_fills_a_model_never_whole_on_any_rank(group: Any, tmp_path: Path, kind: str) -> None:
+    """fully_shard on a meta model, FSDP1 with param_init_fn, deepspeed.zero.Init: load() gives
+    exactly the checkpoint's values while each rank only ever holds its shards."""
+    for obs in group.run(ss.meta_load, kind, str(tmp_path / "ckpt"), timeout=300):
+        assert obs["diff"] == [] and obs["logits"] == 0.0, obs
+        assert obs["resident_before"] == obs["resident_after"] == obs["full"] // 2, obs

@@ -28,7 +28,6 @@ import torch.distributed as dist
 
 from ._agree import any_over_models, first_replica, models_group, raise_agreed
 from ._errors import ArgumentError, StateDictError
-from ._imports import require
 from ._memory import parse_size
 from .checkpoint import _fsync_dir
 from .reading import INDEX_NAME
@@ -95,14 +94,34 @@ def _commit(tmp: str, directory: str) -> None:
 
 
 # -- writing ------------------------------------------------------------------------------
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
 def _write_file(tensors: dict[str, torch.Tensor], path: str) -> None:
-    st = require("safetensors.torch", feature="save_pretrained", extra="transformers")
-    st.save_file(tensors, path, metadata={"format": "pt"})
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    """One safetensors file, written straight from the tensors' memory: safetensors' own
+    ``save_file`` first copies every tensor into one buffer, which would double the memory a
+    writer holds. The format: an 8-byte little-endian header length, a JSON header (dtype,
+    shape and byte range of each tensor), then the tensors' bytes end to end."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in _ST_DTYPES:
+            raise StateDictError(f"{name!r} has dtype {t.dtype}, which safetensors cannot store")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little"))
+        f.write(encoded)
+        for t in tensors.values():
+            if t.numel():
+                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 class _Writer:
@@ -110,8 +129,8 @@ class _Writer:
     while the next tensors are gathered. A write error is kept, not raised, so that the rank
     goes on taking part in the gathers; it is reported once all ranks are through."""
 
-    def __init__(self, tmp: str, me: int, writers: int) -> None:
-        self.tmp, self.me, self.writers = tmp, me, writers
+    def __init__(self, tmp: str, me: int, writers: int, live: set[int]) -> None:
+        self.tmp, self.me, self.writers, self.live = tmp, me, writers, live
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1)
         self.pending: concurrent.futures.Future[None] | None = None
         self.filling: dict[str, torch.Tensor] = {}
@@ -126,8 +145,10 @@ class _Writer:
         if not self.filling:
             self._wait()  # the previous file is on disk before this one grows: one file held at most
         if self.error is None:
-            # A CPU copy of its own: gathered buffers are reused, and tied tensors must not share.
-            self.filling[name] = t.detach().to("cpu", copy=True).contiguous()
+            # A gathered tensor is this rank's own already; a live parameter or buffer (unsharded
+            # backends) is copied, since training may change it before the file is written.
+            own = t.numel() == 0 or t.untyped_storage().data_ptr() not in self.live
+            self.filling[name] = t.detach().to("cpu").contiguous() if own else t.detach().to("cpu", copy=True)
             self.held += t.numel() * t.element_size()
             self.peak = max(self.peak, self.held)
 
@@ -236,7 +257,8 @@ def write_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_s
     writers = wm.world_size if wm.distributed else 1
     if any_over_models(me >= 0 and not os.path.isdir(tmp), wm):
         writers, me = 1, (0 if rank0 else -1)
-    writer = _Writer(tmp, me, writers) if me >= 0 else None
+    live = {t.untyped_storage().data_ptr() for _, t in wm.placement_tensors() if t.numel()}
+    writer = _Writer(tmp, me, writers, live) if me >= 0 else None
     weight_map: dict[str, int] = {}
     k = size = total = 0
     with torch.no_grad():

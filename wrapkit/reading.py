@@ -12,6 +12,7 @@ broadcasts it to the others (for nodes that do not share storage).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 from contextlib import ExitStack
@@ -32,6 +33,7 @@ __all__ = ["load", "Catalog"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+_log = logging.getLogger(__name__.rpartition(".")[0] or __name__)
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -46,6 +48,7 @@ class Catalog:
     def __init__(self, path: str, stack: ExitStack) -> None:
         st = require("safetensors", feature="loading a safetensors checkpoint", extra="transformers")
         files = self._files(path)
+        self.bytes_read = 0  # what the reads below took from the files
         self.where: dict[str, Any] = {}
         self.entries: dict[str, tuple[tuple[int, ...], str]] = {}
         for file, names in files.items():
@@ -108,11 +111,16 @@ class Catalog:
         row = math.prod(shape[1:])
         first, last = start // row, (start + numel + row - 1) // row
         rows: torch.Tensor = self.where[name].get_slice(name)[first:last]
+        self.bytes_read += rows.numel() * rows.element_size()
         return rows.reshape(-1)[start - first * row: start - first * row + numel]
 
     def full(self, name: str) -> torch.Tensor:
         out: torch.Tensor = self.where[name].get_tensor(name)
+        self.bytes_read += out.numel() * out.element_size()
         return out
+
+    def total_bytes(self) -> int:
+        return sum(math.prod(shape) * _DTYPES[dtype].itemsize for shape, dtype in self.entries.values())
 
 
 def _share(value: Any, src: int, group: Any) -> Any:
@@ -144,12 +152,18 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
         if broadcast:
             # The reader's verdict and headers go to every rank, which checks them against its model.
             problems, entries = _share((problems, entries), src_rank or 0, group) if not problems else (problems, {})
+        meta = _on_meta(wm)
         if not problems:
             shapes: dict[str, tuple[int, ...] | None] = {k: v[0] for k, v in entries.items()}
-            problems = check_entries(shapes, expected_shapes(wm), strict, (f"the checkpoint {path!r}", "the model"))
+            expected = expected_shapes(wm)
+            problems = check_entries(shapes, expected, strict, (f"the checkpoint {path!r}", "the model"))
+            if meta is not None:
+                problems += _meta_problems(wm, meta, [k for k in expected if k not in entries])
         raise_agreed(problems, f"load {path!r} into {' > '.join(wm.stack)}",
                      "Pass a checkpoint of this architecture (written by save() or save_pretrained() of such a "
                      "model); strict=False skips missing and unexpected keys, never a wrong shape.", wm)
+        if meta is not None:
+            _materialize(wm, meta)
         with torch.no_grad():
             if broadcast:
                 _fill_broadcast(wm, catalog, entries, src_rank or 0, group)
@@ -157,6 +171,9 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
                 assert catalog is not None
                 _fill(wm, catalog)
         wm.pieces_written()
+        if catalog is not None:
+            _log.debug("load: rank %d read %d of the %d bytes in %s", wm.rank, catalog.bytes_read,
+                       catalog.total_bytes(), path)
 
 
 def _fill(wm: Adapter, catalog: Catalog) -> None:
@@ -192,3 +209,35 @@ def _fill_broadcast(wm: Adapter, catalog: Catalog | None, entries: dict[str, tup
         if name in buffers:
             buffers[name].copy_(full.reshape(buffers[name].shape))
 
+
+
+# -- models created on the meta device -----------------------------------------------------
+def _on_meta(wm: Adapter) -> list[tuple[torch.nn.Module, str]] | None:
+    """None when nothing of the model is on the meta device; else its non-persistent buffers
+    that are (as (module, name)): a checkpoint does not hold them, so they must be rebuilt."""
+    if not any(t.is_meta for _, t in wm.placement_tensors()):
+        return None
+    return [(m, name) for m in wm.unwrap().modules() for name, b in m._buffers.items()
+            if b is not None and b.is_meta and name in m._non_persistent_buffers_set]
+
+
+def _meta_problems(wm: Adapter, buffers: list[tuple[torch.nn.Module, str]], missing: list[str]) -> list[str]:
+    problems = [f"{name!r} is not in the checkpoint, and the model was created on the meta device: it would be "
+                "left uninitialized" for name in missing]
+    inner = wm.unwrap(keep_peft=False)
+    if buffers and not callable(getattr(inner, "_init_weights", None)):
+        problems.append(f"the model was created on the meta device with non-persistent buffers "
+                        f"({', '.join(n for _, n in buffers[:3])}) that no checkpoint holds and that only a "
+                        "transformers model can rebuild; create those on a real device")
+    return problems
+
+
+def _materialize(wm: Adapter, buffers: list[tuple[torch.nn.Module, str]]) -> None:
+    """Storage for this rank's shards on the compute device (FSDP2 allocates only the local
+    shards), then the non-persistent buffers rebuilt the way transformers builds them."""
+    device = wm.device
+    wm.module.to_empty(device=device)
+    init: Any = getattr(wm.unwrap(keep_peft=False), "_init_weights", None)
+    with torch.no_grad():
+        for module in dict.fromkeys(m for m, _ in buffers):
+            init(module)  # for rotary embeddings: inv_freq from the config

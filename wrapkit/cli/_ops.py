@@ -152,10 +152,11 @@ def _generation(wm: Any, ctx: dict[str, Any]) -> None:
     finally:
         for m, flag in zip(wm.module.modules(), modes, strict=True):
             m.training = flag
-    with wm.generation() as m:
-        got = m.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
-    assert torch.equal(got.cpu(), want.cpu()), "greedy tokens differ from the backend's own forward's"
-    assert _modes(wm) == modes, "generation() did not restore training flags"
+    for gather in ("full", "layerwise"):
+        with wm.generation(gather=gather) as m:
+            got = m.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
+        assert torch.equal(got.cpu(), want.cpu()), f"greedy tokens of gather={gather!r} differ from the backend's own"
+        assert _modes(wm) == modes, f"generation(gather={gather!r}) did not restore training flags"
 
 
 def _named_full_parameters(wm: Any, ctx: dict[str, Any]) -> None:
@@ -224,6 +225,30 @@ def _save_load(wm: Any, ctx: dict[str, Any]) -> None:
             shutil.rmtree(directory, ignore_errors=True)
 
 
+def _save_pretrained(wm: Any, ctx: dict[str, Any]) -> None:
+    """A sharded checkpoint in the Hugging Face layout, written by every rank, read back in slices."""
+    import os
+    import shutil
+
+    import torch.distributed as dist
+
+    original = wm.full_state_dict(rank0_only=False)
+    directory = _shared_tmpdir(wm)
+    try:
+        path = os.path.join(directory, "ckpt")
+        wm.save_pretrained(path, max_shard_size="16KB")
+        files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+        assert len(files) > 1 and "model.safetensors.index.json" in os.listdir(path), f"wrote {sorted(files)}"
+        wm.load_full_state_dict(dict(_fresh_model(ctx, 1).state_dict()))
+        wm.load(path)
+        _assert_equal(wm.full_state_dict(rank0_only=False), original, "after load of the sharded checkpoint")
+    finally:
+        if as_adapter(wm).distributed and dist.is_initialized():
+            dist.barrier()
+        if wm.rank == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
 def _copy_to(wm: Any, ctx: dict[str, Any]) -> None:
     from .._wrapped import adapt
 
@@ -256,5 +281,6 @@ OPS: list[tuple[str, Op]] = [
     ("named_full_parameters", _named_full_parameters),
     ("full_state_dict", _full_state_dict),
     ("save/load", _save_load),
+    ("save_pretrained", _save_pretrained),
     ("copy_to", _copy_to),
 ]

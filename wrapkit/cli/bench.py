@@ -66,6 +66,36 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+    sized = [r for r in rows if "size_mb" in r]
+    if sized:
+        _plot_sizes(plt, sized, path)
+
+
+def _plot_sizes(plt: Any, rows: list[dict[str, Any]], path: str) -> str:
+    """Time and peak memory of each operation against the model's size (the scale benchmark),
+    beside ``path`` as ``<stem>-scale.png``; returns that path."""
+    out = str(Path(path).with_name(Path(path).stem + "-scale.png"))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for op in dict.fromkeys(r["op"] for r in rows):
+        mine = sorted((r for r in rows if r["op"] == op), key=lambda r: r["size_mb"])
+        sizes = [r["size_mb"] for r in mine]
+        left.plot(sizes, [r["seconds"] for r in mine], marker="o", label=op)
+        right.plot(sizes, [r["peak_mb"] for r in mine], marker="o", label=op)
+    sizes = sorted({r["size_mb"] for r in rows})
+    right.plot(sizes, sizes, color="black", linestyle="--", linewidth=1, label="the whole model")
+    right.plot(sizes, [x / 2 for x in sizes], color="grey", linestyle=":", linewidth=1, label="1/N of it (N=2)")
+    for ax, label in ((left, "seconds"), (right, "per-rank peak memory (MB)")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("model size (MB of fp32 weights)")
+        ax.set_ylabel(label)
+    right.legend(fontsize=7)
+    fig.suptitle("wrapkit bench scale")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    print(f"plot written to {out}")
+    return out
 
 
 def _format(rows: list[dict[str, Any]]) -> str:
