@@ -371,3 +371,20 @@ def meta_load(kind: str, path: str) -> dict[str, Any]:
     with torch.no_grad():
         obs["logits"] = float((_logits(wm(input_ids=PROMPT)) - _logits(plain(input_ids=PROMPT))).abs().max())
     return obs
+
+
+def view_save(path: str) -> dict[str, Any]:
+    """The adapter-disabled reference of a PEFT policy saves the base model, loadable by its own class."""
+    policy = wrapkit.adapt(build("fsdp2>peft", model=tiny_llama(0, layers=LAYERS)))
+    ref = wrapkit.prepare_reference(policy)
+    want = ref.full_state_dict(rank0_only=False)
+    ref.save_pretrained(path, max_shard_size="20KB")
+    obs: dict[str, Any] = {"view": type(ref).__name__}
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
+        obs["same_keys"] = sorted(loaded) == sorted(want)
+        obs["diff"] = _bitwise_as(loaded, want)
+        obs["files"] = sorted(os.listdir(path))
+    return obs

@@ -98,7 +98,7 @@ def test_save_pretrained_merges_adapters(group: Any, tmp_path: Path) -> None:
     assert obs["same_keys"] and obs["bitwise"] == [], obs
 
 
-@pytest.mark.parametrize(("spec", "precision"), [("fsdp", "fp32"), ("zero3", "bf16"), ("fsdp2", "bf16")])
+@pytest.mark.parametrize(("spec", "precision"), SAVE_CASES[:6])
 def test_sharded_checkpoint_loads_into_every_backend(group: Any, tmp_path: Path, spec: str, precision: str) -> None:
     targets = ["plain", "ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3"]
     results = group.run(ss.cross_load, spec, precision, str(tmp_path / "ckpt"), targets, timeout=400)
@@ -191,3 +191,9 @@ def test_load_fills_a_model_never_whole_on_any_rank(group: Any, tmp_path: Path, 
     for obs in group.run(ss.meta_load, kind, str(tmp_path / "ckpt"), timeout=300):
         assert obs["diff"] == [] and obs["logits"] == 0.0, obs
         assert obs["resident_before"] == obs["resident_after"] == obs["full"] // 2, obs
+
+
+def test_adapter_disabled_view_saves_the_base_model(group: Any, tmp_path: Path) -> None:
+    obs = group.run(ss.view_save, str(tmp_path / "base"), timeout=240)[0]
+    assert obs["view"] == "AdapterDisabledView", obs
+    assert obs["same_keys"] and obs["diff"] == [] and "config.json" in obs["files"], obs

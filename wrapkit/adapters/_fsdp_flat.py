@@ -1,22 +1,23 @@
 """FSDP1's ``FlatParameter``: where each original parameter lies in a unit's flat shard.
 
 FSDP1 has no public per-parameter API. The private fields read here (``_fqns``, ``_params``,
-``_shapes``, ``_shard_param_infos``, ``_local_shard``) are documented on ``FlatParameter`` in
-torch/distributed/fsdp/_flat_param.py.
+``_shapes``, ``_numels_with_padding``, ``_is_padding_mask``, ``_shard_param_infos``,
+``_local_shard``) are documented on ``FlatParameter`` in torch/distributed/fsdp/_flat_param.py.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._names import canonical_name
 from ._base import copy_into
 from ._primitives import Piece
 
-__all__ = ["local_shard", "flat_pieces"]
+__all__ = ["local_shard", "flat_pieces", "gather_in", "full_from_shards"]
 
 
 def local_shard(flat: Any) -> torch.Tensor:
@@ -60,3 +61,66 @@ def flat_pieces(root: torch.nn.Module, handles: Iterable[Any]) -> list[Piece]:
             out.append(Piece(name, int(info.intra_param_start_idx), int(info.numel_in_shard),
                              tuple(flat._shapes[i]), copy_into(dest)))
     return out
+
+
+def gather_in(units: list[Any], dtypes: dict[int, torch.dtype], group: Any,
+              world: int) -> dict[int, torch.nn.Parameter] | None:
+    """id(original parameter) -> its full value in the units' compute dtype, from one all-gather of
+    every unit's shard; None where that layout does not hold (use_orig_params=False, NO_SHARD,
+    units computing in different dtypes)."""
+    flats = [u._handle.flat_param for u in units]
+    wanted = {dtypes.get(id(u._fsdp_wrapped_module)) for u in units}
+    if (not flats or world < 2 or len(wanted) != 1 or None in wanted
+            or any(f._params is None or not u._handle.uses_sharded_strategy
+                   for u, f in zip(units, flats, strict=True))):
+        return None
+    dtype = wanted.pop()
+    assert dtype is not None
+    shards = [local_shard(f) for f in flats]
+    sizes = [s.numel() for s in shards]
+    with torch.no_grad():
+        send = torch.cat([s.reshape(-1).to(dtype) for s in shards])
+        recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
+        dist.all_gather_into_tensor(recv, send, group=group)
+        by_rank = recv.view(world, send.numel())
+        out: dict[int, torch.nn.Parameter] = {}
+        start = 0
+        for flat, size in zip(flats, sizes, strict=True):
+            # A unit's unsharded flat parameter is its ranks' shards end to end; the originals
+            # lie in it in order, with alignment padding between some of them.
+            full = by_rank[:, start: start + size].reshape(-1)
+            start += size
+            offset, originals = 0, iter(zip(flat._params, flat._shapes, strict=True))
+            for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
+                if not padding:
+                    p, shape = next(originals)
+                    out[id(p)] = torch.nn.Parameter(full[offset: offset + numel].view(shape), requires_grad=False)
+                offset += numel
+    return out
+
+
+def full_from_shards(flat: Any, names: dict[int, list[str]], group: Any, world: int,
+                     me: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """One original parameter at a time, straight from the ranks' shards of a unit's flat
+    parameter: each rank broadcasts its piece into the one full tensor that is yielded (summoning
+    the unit would cost the whole unit)."""
+    infos = flat._shard_param_infos
+    local = [(i.intra_param_start_idx, i.intra_param_end_idx) if i.in_shard else None for i in infos]
+    pieces: list[Any] = [None] * world
+    dist.all_gather_object(pieces, local, group=group)
+    shard = flat._local_shard
+    with torch.no_grad():
+        for idx, (p, shape) in enumerate(zip(flat._params, flat._shapes, strict=True)):
+            full = torch.empty(shape.numel(), dtype=shard.dtype, device=shard.device)
+            for k in range(world):
+                rng = pieces[k][idx]
+                if rng is None:
+                    continue
+                view = full[rng[0]: rng[1] + 1]
+                if k == me:
+                    info = infos[idx]
+                    view.copy_(shard[info.offset_in_shard: info.offset_in_shard + info.numel_in_shard])
+                dist.broadcast(view, dist.get_global_rank(group, k) if group is not None else k, group=group)
+            out = full.view(shape)
+            for n in names.get(id(p), []):
+                yield n, out

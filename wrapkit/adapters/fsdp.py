@@ -8,14 +8,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .._agree import settle
 from .._gather import broadcast_, bypassed
 from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import Adapter, move_buffers
-from ._fsdp_flat import flat_pieces
+from ._fsdp_flat import flat_pieces, full_from_shards, gather_in
 from ._primitives import Piece
 
 
@@ -250,39 +249,7 @@ class FSDPAdapter(Adapter):
         the units' shards; None where that layout does not hold (use_orig_params=False, NO_SHARD,
         units computing in different dtypes): summon_full_params serves those."""
         units = [u for u in self._units() if getattr(u, "_handle", None) is not None]
-        flats = [u._handle.flat_param for u in units]
-        wanted = {dtypes.get(id(u._fsdp_wrapped_module)) for u in units}
-        if (not flats or self.world_size < 2 or len(wanted) != 1 or None in wanted
-                or any(f._params is None or not u._handle.uses_sharded_strategy
-                       for u, f in zip(units, flats, strict=True))):
-            return None
-        dtype = wanted.pop()
-        assert dtype is not None
-        group, world = self.process_group(), self.world_size
-        # ``_local_shard`` appears at FSDP's lazy init (the first forward); until then the flat
-        # parameter itself holds this rank's padded shard.
-        shards: list[torch.Tensor] = [f.data if getattr(f, "_local_shard", None) is None else f._local_shard
-                                      for f in flats]
-        sizes = [s.numel() for s in shards]
-        with torch.no_grad():
-            send = torch.cat([s.reshape(-1).to(dtype) for s in shards])
-            recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
-            dist.all_gather_into_tensor(recv, send, group=group)
-            by_rank = recv.view(world, send.numel())
-            out: dict[int, torch.nn.Parameter] = {}
-            start = 0
-            for flat, size in zip(flats, sizes, strict=True):
-                # A unit's unsharded flat parameter is its ranks' shards end to end; the originals
-                # lie in it in order, with alignment padding between some of them.
-                full = by_rank[:, start: start + size].reshape(-1)
-                start += size
-                offset, originals = 0, iter(zip(flat._params, flat._shapes, strict=True))
-                for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
-                    if not padding:
-                        p, shape = next(originals)
-                        out[id(p)] = torch.nn.Parameter(full[offset: offset + numel].view(shape), requires_grad=False)
-                    offset += numel
-        return out
+        return gather_in(units, dtypes, self.process_group(), self.world_size)
 
     def _cast_root_inputs(self) -> Any:
         """FSDP1's root casts floating inputs to ``param_dtype`` (``cast_root_forward_inputs``); the
@@ -314,41 +281,12 @@ class FSDPAdapter(Adapter):
         for unit in units:
             flat = unit._handle.flat_param
             if self.world_size > 1 and unit._handle.uses_sharded_strategy and hasattr(flat, "_local_shard"):
-                yield from self._full_from_shards(flat, names)
+                yield from full_from_shards(flat, names, self.process_group(), self.world_size, self.rank)
                 continue
             with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
                 # Copied out before the unit is resharded, so nothing collective is pending at a yield.
                 batch = [(n, p.detach().clone()) for p in flat._params for n in names.get(id(p), [])]
             yield from batch
-
-    def _full_from_shards(self, flat: Any, names: dict[int, list[str]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """One original parameter at a time, straight from the ranks' shards of the FlatParameter.
-
-        Summoning a whole unit would cost the unit's size; instead each rank broadcasts
-        its piece of the parameter into the one full tensor that is yielded.
-        """
-        group = self.process_group()
-        world, me = self.world_size, self.rank
-        infos = flat._shard_param_infos
-        local = [(i.intra_param_start_idx, i.intra_param_end_idx) if i.in_shard else None for i in infos]
-        pieces: list[Any] = [None] * world
-        dist.all_gather_object(pieces, local, group=group)
-        shard = flat._local_shard
-        with torch.no_grad():
-            for idx, (p, shape) in enumerate(zip(flat._params, flat._shapes, strict=True)):
-                full = torch.empty(shape.numel(), dtype=shard.dtype, device=shard.device)
-                for k in range(world):
-                    rng = pieces[k][idx]
-                    if rng is None:
-                        continue
-                    view = full[rng[0]: rng[1] + 1]
-                    if k == me:
-                        info = infos[idx]
-                        view.copy_(shard[info.offset_in_shard: info.offset_in_shard + info.numel_in_shard])
-                    dist.broadcast(view, dist.get_global_rank(group, k) if group is not None else k, group=group)
-                out = full.view(shape)
-                for n in names.get(id(p), []):
-                    yield n, out
 
     # -- placement and freezing (place / to_eval_frozen) -------------------------------
     def move(self, target: torch.device, copy: bool) -> None:
