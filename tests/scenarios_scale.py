@@ -388,3 +388,19 @@ def view_save(path: str) -> dict[str, Any]:
         obs["diff"] = _bitwise_as(loaded, want)
         obs["files"] = sorted(os.listdir(path))
     return obs
+
+
+def bad_devices(spec: str) -> dict[str, Any]:
+    """place() with what is not a usable device: a PlacementError on every rank, nothing moved,
+    also when only one rank passes it."""
+    wm = wrapkit.adapt(build(spec))
+    obs: dict[str, Any] = {}
+    for label, device in (("cuda", "cuda"), ("string", "not-a-device"), ("float", 2.5),
+                          ("one_rank", "cuda:3" if dist.get_rank() == 1 else "cpu")):
+        try:
+            wm.place(device)
+            obs[label] = "no error"
+        except wrapkit.PlacementError as exc:
+            obs[label] = str(exc)
+        obs[f"{label}_devices"] = sorted({str(t.device) for _, t in wrapkit.adapt(wm)._below.placement_tensors()})
+    return obs

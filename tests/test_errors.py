@@ -93,3 +93,17 @@ def test_ddp_after_destroy_in_subprocess(tmp_path: Any) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "refused:" in out.stdout and "init_process_group" in out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU-only torch")
+@pytest.mark.parametrize("spec", ["fsdp2", "zero3"])
+def test_unusable_devices_raise_placement_errors_everywhere(group: Any, spec: str) -> None:
+    from tests import scenarios_scale
+
+    for rank, obs in enumerate(group.run(scenarios_scale.bad_devices, spec, timeout=120)):
+        assert "no cuda device" in obs["cuda"] and "install a cuda build" in obs["cuda"], obs["cuda"]
+        assert "'not-a-device' is not a device" in obs["string"] and "2.5 is not a device" in obs["float"], obs
+        # Only rank 1 named a device it cannot use; both ranks stopped before anything moved.
+        want = "no cuda device" if rank == 1 else "another rank"
+        assert want in obs["one_rank"], obs["one_rank"]
+        assert all(obs[f"{k}_devices"] == ["cpu"] for k in ("cuda", "string", "float", "one_rank")), obs

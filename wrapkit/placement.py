@@ -27,10 +27,27 @@ _HOME_ATTR = "_placement_home_device"
 
 
 def resolve_device(device: torch.device | str | int) -> torch.device:
-    """A concrete device: ``"cuda"`` becomes ``cuda:<current>``, an int a CUDA index."""
-    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    """A concrete device: ``"cuda"`` becomes ``cuda:<current>``, an int a CUDA index.
+
+    ``PlacementError`` for what is not a device, or a device this process cannot use."""
+    try:
+        if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+            raise TypeError(f"a {type(device).__name__}")
+        dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    except (TypeError, RuntimeError, ValueError) as exc:
+        raise PlacementError(f"{device!r} is not a device ({exc}); pass e.g. 'cpu', 'cuda', 'cuda:1', a "
+                             "torch.device, or an int for a CUDA index") from None
+    module = getattr(torch, dev.type, None) if dev.type not in ("cpu", "meta") else None
+    if module is not None and callable(getattr(module, "is_available", None)):
+        if not module.is_available():
+            raise PlacementError(f"{dev} is not available here: this torch build or machine has no "
+                                 f"{dev.type} device; pass 'cpu', or install a {dev.type} build of torch")
+        count = module.device_count() if callable(getattr(module, "device_count", None)) else None
+        if dev.index is None:
+            dev = torch.device(dev.type, module.current_device())
+        elif count is not None and dev.index >= count:
+            raise PlacementError(f"{dev} does not exist: this process sees {count} {dev.type} device(s); "
+                                 f"pass an index below {count}")
     return dev
 
 
@@ -44,7 +61,15 @@ def place(wm: Adapter, device: torch.device | str | int | None = None) -> None:
     """Move this rank's parameters and shards to ``device`` (``None``: the compute device), keeping
     the sharding, and verify every one of them. Collective over the model's group."""
     home = home_device(wm)
-    target = home if device is None else resolve_device(device)
+    problem: PlacementError | None = None
+    try:
+        target = home if device is None else resolve_device(device)
+    except PlacementError as exc:
+        problem, target = exc, home
+    # Agreed before anything moves: a device one rank cannot use stops every rank.
+    if wm.agree_any(problem is not None):
+        raise problem or PlacementError(f"place({device!r}) names a device another rank of the {wm.name} "
+                                        "group cannot use; see its error")
     move_verified(wm, target, copy=False)
     state = wm.unwrap(keep_peft=False).__dict__
     if target == home:
