@@ -289,6 +289,8 @@ def bad_checkpoints(spec: str, tmpdir: str) -> dict[str, Any]:
     dist.barrier()
     obs["holed"] = attempt(lambda: wm.load(holed))
     obs["bad_src"] = attempt(lambda: wm.load(good, src_rank=5))
+    # Only the reading rank finds out that the checkpoint is missing; every rank raises.
+    obs["missing_src"] = attempt(lambda: wm.load(os.path.join(tmpdir, "nothing"), src_rank=1))
     obs["empty_dir"] = attempt(lambda: wm.load(tmpdir))
     obs["bad_size"] = attempt(lambda: wm.save_pretrained(os.path.join(tmpdir, "x"), max_shard_size="lots"))
     obs["onto_file"] = attempt(lambda: wm.save_pretrained(os.path.join(tmpdir, f"{spec}-file")))

@@ -136,6 +136,7 @@ def test_bad_checkpoints_raise_everywhere_and_change_nothing(group: Any, tmp_pat
     for obs in group.run(ss.bad_checkpoints, spec, str(tmp_path), timeout=240):
         assert obs["holed"].startswith("StateDictError") and "lacks 1 file" in obs["holed"], obs["holed"]
         assert obs["bad_src"].startswith("StateDictError") and "src_rank=5" in obs["bad_src"], obs["bad_src"]
+        assert obs["missing_src"].startswith("StateDictError") and "no checkpoint" in obs["missing_src"], obs
         assert obs["empty_dir"].startswith("StateDictError") and "neither" in obs["empty_dir"], obs["empty_dir"]
         assert "max_shard_size='lots'" in obs["bad_size"], obs["bad_size"]
         assert "is a file" in obs["onto_file"] and "does not exist" in obs["no_parent"]

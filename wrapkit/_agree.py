@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "is_distributed", "agree_flags", "agree_any", "settle", "check_modifier_rank",
-    "models_group", "agree_over_models", "any_over_models", "raise_agreed", "first_replica",
+    "models_group", "agree_over_models", "any_over_models", "raise_agreed", "first_replica", "broadcast_object",
 ]
 
 
@@ -178,3 +178,10 @@ def raise_agreed(problems: list[str], what: str, fix: str, *wms: Adapter, agreed
             problems = list(dict.fromkeys(p for lst in lists for p in lst))
     listing = "\n  ".join(problems)
     raise StateDictError(f"{what}: {len(problems)} problem(s), nothing was written:\n  {listing}\n{fix}")
+
+
+def broadcast_object(value: Any, src: int, group: Any) -> Any:
+    """``value`` as group rank ``src`` has it, on every rank of ``group`` (any picklable object)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
+    return box[0]

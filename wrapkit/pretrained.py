@@ -24,9 +24,8 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 
-from ._agree import any_over_models, first_replica, models_group, raise_agreed
+from ._agree import any_over_models, broadcast_object, first_replica, models_group, raise_agreed
 from ._errors import ArgumentError, StateDictError
 from ._memory import parse_size
 from .checkpoint import _fsync_dir
@@ -201,9 +200,7 @@ def _share(value: Any, wm: Adapter) -> Any:
     if not use:
         return value
     for g in [group, *wm.replica_groups()]:
-        box = [value]
-        dist.broadcast_object_list(box, src=dist.get_global_rank(g, 0) if g is not None else 0, group=g)
-        value = box[0]
+        value = broadcast_object(value, 0, g)
     return value
 
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ._agree import models_group, raise_agreed
+from ._agree import broadcast_object, models_group, raise_agreed
 from ._errors import StateDictError
 from ._imports import require
 from .state_dict import check_entries, expected_shapes, live_buffers
@@ -123,12 +123,6 @@ class Catalog:
         return sum(math.prod(shape) * _DTYPES[dtype].itemsize for shape, dtype in self.entries.values())
 
 
-def _share(value: Any, src: int, group: Any) -> Any:
-    box = [value]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, src) if group is not None else src, group=group)
-    return box[0]
-
-
 def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_rank: int | None = None) -> None:
     """Load a checkpoint (file or directory) into ``wm``; see the module docstring. Collective."""
     path = os.fspath(path)
@@ -150,8 +144,9 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
             except StateDictError as exc:
                 problems.append(str(exc))
         if broadcast:
-            # The reader's verdict and headers go to every rank, which checks them against its model.
-            problems, entries = _share((problems, entries), src_rank or 0, group) if not problems else (problems, {})
+            # The reader's verdict and headers go to every rank (also when it could not read: every
+            # rank must enter the broadcast), and each checks them against its model.
+            problems, entries = broadcast_object((problems, entries), src_rank or 0, group)
         meta = _on_meta(wm)
         if not problems:
             shapes: dict[str, tuple[int, ...] | None] = {k: v[0] for k, v in entries.items()}

@@ -7,7 +7,8 @@ all ranks. Later features add their operation here, in protocol order.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -188,29 +189,35 @@ def _full_state_dict(wm: Any, ctx: dict[str, Any]) -> None:
     assert all(t.device.type == "cpu" for t in sd.values()), "full_state_dict returned non-CPU tensors"
 
 
-def _shared_tmpdir(wm: Any) -> str:
-    """A fresh directory made by rank 0 and known to every rank (the doctor's ranks share a machine)."""
+@contextlib.contextmanager
+def _shared_tmpdir(wm: Any) -> Iterator[str]:
+    """A fresh directory made by rank 0 and known to every rank (the doctor's ranks share a machine),
+    removed once every rank is done with it."""
+    import shutil
     import tempfile
 
     import torch.distributed as dist
 
+    distributed = as_adapter(wm).distributed and dist.is_initialized()
     obj = [tempfile.mkdtemp(prefix="wrapkit-doctor-") if wm.rank == 0 else ""]
-    if as_adapter(wm).distributed and dist.is_initialized():
+    if distributed:
         dist.broadcast_object_list(obj, src=0)
-    return str(obj[0])
+    try:
+        yield str(obj[0])
+    finally:
+        if distributed:
+            dist.barrier()
+        if wm.rank == 0:
+            shutil.rmtree(obj[0], ignore_errors=True)
 
 
 def _save_load(wm: Any, ctx: dict[str, Any]) -> None:
     import os
-    import shutil
-
-    import torch.distributed as dist
 
     from ..checkpoint import read_checkpoint
 
     original = wm.full_state_dict(rank0_only=False)
-    directory = _shared_tmpdir(wm)
-    try:
+    with _shared_tmpdir(wm) as directory:
         path = os.path.join(directory, "model.safetensors")
         wm.save(path)
         _assert_equal(read_checkpoint(path), original, "the saved file")
@@ -218,23 +225,14 @@ def _save_load(wm: Any, ctx: dict[str, Any]) -> None:
         wm.load_full_state_dict(dict(_fresh_model(ctx, 1).state_dict()))
         wm.load(path)
         _assert_equal(wm.full_state_dict(rank0_only=False), original, "after load")
-    finally:
-        if as_adapter(wm).distributed and dist.is_initialized():
-            dist.barrier()
-        if wm.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _save_pretrained(wm: Any, ctx: dict[str, Any]) -> None:
     """A sharded checkpoint in the Hugging Face layout, written by every rank, read back in slices."""
     import os
-    import shutil
-
-    import torch.distributed as dist
 
     original = wm.full_state_dict(rank0_only=False)
-    directory = _shared_tmpdir(wm)
-    try:
+    with _shared_tmpdir(wm) as directory:
         path = os.path.join(directory, "ckpt")
         wm.save_pretrained(path, max_shard_size="16KB")
         files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
@@ -242,11 +240,6 @@ def _save_pretrained(wm: Any, ctx: dict[str, Any]) -> None:
         wm.load_full_state_dict(dict(_fresh_model(ctx, 1).state_dict()))
         wm.load(path)
         _assert_equal(wm.full_state_dict(rank0_only=False), original, "after load of the sharded checkpoint")
-    finally:
-        if as_adapter(wm).distributed and dist.is_initialized():
-            dist.barrier()
-        if wm.rank == 0:
-            shutil.rmtree(directory, ignore_errors=True)
 
 
 def _copy_to(wm: Any, ctx: dict[str, Any]) -> None:
