@@ -10,7 +10,10 @@ never vote, even inside a distributed job.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import os
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +25,7 @@ if TYPE_CHECKING:
     from .adapters._base import Adapter
 
 __all__ = [
-    "is_distributed", "agree_flags", "agree_any", "settle", "check_modifier_rank",
+    "Call", "enter", "CHECK_ENV", "is_distributed", "agree_flags", "agree_any", "settle", "check_modifier_rank",
     "models_group", "agree_over_models", "any_over_models", "raise_agreed", "first_replica", "broadcast_object",
 ]
 
@@ -86,34 +89,106 @@ def settle(on_exit: Callable[[bool], None], agree: bool, group: Any, world_size:
         on_exit(failed)
 
 
-def check_modifier_rank(modifier_rank: int | None, world_size: int, group: Any,
-                        replicas: Sequence[Any] = (), flags: Sequence[bool] = ()) -> list[bool]:
-    """Refuse, on every rank alike, a ``modifier_rank`` that is out of range or differs across ranks.
+def check_modifier_rank(call: Call, modifier_rank: int | None, wm: Adapter, flags: Sequence[bool] = ()) -> list[bool]:
+    """``enter`` for an operation that takes a ``modifier_rank``: refuse, on every rank alike, one that
+    is not a rank of the group (a value that differs across ranks is a mismatched call).
 
     ``flags`` ride along in the same collective: returned OR-ed over the ranks."""
+    world_size = wm.world_size
     bad = modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world_size)
-    value = -1 if modifier_rank is None or bad else int(modifier_rank)
-    agreed = [bool(f) for f in flags]
-    if is_distributed(world_size):
-        # [any bad, max value, -min value, *flags] in one collective, before any other collective starts.
-        t = torch.tensor([int(bad), value, -value, *map(int, agreed)], device=_flag_device(group))
-        _max_over(t, group, replicas)
-        values = [int(x) for x in t.tolist()]
-        any_bad, differs = bool(values[0]), values[1] != -values[2]
-        agreed = [bool(x) for x in values[3:]]
-    else:
-        any_bad, differs = bad, False
+    any_bad, *agreed = enter(call, wm, flags=[bad, *flags], invalid=1)
     if any_bad:
         raise DistributedStateError(
             f"modifier_rank={modifier_rank!r} (on at least one rank) is not a rank of this group of {world_size}; "
             f"pass None (writes discarded) or a rank in 0..{world_size - 1}, the same on every rank."
         )
-    if differs:
-        raise DistributedStateError(
-            f"modifier_rank differs across ranks (this rank passed {modifier_rank!r}); every rank must pass the "
-            "same value, since the rank whose writes are kept is decided collectively."
-        )
     return agreed
+
+
+# -- the entry of every operation ------------------------------------------------------
+CHECK_ENV = "WRAPKIT_CHECK_CALLS"
+_SLOTS = 6  # flags an entry can carry; the entry tensor has one size for every operation
+
+
+@dataclass(frozen=True)
+class Call:
+    """One wrapkit operation as a rank called it: its name and the arguments that must be the
+    same on every rank."""
+
+    op: str
+    args: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, op: str, **args: Any) -> Call:
+        return cls(op, tuple(args.items()))
+
+    def __str__(self) -> str:
+        return f"{self.op}({', '.join(f'{k}={v!r}' for k, v in self.args)})"
+
+    def fingerprints(self) -> tuple[int, int]:
+        """Of the operation, and of the operation with its arguments."""
+        return _hash(self.op), _hash(str(self))
+
+
+def _hash(text: str) -> int:
+    # 62 bits: the value and its negation both fit an int64, for the one MAX all-reduce.
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
+
+
+def _checking() -> bool:
+    return os.environ.get(CHECK_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def enter(call: Call, *wms: Adapter, flags: Sequence[bool] = (), invalid: int = 0) -> list[bool]:
+    """The first collective of every collective operation: every rank says which operation it
+    entered, and with which arguments, in one small all-reduce over the group of ``wms`` (and
+    across the replicas of an HSDP model) that also ORs ``flags`` (returned, agreed).
+
+    Every operation's entry has the same size, so ranks that called *different* operations meet
+    here rather than in mismatched gathers that would wait for the process-group timeout:
+    ``DistributedStateError`` on every rank, naming each rank's call, before anything changed.
+    With ``WRAPKIT_CHECK_CALLS=0`` an operation with no flags to agree skips its entry (the call
+    is then not checked); one that agrees flags anyway still carries the check, at no cost.
+
+    The first ``invalid`` flags say that an argument is not valid on some rank: when one is set,
+    the mismatch is not raised, so that the caller raises its own error naming the fix.
+    """
+    agreed = [bool(f) for f in flags]
+    assert len(agreed) <= _SLOTS, call.op
+    use, group = models_group(*wms)
+    if not use or (not agreed and not _checking()):
+        return agreed
+    op, full = call.fingerprints()
+    # [op, -op, op and arguments, -(op and arguments), flags...]: after MAX, a fingerprint and
+    # its negation's negation differ exactly when the ranks disagree on it.
+    t = torch.zeros(4 + _SLOTS, dtype=torch.int64, device=_flag_device(group))
+    t[:4] = torch.tensor([op, -op, full, -full], dtype=torch.int64)
+    t[4:4 + len(agreed)] = torch.tensor(agreed, dtype=torch.int64)
+    replicas = _replicas_of(*wms)
+    _max_over(t, group, replicas)
+    values = t.tolist()
+    agreed = [bool(x) for x in values[4:4 + len(agreed)]]
+    same_op, same_args = values[0] == -values[1], values[2] == -values[3]
+    # One operation everywhere with an argument invalid somewhere: the operation's own error
+    # (every rank takes the same path after it). Different operations: never.
+    if not same_op or (not same_args and not any(agreed[:invalid])):
+        _raise_mismatch(call, group, replicas)
+    return agreed
+
+
+def _raise_mismatch(call: Call, group: Any, replicas: Sequence[Any]) -> None:
+    """Every rank learns every rank's call (all saw the mismatch in the same all-reduce)."""
+    calls: list[tuple[int, str]] = [(dist.get_rank(), str(call))]
+    for g in [group, *replicas]:
+        lists: list[Any] = [None] * dist.get_world_size(g)
+        dist.all_gather_object(lists, calls, group=g)
+        calls = sorted(dict.fromkeys(c for lst in lists for c in lst))
+    listing = "\n  ".join(f"rank {r}: {c}" for r, c in calls)
+    raise DistributedStateError(
+        f"the ranks of this group called different wrapkit operations, or the same one with different "
+        f"arguments, at the same point:\n  {listing}\nEvery rank must make the same collective calls in "
+        "the same order with the same arguments; nothing was changed by this call."
+    )
 
 
 # -- agreement over the group of one or more models -----------------------------------

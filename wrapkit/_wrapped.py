@@ -144,7 +144,7 @@ class Wrapped(Handle):
         share storage with the live weights where those are already full, and are
         fresh buffers otherwise: clone before writing into one.
         """
-        return self._below.gather_each()
+        return full_parameters.named_full_parameters(self._below)
 
     # -- weights in and out (state_dict.py, checkpoint.py, sync.py) ----------------
     def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:

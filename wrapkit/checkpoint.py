@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._agree import any_over_models, first_replica, raise_agreed
+from ._agree import Call, any_over_models, enter, first_replica, raise_agreed
 from ._errors import StateDictError
 from ._imports import require
-from .state_dict import full_state_dict
+from .state_dict import gather_state_dict
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
@@ -80,7 +80,7 @@ def save(wm: Adapter, path: str | os.PathLike[str]) -> None:
     fsyncs it and renames it over ``path``, so an interrupted save never leaves a
     partial file at ``path``. Returns on every rank once the file is in place.
     """
-    write_checkpoint(wm, path, lambda: full_state_dict(wm, rank0_only=True))
+    write_checkpoint(wm, path, lambda: gather_state_dict(wm, rank0_only=True))
 
 
 def write_checkpoint(group: Adapter, path: str | os.PathLike[str],
@@ -97,7 +97,10 @@ def write_checkpoint(group: Adapter, path: str | os.PathLike[str],
         elif os.path.isdir(path):
             example = os.path.join(path, "model.safetensors")
             problems.append(f"{path!r} is a directory; pass a file path such as {example!r}")
-    raise_agreed(problems, f"save to {path!r}", "Pass the path of a file in an existing directory.", group)
+    # The path is not compared across ranks: only rank 0's is written to.
+    [agreed] = enter(Call.of("save"), group, flags=[bool(problems)], invalid=1)
+    raise_agreed(problems, f"save to {path!r}", "Pass the path of a file in an existing directory.", group,
+                 agreed=agreed)
     sd = state()
     error: BaseException | None = None
     if writer:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._agree import check_modifier_rank
+from ._agree import Call, check_modifier_rank, enter
 from ._errors import ArgumentError, PlacementError
 from ._gather import bypassed, generation_modes, restore_modes, synced_generate
 from ._memory import BUDGET_ENV, format_bytes, memory_budget
@@ -25,7 +25,7 @@ from ._memory import BUDGET_ENV, format_bytes, memory_budget
 if TYPE_CHECKING:
     from .adapters._base import Adapter
 
-__all__ = ["gathered", "generation", "GATHER_MODES"]
+__all__ = ["gathered", "generation", "named_full_parameters", "GATHER_MODES"]
 
 GATHER_MODES = ("auto", "full", "layerwise")
 _log = logging.getLogger(__name__.rpartition(".")[0] or __name__)
@@ -42,10 +42,6 @@ def _over_budget(wm: Adapter) -> str | None:
             f"may still allocate on {wm.device} (free memory less a margin, or {BUDGET_ENV})")
 
 
-def _enter(wm: Adapter, modifier_rank: int | None, flags: list[bool]) -> list[bool]:
-    """The agreement every rank makes on entry, in one collective: ``modifier_rank`` checked,
-    ``flags`` OR-ed over the ranks (and the replicas of an HSDP model)."""
-    return check_modifier_rank(modifier_rank, wm.world_size, wm.process_group(), wm.replica_groups(), flags)
 
 
 def _refuse_too_big(why: str | None) -> None:
@@ -60,7 +56,8 @@ def _refuse_too_big(why: str | None) -> None:
 def gathered(wm: Adapter, modifier_rank: int | None = None) -> Iterator[torch.nn.Module]:
     """``wm.unwrap()`` holding the full parameters on every rank; see ``WrappedModel.gathered``."""
     why = _over_budget(wm)
-    [too_big] = _enter(wm, modifier_rank, [why is not None])
+    [too_big] = check_modifier_rank(Call.of("gathered", modifier_rank=modifier_rank), modifier_rank, wm,
+                                    [why is not None])
     if too_big:
         _refuse_too_big(why)
     with _gathered(wm, modifier_rank) as inner:
@@ -88,7 +85,7 @@ def generation(wm: Adapter, gather: str = "auto") -> Iterator[torch.nn.Module]:
     checkpointing off; see ``WrappedModel.generation``."""
     bad = gather not in GATHER_MODES
     why = None if bad or gather == "layerwise" else _over_budget(wm)
-    bad_any, too_big = _enter(wm, None, [bad, why is not None])
+    bad_any, too_big = enter(Call.of("generation", gather=gather), wm, flags=[bad, why is not None], invalid=1)
     if bad_any:
         raise ArgumentError(f"generation(gather=...) got an unknown mode on at least one rank (this rank: "
                             f"{gather!r}); pass one of {', '.join(map(repr, GATHER_MODES))}, the same on every rank")
@@ -108,3 +105,9 @@ def generation(wm: Adapter, gather: str = "auto") -> Iterator[torch.nn.Module]:
             yield wm.unwrap()
     finally:
         restore_modes(modes)
+
+
+def named_full_parameters(wm: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
+    """``gather_each`` behind the operation's entry (taken at the first ``next()``)."""
+    enter(Call.of("named_full_parameters"), wm)
+    yield from wm.gather_each()

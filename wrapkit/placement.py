@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._errors import PlacementError
+from ._agree import Call, enter
+from ._errors import DistributedStateError, PlacementError
 from ._gather import set_modes
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ def home_device(wm: Adapter) -> torch.device:
     return home if isinstance(home, torch.device) else resolve_device(wm.device)
 
 
-def place(wm: Adapter, device: torch.device | str | int | None = None) -> None:
+def place(wm: Adapter, device: torch.device | str | int | None = None, op: str = "place") -> None:
     """Move this rank's parameters and shards to ``device`` (``None``: the compute device), keeping
     the sharding, and verify every one of them. Collective over the model's group."""
     home = home_device(wm)
@@ -66,10 +67,17 @@ def place(wm: Adapter, device: torch.device | str | int | None = None) -> None:
         target = home if device is None else resolve_device(device)
     except PlacementError as exc:
         problem, target = exc, home
-    # Agreed before anything moves: a device one rank cannot use stops every rank.
-    if wm.agree_any(problem is not None):
+    # Agreed before anything moves: a device one rank cannot use stops every rank. The device
+    # itself is each rank's own (its GPU index), but its kind must be the same everywhere.
+    bad, on_cpu, elsewhere = enter(Call.of(op), wm, flags=[problem is not None, target.type == "cpu",
+                                                          target.type != "cpu"], invalid=1)
+    if bad:
         raise problem or PlacementError(f"place({device!r}) names a device another rank of the {wm.name} "
                                         "group cannot use; see its error")
+    if on_cpu and elsewhere:
+        raise DistributedStateError(
+            f"{op}({device!r}) moves this rank's shards to {target}, while other ranks of the {wm.name} group "
+            "move theirs to the CPU (or the other way round); name the same kind of device on every rank.")
     move_verified(wm, target, copy=False)
     state = wm.unwrap(keep_peft=False).__dict__
     if target == home:
@@ -83,9 +91,9 @@ def to_eval_frozen(wm: Adapter) -> Adapter:
     compute device; sharded backends stay sharded, replicated wrappers are dropped. Idempotent."""
     frozen = wm.frozen_form()
     if frozen is not wm:
-        place(frozen, wm.device)
+        place(frozen, wm.device, "to_eval_frozen")
     # Placement first: it is the step that can fail, and it rolls itself back.
-    place(frozen)
+    place(frozen, op="to_eval_frozen")
     frozen.module.eval()
     set_modes(frozen.module, False)  # also reaches modules whose train() override skips children
     for p in frozen.frozen_parameters():

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._agree import any_over_models, broadcast_object, first_replica, models_group, raise_agreed
-from ._errors import ArgumentError, StateDictError
+from ._agree import Call, any_over_models, broadcast_object, enter, first_replica, models_group, raise_agreed
+from ._errors import ArgumentError, StateDictError, WrapkitError
 from ._memory import parse_size
 from .checkpoint import _fsync_dir
 from .reading import INDEX_NAME
@@ -209,7 +209,11 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
     """Write every parameter and persistent buffer as ``model-0000k-of-0000n.safetensors`` files plus
     ``model.safetensors.index.json`` (and the model's ``config.json`` and ``generation_config.json``)
     into ``directory``, atomically. Collective; see the module docstring."""
-    plan = lora_fold_plan(wm) if merge_adapters else None  # refused alike on every rank
+    refused: list[str] = []
+    try:
+        plan = lora_fold_plan(wm) if merge_adapters else None
+    except WrapkitError as exc:  # reported after the entry, on every rank alike
+        plan, refused = None, [str(exc)]
     base_keys = plan is not None or wm.unwrap(keep_peft=True) is wm.unwrap(keep_peft=False)
 
     def entries() -> Iterator[tuple[str, torch.Tensor]]:
@@ -217,20 +221,24 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
         yield from lora_fold_stream(plan, wm.gather_each())
         yield from lora_fold_stream(plan, live_buffers(wm.unwrap()))
 
-    write_pretrained(wm, directory, max_shard_size, entries, base_keys)
+    write_pretrained(wm, directory, max_shard_size, entries, base_keys, merge_adapters, refused)
 
 
 def write_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_size: int | str,
-                     entries: Callable[[], Iterator[tuple[str, torch.Tensor]]], base_keys: bool) -> None:
+                     entries: Callable[[], Iterator[tuple[str, torch.Tensor]]], base_keys: bool,
+                     merge_adapters: bool = False, refused: list[str] | None = None) -> None:
     """``save_pretrained`` of the (name, full tensor) stream that ``entries()`` gives, the same on every
-    rank of ``wm``'s group; ``base_keys``: the names are the base model's (its config files go along)."""
+    rank of ``wm``'s group; ``base_keys``: the names are the base model's (its config files go along).
+    ``refused``: problems found before, reported with the others."""
+    # Every rank cuts the stream into files the same way, so the size and the merge must match; the
+    # directory need not (without shared storage, rank 0 writes everything).
     directory = os.path.abspath(os.fspath(directory))
     parent, base = os.path.split(directory)
     rank0 = wm.rank == 0 and first_replica(wm)
-    problems: list[str] = []
-    limit = 1
+    problems: list[str] = list(refused or [])
+    limit, size_given = 1, max_shard_size
     try:
-        limit = parse_size(max_shard_size, "max_shard_size")
+        limit = size_given = parse_size(max_shard_size, "max_shard_size")
     except ArgumentError as exc:
         problems.append(str(exc))
     if not os.path.isdir(parent):
@@ -245,8 +253,16 @@ def write_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_s
             os.mkdir(tmp)
         except OSError as exc:
             problems.append(f"cannot create a temporary directory beside {directory!r}: {exc}")
-    raise_agreed(problems, f"save_pretrained to {directory!r}",
-                 "Pass a directory whose parent exists and is writable, and a size such as '5GB'.", wm)
+    call = Call.of("save_pretrained", max_shard_size=size_given, merge_adapters=merge_adapters)
+    try:
+        [agreed] = enter(call, wm, flags=[bool(problems)], invalid=1)
+        raise_agreed(problems, f"save_pretrained to {directory!r}",
+                     "Pass a directory whose parent exists and is writable, and a size such as '5GB'.", wm,
+                     agreed=agreed)
+    except BaseException:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     tmp = _share(tmp, wm)
     # Writers: the first replica's ranks, when they all see the temporary directory (shared
     # storage); otherwise rank 0 alone writes every file.

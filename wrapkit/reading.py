@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ._agree import broadcast_object, models_group, raise_agreed
+from ._agree import Call, broadcast_object, enter, models_group, raise_agreed
 from ._errors import StateDictError
 from ._imports import require
 from .state_dict import check_entries, expected_shapes, live_buffers
@@ -128,12 +128,21 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
     path = os.fspath(path)
     use, group = models_group(wm)
     problems: list[str] = []
+    given = src_rank
     if src_rank is not None and not (isinstance(src_rank, int) and 0 <= src_rank < wm.world_size):
         problems.append(f"src_rank={src_rank!r} is not a rank of this group of {wm.world_size}; pass None (every "
                         f"rank reads) or a rank in 0..{wm.world_size - 1}")
         src_rank = None
+    # The path is each rank's own (nodes may hold copies at different places); how it is read is not.
+    call = Call.of("load", strict=strict, src_rank=given)
     broadcast = use and src_rank is not None
     reads = not broadcast or wm.rank == src_rank
+    agreed: bool | None = None
+    if broadcast:  # the broadcast below is the first collective otherwise
+        [agreed] = enter(call, wm, flags=[bool(problems)], invalid=1)
+        if agreed:
+            raise_agreed(problems, f"load {path!r} into {' > '.join(wm.stack)}", "Pass a valid src_rank.", wm,
+                         agreed=True)
     with ExitStack() as stack:
         catalog: Catalog | None = None
         entries: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -154,9 +163,12 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
             problems = check_entries(shapes, expected, strict, (f"the checkpoint {path!r}", "the model"))
             if meta is not None:
                 problems += _meta_problems(wm, meta, [k for k in expected if k not in entries])
+        if not broadcast:
+            [agreed] = enter(call, wm, flags=[bool(problems)], invalid=1)
         raise_agreed(problems, f"load {path!r} into {' > '.join(wm.stack)}",
                      "Pass a checkpoint of this architecture (written by save() or save_pretrained() of such a "
-                     "model); strict=False skips missing and unexpected keys, never a wrong shape.", wm)
+                     "model); strict=False skips missing and unexpected keys, never a wrong shape.", wm,
+                     agreed=None if broadcast else agreed)
         if meta is not None:
             _materialize(wm, meta)
         with torch.no_grad():

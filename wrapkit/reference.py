@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._agree import Call, enter
 from ._errors import ReferenceModelError
 from ._imports import require
 from ._names import canonical_name
@@ -40,14 +41,18 @@ def build_reference(policy: Any, ref_model: Any = None, *,
                     ds_config: dict[str, Any] | None = None) -> Adapter | AdapterDisabledView:
     """The reference ``prepare_reference`` hands out (see its docstring there)."""
     pol = as_adapter(policy, "using it as the policy of another reference")
-    if ds_config is not None and pol.backend != "deepspeed":
+    misplaced = ds_config is not None and pol.backend != "deepspeed"
+    shared = ref_model is not None and not misplaced and _shares_parameters(pol, ref_model)
+    # The entry: what kind of reference is asked for must match (each rank passes its own ref_model).
+    call = Call.of("prepare_reference", ref_model=ref_model is not None, ds_config=ds_config is not None)
+    any_misplaced, any_shared = enter(call, pol, flags=[misplaced, shared], invalid=1)
+    if any_misplaced:
         raise ReferenceModelError(
             f"ds_config only applies to a DeepSpeed policy, and this policy's backend is {pol.backend!r}; "
             "drop ds_config."
         )
     if ref_model is not None:
-        shared = _shares_parameters(pol, ref_model)
-        if pol.agree_any(shared):
+        if any_shared:
             raise ReferenceModelError(
                 "ref_model is the policy or shares parameters with it, so it would train along with the "
                 "policy; pass a separate model (e.g. loaded again from the same checkpoint) or None to "

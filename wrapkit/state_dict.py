@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._agree import raise_agreed
+from ._agree import Call, enter, raise_agreed
 from ._errors import UnsupportedModelError
 from ._imports import is_instance
 from ._names import canonical_name
@@ -28,8 +28,8 @@ from .layers.peft import base_key_map
 if TYPE_CHECKING:
     from .adapters._base import Adapter
 
-__all__ = ["full_state_dict", "load_full_state_dict", "expected_shapes", "check_entries", "write", "assign",
-           "live_buffers", "Shape", "lora_fold_plan", "lora_fold_stream"]
+__all__ = ["full_state_dict", "gather_state_dict", "load_full_state_dict", "expected_shapes", "check_entries",
+           "write", "assign", "live_buffers", "Shape", "lora_fold_plan", "lora_fold_stream"]
 
 Shape = tuple[int, ...]
 
@@ -106,6 +106,12 @@ def full_state_dict(wm: Adapter, rank0_only: bool = True, *, merge_adapters: boo
     weights with the LoRA adapters folded in, under the base model's names; the live
     model is not changed.
     """
+    enter(Call.of("full_state_dict", rank0_only=rank0_only, merge_adapters=merge_adapters), wm)
+    return gather_state_dict(wm, rank0_only, merge_adapters)
+
+
+def gather_state_dict(wm: Adapter, rank0_only: bool, merge_adapters: bool = False) -> dict[str, torch.Tensor]:
+    """``full_state_dict`` without the operation's entry, for operations that entered already."""
     if merge_adapters:
         # Validate before any gather: an unsupported PEFT layer must fail on every rank alike.
         plan = _lora_fold_plan(wm)
@@ -293,9 +299,10 @@ def load_full_state_dict(wm: Adapter, sd: Mapping[str, torch.Tensor], strict: bo
         problems.append(f"expected a mapping of name -> tensor, got {type(sd).__name__}")
     if not problems:
         problems = check_entries(_shapes_of(sd), expected_shapes(wm), strict)
+    [agreed] = enter(Call.of("load_full_state_dict", strict=strict), wm, flags=[bool(problems)], invalid=1)
     raise_agreed(problems, f"load_full_state_dict into {' > '.join(wm.stack)}",
                   "Pass a full state dict of this architecture (the keys of wm.full_state_dict()), the same on "
-                  "every rank; strict=False skips missing and unexpected keys, never a wrong shape.", wm)
+                  "every rank; strict=False skips missing and unexpected keys, never a wrong shape.", wm, agreed=agreed)
     write(wm, sd.items(), 1.0)
     wm.masters_written(sd)
 

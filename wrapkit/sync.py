@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._agree import agree_over_models, raise_agreed
+from ._agree import Call, enter, raise_agreed
 from .state_dict import Shape, assign, check_entries, expected_shapes, live_buffers, write
 
 if TYPE_CHECKING:
@@ -30,6 +30,11 @@ def _copy_problems(alpha: float, same: str | None) -> list[str]:
     if same is not None:
         problems.append(same)
     return problems
+
+
+def _copy_call(target: Adapter, alpha: float) -> Call:
+    # The target as every rank can name it: its wrapper stack (cheap: this runs every EMA step).
+    return Call.of("copy_to", target=" > ".join(target.stack), alpha=alpha)
 
 
 _COPY_FIX = ("copy_to matches weights by canonical name: source and target must be the same architecture, "
@@ -60,7 +65,8 @@ def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
             pairs += [(tgt_buffers[n], b) for n, b in src_buffers.items() if n in tgt_buffers]
     # One collective agrees on both: whether any rank found a problem, and whether every
     # rank can take the shard-to-shard path (which has no collective; the general one has many).
-    any_problem, any_slow = agree_over_models([bool(problems), pairs is None], source, target)
+    any_problem, any_slow = enter(_copy_call(target, alpha), source, target,
+                                  flags=[bool(problems), pairs is None], invalid=1)
     raise_agreed(problems, f"copy_to from {' > '.join(source.stack)} to {' > '.join(target.stack)}",
                   _COPY_FIX, source, target, agreed=any_problem)
     if not any_slow:
@@ -82,7 +88,9 @@ def copy_stream_to(group: Adapter, source: str, shapes: Mapping[str, Shape], str
     problems = _copy_problems(alpha, same)
     if not problems:
         problems = check_entries(dict(shapes), expected_shapes(target), True, ("the source", "the target"))
-    raise_agreed(problems, f"copy_to from {source} to {' > '.join(target.stack)}", _COPY_FIX, group, target)
+    [agreed] = enter(_copy_call(target, alpha), group, target, flags=[bool(problems)], invalid=1)
+    raise_agreed(problems, f"copy_to from {source} to {' > '.join(target.stack)}", _COPY_FIX, group, target,
+                 agreed=agreed)
     write(target, stream, float(alpha))
 
 

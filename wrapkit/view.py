@@ -20,8 +20,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from ._agree import check_modifier_rank
-from ._errors import ReferenceModelError
+from ._agree import Call, check_modifier_rank, enter
+from ._errors import PlacementError, ReferenceModelError, WrapkitError
 from ._gather import restore_modes, set_modes
 from ._protocol import Handle
 from ._registry import copy_target
@@ -31,7 +31,7 @@ from .full_parameters import gathered, generation
 from .layers.peft import adapters_off, base_key_map, merged_layers
 from .placement import resolve_device
 from .pretrained import write_pretrained
-from .state_dict import expected_shapes, full_state_dict, live_buffers
+from .state_dict import expected_shapes, gather_state_dict, live_buffers
 from .sync import copy_stream_to, source_stream
 
 __all__ = ["AdapterDisabledView", "view_possible"]
@@ -119,9 +119,20 @@ class AdapterDisabledView(Handle):
     def place(self, device: torch.device | str | int | None = None) -> AdapterDisabledView:
         """Verify that the policy's weights are on ``device`` (default: where the policy computes).
         A view cannot move them: ``ReferenceModelError`` if they are elsewhere."""
-        target = self._policy.device if device is None else resolve_device(device)
-        off = [name for name, t in self._policy.placement_tensors() if t.device != target]
-        if self._policy.agree_any(bool(off)):
+        return self._verify_place(device, "place")
+
+    def _verify_place(self, device: torch.device | str | int | None, op: str) -> AdapterDisabledView:
+        problem: str | None = None
+        try:
+            target = self._policy.device if device is None else resolve_device(device)
+        except WrapkitError as exc:
+            problem, target = str(exc), self._policy.device
+        off = [] if problem else [name for name, t in self._policy.placement_tensors() if t.device != target]
+        bad, elsewhere = enter(Call.of(op), self._policy,
+                               flags=[problem is not None, bool(off)], invalid=1)
+        if bad:
+            raise PlacementError(problem or f"place({device!r}) names a device another rank cannot use; see its error")
+        if elsewhere:
             raise ReferenceModelError(
                 f"this reference is a view of the policy's weights, which are not all on {target} "
                 f"({', '.join(off[:4]) or 'on another rank'}); a view cannot move them. Place the policy, or use "
@@ -131,7 +142,7 @@ class AdapterDisabledView(Handle):
 
     def to_eval_frozen(self) -> AdapterDisabledView:
         """The view itself: every call through it already runs frozen, in eval mode."""
-        return self.place()
+        return self._verify_place(None, "to_eval_frozen")
 
     # -- full parameters ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -140,7 +151,7 @@ class AdapterDisabledView(Handle):
         would write the policy's base weights and is refused (on every rank alike)."""
         p = self._policy
         _check_unmerged(p)
-        check_modifier_rank(modifier_rank, p.world_size, p.process_group())  # agreed before refusing
+        check_modifier_rank(Call.of("gathered", modifier_rank=modifier_rank), modifier_rank, p)  # before refusing
         if modifier_rank is not None:
             raise ReferenceModelError(
                 f"gathered(modifier_rank={modifier_rank}) on a view would write the policy's base weights; "
@@ -161,6 +172,7 @@ class AdapterDisabledView(Handle):
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The base model's parameters under its own names (the adapters' are gathered and skipped)."""
         rename = self._rename()
+        enter(Call.of("named_full_parameters"), self._policy)
         for name, t in self._policy.gather_each():
             new = rename(name)
             if new is not None:
@@ -169,9 +181,13 @@ class AdapterDisabledView(Handle):
     # -- weights out (and refused in) ----------------------------------------------------
     def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:
         """The base model's state dict. ``merge_adapters`` changes nothing: the adapters are off."""
+        enter(Call.of("full_state_dict", rank0_only=rank0_only, merge_adapters=merge_adapters), self._policy)
+        return self._base_state(rank0_only)
+
+    def _base_state(self, rank0_only: bool) -> dict[str, torch.Tensor]:
         rename = self._rename()
         out: dict[str, torch.Tensor] = {}
-        for name, t in full_state_dict(self._policy, rank0_only).items():
+        for name, t in gather_state_dict(self._policy, rank0_only).items():
             new = rename(name)
             if new is not None:
                 out[new] = t
@@ -179,7 +195,7 @@ class AdapterDisabledView(Handle):
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """The base model's weights in one safetensors file, written atomically by rank 0."""
-        write_checkpoint(self._policy, path, lambda: self.full_state_dict(rank0_only=True))
+        write_checkpoint(self._policy, path, lambda: self._base_state(rank0_only=True))
 
     def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
                         merge_adapters: bool = False) -> None:
@@ -205,9 +221,11 @@ class AdapterDisabledView(Handle):
         copy_stream_to(self._policy, " > ".join(self.stack), shapes, stream, tgt, alpha, same)
 
     def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        enter(Call.of("load_full_state_dict", strict=strict), self._policy)  # refused together
         raise _refusal("load_full_state_dict() into it")
 
     def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None) -> None:
+        enter(Call.of("load", strict=strict, src_rank=src_rank), self._policy)
         raise _refusal("load() into it")
 
     def _rename(self) -> Callable[[str], str | None]:

@@ -1,0 +1,37 @@
+"""Mismatched collective calls end in an error on every rank within seconds, nothing changed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import scenarios_calls
+
+SPECS = ["ddp", "fsdp", "fsdp2", "zero3"]
+
+
+def _op(label: str) -> str:
+    return label.split("(")[0].removeprefix("ref.")
+
+
+@pytest.mark.parametrize("spec", SPECS)
+def test_mismatched_calls_are_caught(group: Any, spec: str, tmp_path: Path) -> None:
+    results = group.run(scenarios_calls.mismatched_calls, spec, str(tmp_path), timeout=240)
+    names = list(scenarios_calls.OPS)
+    for obs in results:
+        assert obs["changed"] == [], f"{spec}: changed by a mismatched call: {obs['changed']}"
+        assert obs["files"], f"{spec}: a mismatched call left files behind"
+        assert obs["after"] == "ok"
+        for (a, b) in zip(names, names[1:] + names[:1], strict=True):
+            got = obs[f"{a} / {b}"]
+            assert got["error"].startswith("DistributedStateError"), (spec, a, b, got)
+            # Named on every rank: what each rank called.
+            assert f"rank 0: {_op(a)}(" in got["error"] and f"rank 1: {_op(b)}(" in got["error"], got
+            assert got["seconds"] < 10, (spec, a, b, got)
+        for arg in scenarios_calls.ARGS:
+            got = obs[f"{arg} differs"]
+            assert got["error"].startswith("DistributedStateError"), (spec, arg, got)
+            assert arg in got["error"] or arg == "device", (spec, arg, got)
+        assert obs["unchecked"] == "no error", obs["unchecked"]
