@@ -114,3 +114,24 @@ def mismatched_calls(spec: str, tmp: str) -> dict[str, Any]:
         m(input_ids=torch.tensor([[1, 2, 3]]))
     obs["after"] = "ok"
     return obs
+
+
+def missing_internals(spec: str) -> str:
+    """A backend version without a private field wrapkit reads (simulated by deleting it):
+    adapt() refuses it with a typed error naming the version, instead of failing later."""
+    from wrapkit._registry import as_adapter
+
+    model = build(spec)
+    if spec == "fsdp":
+        flat = next(m._handle.flat_param for m in model.modules() if getattr(m, "_handle", None) is not None)
+        del flat._shard_param_infos
+    elif spec == "fsdp2":
+        p = next(p for p in model.parameters() if hasattr(p, "_local_tensor"))
+        del p._local_tensor
+    else:
+        del next(as_adapter(model).unwrap().parameters()).ds_status
+    try:
+        wrapkit.adapt(model)
+    except wrapkit.UnsupportedModelError as exc:
+        return f"UnsupportedModelError: {exc}"
+    return "no error"

@@ -10,7 +10,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "wrapkit"
+import wrapkit
+
+PACKAGE = Path(wrapkit.__file__).resolve().parent  # the one imported: a checkout or an installed wheel
 
 # Lowest first. A module may import its own layer and the ones below it.
 LAYERS: list[tuple[str, set[str]]] = [

@@ -35,3 +35,11 @@ def test_bench_rejects_unknown_names() -> None:
     out = subprocess.run([sys.executable, "-m", "wrapkit", "bench", "nope"], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
     assert out.returncode == 2 and "available:" in out.stderr
+
+
+def test_bench_without_benchmarks_says_where_they_are(tmp_path: Path) -> None:
+    """As from an installed wheel: no benchmarks/ folder. A message saying what to do, no traceback."""
+    out = subprocess.run([sys.executable, "-m", "wrapkit", "bench", "--dir", str(tmp_path / "none")],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "source distribution" in out.stderr and "--dir" in out.stderr

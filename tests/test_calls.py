@@ -35,3 +35,12 @@ def test_mismatched_calls_are_caught(group: Any, spec: str, tmp_path: Path) -> N
             assert got["error"].startswith("DistributedStateError"), (spec, arg, got)
             assert arg in got["error"] or arg == "device", (spec, arg, got)
         assert obs["unchecked"] == "no error", obs["unchecked"]
+
+
+@pytest.mark.parametrize("spec", ["fsdp", "fsdp2", "zero3"])
+def test_missing_backend_internals_are_refused_on_adapt(group: Any, spec: str) -> None:
+    package = "deepspeed" if spec == "zero3" else "torch"
+    missing = {"fsdp": "_shard_param_infos", "fsdp2": "_local_tensor", "zero3": "ds_status"}[spec]
+    for text in group.run(scenarios_calls.missing_internals, spec, timeout=120):
+        assert text.startswith("UnsupportedModelError"), text
+        assert f"this {package} " in text and missing in text and "install a" in text, text

@@ -30,15 +30,20 @@ def test_doctor_all_backends_pass(tmp_path: Path) -> None:
     for row in EXPECTED_ROWS:
         assert any(line.startswith(row + " ") for line in table.splitlines()), row
     assert "all passed" in table and "torch 2." in table
+    # Third-party warnings and notices from the workers are counted, not shown.
+    assert "Warning" not in out.stdout + out.stderr and "accelerator" not in out.stdout + out.stderr, out.stderr
+    assert f"{len(data['worker_output'])} lines of third-party output" in table and data["worker_output"]
 
 
 def test_doctor_subset_and_exit_code(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "wrapkit", "doctor", "--backends", "plain,nonsense"],
+        [sys.executable, "-m", "wrapkit", "doctor", "--backends", "plain,nonsense", "-v"],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 1
     assert "nonsense" in out.stdout and "FAIL" in out.stdout
+    # -v shows what the workers printed (DeepSpeed's notices on import, at least), rank by rank.
+    assert "output of the worker processes" in out.stdout and "\n  [rank0] " in out.stdout, out.stdout
 
 
 def _doctor(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:

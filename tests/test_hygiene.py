@@ -7,8 +7,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import wrapkit
+
 OPTIONAL = ("deepspeed", "accelerate", "transformers", "peft", "trl")
-PACKAGE = Path(__file__).resolve().parent.parent / "wrapkit"
+PACKAGE = Path(wrapkit.__file__).resolve().parent  # the one imported: a checkout or an installed wheel
 
 
 def test_adapt_imports_no_optional_library(tmp_path: Path) -> None:

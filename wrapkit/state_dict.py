@@ -171,7 +171,8 @@ def _lora_fold_plan(wm: Adapter) -> _LoraFoldPlan | None:
             problems.append(f"{name}: {type(mod).__module__}.{type(mod).__name__}")
             continue
         for adapter in mod.active_adapters:
-            if mod.use_dora.get(adapter) or mod.lora_bias.get(adapter):
+            # lora_bias appeared in PEFT 0.14; older layers have none.
+            if mod.use_dora.get(adapter) or getattr(mod, "lora_bias", {}).get(adapter):
                 problems.append(f"{name}: adapter {adapter!r} uses DoRA or a LoRA bias")
         layers.append((name, mod))
     if problems:

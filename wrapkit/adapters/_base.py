@@ -70,6 +70,7 @@ class Adapter:
         self._backend_obj = backend_obj
         self._innermost = innermost
         self._check_group()
+        self._check_internals()
         cfg = getattr(innermost, "config", None)
         # Read once: generation code branches on it every step.
         self._is_encoder_decoder = bool(getattr(cfg, "is_encoder_decoder", False)) if cfg is not None else bool(
@@ -326,6 +327,9 @@ class Adapter:
                 f"the process group of this {self.name} wrapper ({type(self._module).__name__}) is no longer "
                 f"valid ({exc}); it was probably destroyed. Re-create the group and wrap the model again."
             ) from exc
+
+    def _check_internals(self) -> None:
+        """Refuse a backend version whose private fields this adapter reads are missing (``_internals``)."""
 
     def _group_size_and_rank(self) -> tuple[int, int]:
         group = self.process_group()

@@ -18,6 +18,7 @@ from .._agree import agree_any
 from .._imports import is_instance, lookup, require
 from .._names import canonical_name
 from ._base import Adapter, copy_into, move_buffers
+from ._internals import ZERO3_PARAM, require_internals
 from ._primitives import Piece
 
 
@@ -34,6 +35,10 @@ class DeepSpeedAdapter(Adapter):
 
     def process_group(self) -> Any:
         return getattr(self._engine(), "data_parallel_group", None)
+
+    def _check_internals(self) -> None:
+        if self.zero_stage == 3:
+            require_internals(self._innermost.parameters(), ZERO3_PARAM, "ZeRO-3 parameters", "deepspeed")
 
     @property
     def device(self) -> torch.device:

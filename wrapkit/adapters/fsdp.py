@@ -15,6 +15,7 @@ from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import Adapter, move_buffers
 from ._fsdp_flat import flat_pieces, full_from_shards, gather_in
+from ._internals import FSDP1_FLAT, FSDP1_HANDLE, FSDP1_UNIT, require_internals
 from ._primitives import Piece
 
 
@@ -45,6 +46,13 @@ class FSDPAdapter(Adapter):
             handle = getattr(unit, "_handle", None)
             if handle is not None:
                 yield handle.flat_param
+
+    def _check_internals(self) -> None:
+        units = list(self._units())
+        require_internals(units, FSDP1_UNIT, "FSDP units", "torch")
+        handles = [u._handle for u in units if u._handle is not None]
+        require_internals(handles, FSDP1_HANDLE, "flat parameter handles", "torch")
+        require_internals([h.flat_param for h in handles], FSDP1_FLAT, "flat parameters", "torch")
 
     def replica_groups(self) -> list[Any]:
         # HYBRID_SHARD and _HYBRID_SHARD_ZERO2 shard within ``process_group`` and replicate

@@ -15,6 +15,7 @@ from .._agree import settle
 from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import Adapter, copy_into
+from ._internals import DTENSOR, FSDP2_STATE, require_internals
 from ._primitives import Piece
 
 
@@ -55,6 +56,15 @@ class FSDP2Adapter(Adapter):
     def replica_groups(self) -> list[Any]:
         mesh = self.mesh()
         return [] if mesh is None else [mesh.get_group(d) for d in range(mesh.ndim - 1)]
+
+    def _check_internals(self) -> None:
+        fsdp_module = lookup("torch.distributed.fsdp", "FSDPModule")
+        modules = [m for m in self.module.modules() if fsdp_module is not None and isinstance(m, fsdp_module)]
+        require_internals(modules, ("_get_fsdp_state",), "fully_shard modules", "torch")
+        require_internals([state for _, state in self._fsdp_states()], FSDP2_STATE, "FSDP states", "torch")
+        dtensor = lookup("torch.distributed.tensor", "DTensor")
+        require_internals([p for p in self._innermost.parameters() if dtensor is not None and isinstance(p, dtensor)],
+                DTENSOR, "DTensor parameters", "torch")
 
     def _fsdp_states(self) -> Iterator[tuple[Any, Any]]:
         """(module, its FSDP state) for every module ``fully_shard`` was applied to."""

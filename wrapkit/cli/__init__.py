@@ -19,7 +19,8 @@ def main(argv: list[str] | None = None) -> int:
     doc.add_argument("--topology", choices=("flat", "hsdp"), default="flat",
                      help="one group, or a 2-D replicate x shard layout (needs --world-size 4)")
     doc.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON")
-    doc.add_argument("-v", "--verbose", action="store_true", help="print the full traceback of each failure")
+    doc.add_argument("-v", "--verbose", action="store_true",
+                     help="print the full traceback of each failure, and what the workers printed")
     ben = sub.add_parser("bench", help="run the benchmarks in benchmarks/ and print their ratios")
     ben.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     ben.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
@@ -30,6 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     ven.add_argument("dest")
     ven.add_argument("--name", default=None, help="directory name of the copy (default: the package's)")
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except (FileNotFoundError, FileExistsError) as exc:  # what the user must fix, not a crash
+        print(f"wrapkit {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "doctor":
         from .doctor import run_doctor
 

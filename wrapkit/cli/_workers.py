@@ -42,7 +42,14 @@ def _resolve(target: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
-def _worker_main(rank: int, world_size: int, port: int, backend: str, preload: Sequence[str], conn: Any) -> None:
+def _worker_main(rank: int, world_size: int, port: int, backend: str, preload: Sequence[str], conn: Any,
+                 log_dir: str | None = None) -> None:
+    if log_dir is not None:
+        # Everything this process prints (third-party warnings and notices included) goes to a file.
+        fd = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -93,8 +100,10 @@ class WorkerGroup:
     """``world_size`` processes in one process group, running scenarios on request."""
 
     def __init__(self, world_size: int = 2, backend: str = "gloo", preload: Sequence[str] = (),
-                 start_timeout: float = 180.0) -> None:
+                 start_timeout: float = 180.0, log_dir: str | None = None) -> None:
+        """``log_dir``: the workers' stdout and stderr go to ``rank<r>.log`` files there."""
         self.world_size = world_size
+        self.log_dir = log_dir
         self.backend = backend
         self._preload = tuple(preload)
         self._start_timeout = start_timeout
@@ -115,7 +124,7 @@ class WorkerGroup:
             parent, child = ctx.Pipe()
             proc = ctx.Process(
                 target=_worker_main,
-                args=(rank, self.world_size, port, self.backend, self._preload, child),
+                args=(rank, self.world_size, port, self.backend, self._preload, child, self.log_dir),
                 daemon=True,
             )
             proc.start()

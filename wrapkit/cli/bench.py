@@ -31,9 +31,10 @@ def find_benchmarks(directory: str | Path | None = None) -> Path:
         if path.is_dir() and any(path.glob("*.py")):
             return path
     raise FileNotFoundError(
-        "no benchmarks/ directory found (looked in "
-        + ", ".join(str(c) for c in candidates)
-        + "); the benchmarks ship with the source tree: run `wrapkit bench` from a checkout or pass --dir."
+        "no benchmarks/ directory found (looked in " + ", ".join(str(c) for c in candidates) + "). The benchmarks "
+        "are not part of the installed package: they ship in the source distribution and the repository. Unpack "
+        "the sdist (`pip download --no-deps --no-binary :all: wrapkit`) or clone the repository, then run "
+        "`wrapkit bench` there, or pass --dir PATH/benchmarks."
     )
 
 

@@ -4,6 +4,8 @@ backend, run every operation and print a backend x operation table."""
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -188,8 +190,11 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
     op_names = [name for name, _ in OPS]
     columns = ["adapt", *op_names]
     rows: dict[str, dict[str, Any]] = {}
+    # The workers' own output (torch FutureWarnings, DeepSpeed's notices) is kept out of the report.
+    logs = tempfile.TemporaryDirectory(prefix="wrapkit-doctor-")
     group = WorkerGroup(world_size=world_size, backend="nccl" if use_nccl else "gloo",
-                        preload=tuple(p for p in ("transformers", "peft", "deepspeed") if is_available(p)))
+                        preload=tuple(p for p in ("transformers", "peft", "deepspeed") if is_available(p)),
+                        log_dir=logs.name)
     runnable = [b for b in selected if b in BACKENDS and (not _NEEDS.get(b) or is_available(_NEEDS[b]))]
     t_start = time.perf_counter()
     try:
@@ -226,9 +231,18 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
                         res[missing[0]] = [False, _OP_TIMEOUT * 1e3, f"WorkerError: {first}", str(exc)]
     finally:
         group.close()
+        worker_output = _read_logs(logs.name)
+        logs.cleanup()
     elapsed = time.perf_counter() - t_start
     print()
     print(_format_table(rows, columns))
+    if worker_output and verbose:
+        print(f"\noutput of the worker processes ({len(worker_output)} lines):")
+        for line in worker_output:
+            print("  " + line)
+    elif worker_output:
+        print(f"\n{len(worker_output)} lines of third-party output from the worker processes (warnings, notices) "
+              "were kept out of this report; -v shows them.")
     problems: list[str] = []
     for backend, res in rows.items():
         if res.get("_status") == "FAIL":
@@ -253,5 +267,15 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
         with open(json_path, "w") as fh:
             json.dump({"versions": versions, "world_size": world_size, "device": device, "dtype": dtype,
                        "topology": topology,
-                       "elapsed_s": elapsed, "results": rows}, fh, indent=2, default=str)
+                       "elapsed_s": elapsed, "worker_output": worker_output, "results": rows},
+                      fh, indent=2, default=str)
     return 1 if failed else 0
+
+
+def _read_logs(directory: str) -> list[str]:
+    """The non-empty lines the workers printed, rank by rank, prefixed with the rank."""
+    lines: list[str] = []
+    for name in sorted(os.listdir(directory)):
+        with open(os.path.join(directory, name), errors="replace") as fh:
+            lines += [f"[{name.removesuffix('.log')}] {ln.rstrip()}" for ln in fh if ln.strip()]
+    return lines
