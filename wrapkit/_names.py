@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 
+from ._errors import ArgumentError
+
 __all__ = ["canonical_name", "WRAPPER_PREFIXES"]
 
 # Path components that wrappers insert anywhere in a name.
@@ -25,6 +27,8 @@ def canonical_name(name: str) -> str:
     >>> canonical_name("module._orig_mod.model.layers.0._fsdp_wrapped_module.mlp.up_proj.weight")
     'model.layers.0.mlp.up_proj.weight'
     """
+    if not isinstance(name, str):
+        raise ArgumentError(f"canonical_name() takes a parameter name (str), got {name!r} ({type(name).__name__})")
     parts = name.split(".")
     out: list[str] = []
     leading = True

@@ -15,7 +15,7 @@ from typing import Any, cast
 
 import torch
 
-from . import checkpoint, full_parameters, placement, pretrained, reading, reference, state_dict, sync
+from . import _args, checkpoint, full_parameters, placement, pretrained, reading, reference, state_dict, sync
 from ._protocol import Handle, WrappedModel
 from ._registry import as_adapter, copy_target
 from .adapters import Adapter
@@ -75,11 +75,12 @@ class Wrapped(Handle):
         A compile layer *outside* a backend wrapper (``compile(DDP(model))``) is always
         peeled: keeping it would mean keeping the wrapper too.
         """
-        return self._below.unwrap(keep_peft, keep_compile)
+        return self._below.unwrap(_args.flag(keep_peft, "keep_peft", "unwrap"),
+                                  _args.flag(keep_compile, "keep_compile", "unwrap"))
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Global parameter count, shared (tied) parameters counted once."""
-        return self._below.num_parameters(trainable_only)
+        return self._below.num_parameters(_args.flag(trainable_only, "trainable_only", "num_parameters"))
 
     def resident_parameter_bytes(self) -> int:
         """Bytes of parameter storage this rank holds right now (its shards, plus anything
@@ -154,15 +155,17 @@ class Wrapped(Handle):
         ``merge_adapters`` folds LoRA adapters into the base weights (base model's names)
         without changing the live model.
         """
-        return state_dict.full_state_dict(self._below, rank0_only, merge_adapters=merge_adapters)
+        merge = _args.flag(merge_adapters, "merge_adapters", "full_state_dict")
+        return state_dict.full_state_dict(self._below, _args.flag(rank0_only, "rank0_only", "full_state_dict"),
+                                          merge_adapters=merge)
 
     def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load a full, canonically named state dict (the same on every rank); checks everything first."""
-        state_dict.load_full_state_dict(self._below, sd, strict)
+        state_dict.load_full_state_dict(self._below, sd, _args.flag(strict, "strict", "load_full_state_dict"))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write one safetensors file atomically from rank 0 (temp file, fsync, rename). Collective."""
-        checkpoint.save(self._below, path)
+        checkpoint.save(self._below, _args.path(path, "path", "save"))
 
     def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
                         merge_adapters: bool = False) -> None:
@@ -176,7 +179,8 @@ class Wrapped(Handle):
         replaces ``directory`` only when complete. ``merge_adapters`` folds LoRA in, layer by
         layer, under the base model's names (then ``from_pretrained`` of the base class loads it).
         """
-        pretrained.save_pretrained(self._below, directory, max_shard_size, merge_adapters)
+        pretrained.save_pretrained(self._below, _args.path(directory, "directory", "save_pretrained"), max_shard_size,
+                                   _args.flag(merge_adapters, "merge_adapters", "save_pretrained"))
 
     def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None) -> None:
         """Load a checkpoint: a safetensors file (``save``) or a directory (``save_pretrained``, or any
@@ -187,7 +191,7 @@ class Wrapped(Handle):
         sends each tensor to the others, for nodes without shared storage. Every missing,
         unexpected or mis-shaped key, and every unreadable file, is reported on every rank
         before anything is written (``StateDictError``)."""
-        reading.load(self._below, path, strict, src_rank)
+        reading.load(self._below, _args.path(path, "path", "load"), _args.flag(strict, "strict", "load"), src_rank)
 
     def copy_to(self, target: Any, alpha: float = 1.0) -> None:
         """``target = alpha*self + (1-alpha)*target``, by canonical name, any backend to any backend."""

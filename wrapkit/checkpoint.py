@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from . import _args
 from ._agree import Call, any_over_models, enter, first_replica, raise_agreed
 from ._errors import StateDictError
 from ._imports import require
@@ -118,7 +119,7 @@ def write_checkpoint(group: Adapter, path: str | os.PathLike[str],
 
 def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     """Read a safetensors file into CPU tensors; ``StateDictError`` if it is missing, truncated or corrupt."""
-    path = os.fspath(path)
+    path = _args.path(path, "path", "read_checkpoint")
     st = require("safetensors.torch", feature="loading a safetensors checkpoint", extra="transformers")
     if not os.path.isfile(path):
         raise StateDictError(f"no checkpoint file at {path!r}; pass the path that save() wrote")

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from . import _args
 from ._agree import Call, check_modifier_rank, enter
 from ._errors import PlacementError, ReferenceModelError, WrapkitError
 from ._gather import restore_modes, set_modes
@@ -82,11 +83,12 @@ class AdapterDisabledView(Handle):
 
     def unwrap(self, keep_peft: bool = True, keep_compile: bool = False) -> torch.nn.Module:
         """The policy's module (the adapters are off only inside this view's calls)."""
-        return self._policy.unwrap(keep_peft, keep_compile)
+        return self._policy.unwrap(_args.flag(keep_peft, "keep_peft", "unwrap"),
+                                   _args.flag(keep_compile, "keep_compile", "unwrap"))
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """The base model's global count; nothing is trainable through a view."""
-        if trainable_only:
+        if _args.flag(trainable_only, "trainable_only", "num_parameters"):
             return 0
         # The policy's count less its adapters' (which are never tied, so counted once each).
         rename = self._rename()
@@ -181,6 +183,8 @@ class AdapterDisabledView(Handle):
     # -- weights out (and refused in) ----------------------------------------------------
     def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:
         """The base model's state dict. ``merge_adapters`` changes nothing: the adapters are off."""
+        _args.flag(merge_adapters, "merge_adapters", "full_state_dict")
+        _args.flag(rank0_only, "rank0_only", "full_state_dict")
         enter(Call.of("full_state_dict", rank0_only=rank0_only, merge_adapters=merge_adapters), self._policy)
         return self._base_state(rank0_only)
 
@@ -195,7 +199,7 @@ class AdapterDisabledView(Handle):
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """The base model's weights in one safetensors file, written atomically by rank 0."""
-        write_checkpoint(self._policy, path, lambda: self._base_state(rank0_only=True))
+        write_checkpoint(self._policy, _args.path(path, "path", "save"), lambda: self._base_state(rank0_only=True))
 
     def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
                         merge_adapters: bool = False) -> None:
@@ -208,7 +212,8 @@ class AdapterDisabledView(Handle):
                 if (new := rename(name)) is not None:
                     yield new, t
 
-        write_pretrained(self._policy, directory, max_shard_size, entries, True)
+        write_pretrained(self._policy, _args.path(directory, "directory", "save_pretrained"), max_shard_size, entries,
+                         True, _args.flag(merge_adapters, "merge_adapters", "save_pretrained"))
 
     def copy_to(self, target: Any, alpha: float = 1.0) -> None:
         """``target = alpha*base + (1-alpha)*target``, into a model of the base architecture."""
