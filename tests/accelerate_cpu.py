@@ -87,6 +87,7 @@ def _partial_state(kind: str) -> None:
 
 
 def _declare_fsdp(plugin: Any, mixed_precision: str = "no") -> None:
+    import torch
     from accelerate import Accelerator, PartialState
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
@@ -97,6 +98,9 @@ def _declare_fsdp(plugin: Any, mixed_precision: str = "no") -> None:
     # Accelerators created from here on see an FSDP setup.
     for state in (PartialState(), AcceleratorState()):
         state.distributed_type = DistributedType.FSDP
+    # accelerate before 1.13 names this device cpu:0, which FSDP1 then refuses beside its own cpu.
+    if PartialState().device.type == "cpu":
+        PartialState().device = torch.device("cpu")
     AcceleratorState().fsdp_plugin = plugin
     if mixed_precision != "no":
         plugin.set_mixed_precision(mixed_precision)  # what the FSDP branch of accelerate's set-up does

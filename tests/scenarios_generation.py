@@ -168,6 +168,10 @@ def generation(spec: str, device: str = "cpu") -> dict[str, Any]:
     inner: Any = wm.unwrap(keep_peft=False)
     # transformers 5 renamed gradient_checkpointing_enable (older releases have only that name).
     (getattr(inner, "activation_checkpointing_enable", None) or inner.gradient_checkpointing_enable)()
+    # transformers 4 checkpoints reentrantly by default: with PEFT's frozen embeddings nothing inside
+    # a checkpointed block would need a gradient unless the inputs ask for one (as PEFT recommends).
+    if "peft" in wm.stack:
+        inner.enable_input_require_grads()
     # One training step first, so the backend's lazy state (FSDP init, ZeRO-3 trace) exists;
     # the reference then gets the trained weights, read back through named_full_parameters.
     _train_step(wm)
