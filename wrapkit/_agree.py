@@ -89,14 +89,14 @@ def settle(on_exit: Callable[[bool], None], agree: bool, group: Any, world_size:
         on_exit(failed)
 
 
-def check_modifier_rank(call: Call, modifier_rank: int | None, wm: Adapter, flags: Sequence[bool] = ()) -> list[bool]:
-    """``enter`` for an operation that takes a ``modifier_rank``: refuse, on every rank alike, one that
-    is not a rank of the group (a value that differs across ranks is a mismatched call).
+def check_modifier_rank(op: str, modifier_rank: int | None, wm: Adapter, flags: Sequence[bool] = ()) -> list[bool]:
+    """``enter`` for operation ``op``, which takes a ``modifier_rank``: refuse, on every rank alike, one
+    that is not a rank of the group (a value that differs across ranks is a mismatched call).
 
     ``flags`` ride along in the same collective: returned OR-ed over the ranks."""
     world_size = wm.world_size
     bad = modifier_rank is not None and not (isinstance(modifier_rank, int) and 0 <= modifier_rank < world_size)
-    any_bad, *agreed = enter(call, wm, flags=[bad, *flags], invalid=1)
+    any_bad, *agreed = enter(Call.of(op, modifier_rank=modifier_rank), wm, flags=[bad, *flags], invalid=1)
     if any_bad:
         raise DistributedStateError(
             f"modifier_rank={modifier_rank!r} (on at least one rank) is not a rank of this group of {world_size}; "

@@ -42,8 +42,6 @@ def _over_budget(wm: Adapter) -> str | None:
             f"may still allocate on {wm.device} (free memory less a margin, or {BUDGET_ENV})")
 
 
-
-
 def _refuse_too_big(why: str | None) -> None:
     raise PlacementError(
         f"gathering the whole model does not fit ({why or 'on another rank'}). Generate with "
@@ -56,8 +54,7 @@ def _refuse_too_big(why: str | None) -> None:
 def gathered(wm: Adapter, modifier_rank: int | None = None) -> Iterator[torch.nn.Module]:
     """``wm.unwrap()`` holding the full parameters on every rank; see ``WrappedModel.gathered``."""
     why = _over_budget(wm)
-    [too_big] = check_modifier_rank(Call.of("gathered", modifier_rank=modifier_rank), modifier_rank, wm,
-                                    [why is not None])
+    [too_big] = check_modifier_rank("gathered", modifier_rank, wm, [why is not None])
     if too_big:
         _refuse_too_big(why)
     with _gathered(wm, modifier_rank) as inner:

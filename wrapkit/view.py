@@ -28,7 +28,7 @@ from ._protocol import Handle
 from ._registry import copy_target
 from .adapters import Adapter
 from .checkpoint import write_checkpoint
-from .full_parameters import gathered, generation
+from .full_parameters import gathered, generation, named_full_parameters
 from .layers.peft import adapters_off, base_key_map, merged_layers
 from .placement import resolve_device
 from .pretrained import write_pretrained
@@ -153,7 +153,7 @@ class AdapterDisabledView(Handle):
         would write the policy's base weights and is refused (on every rank alike)."""
         p = self._policy
         _check_unmerged(p)
-        check_modifier_rank(Call.of("gathered", modifier_rank=modifier_rank), modifier_rank, p)  # before refusing
+        check_modifier_rank("gathered", modifier_rank, p)  # agreed before refusing
         if modifier_rank is not None:
             raise ReferenceModelError(
                 f"gathered(modifier_rank={modifier_rank}) on a view would write the policy's base weights; "
@@ -174,8 +174,7 @@ class AdapterDisabledView(Handle):
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The base model's parameters under its own names (the adapters' are gathered and skipped)."""
         rename = self._rename()
-        enter(Call.of("named_full_parameters"), self._policy)
-        for name, t in self._policy.gather_each():
+        for name, t in named_full_parameters(self._policy):
             new = rename(name)
             if new is not None:
                 yield new, t

@@ -63,8 +63,8 @@ class FSDP2Adapter(Adapter):
         require_internals(modules, ("_get_fsdp_state",), "fully_shard modules", "torch")
         require_internals([state for _, state in self._fsdp_states()], FSDP2_STATE, "FSDP states", "torch")
         dtensor = lookup("torch.distributed.tensor", "DTensor")
-        require_internals([p for p in self._innermost.parameters() if dtensor is not None and isinstance(p, dtensor)],
-                DTENSOR, "DTensor parameters", "torch")
+        shards = [p for p in self._innermost.parameters() if dtensor is not None and isinstance(p, dtensor)]
+        require_internals(shards, DTENSOR, "DTensor parameters", "torch")
 
     def _fsdp_states(self) -> Iterator[tuple[Any, Any]]:
         """(module, its FSDP state) for every module ``fully_shard`` was applied to."""
