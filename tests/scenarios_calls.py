@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 import wrapkit
 from wrapkit._agree import CHECK_ENV
@@ -71,13 +70,15 @@ def _state(wm: Any, ref: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def mismatched_calls(spec: str, tmp: str) -> dict[str, Any]:
-    """Every neighbouring pair of ``OPS`` (and every pair of ``ARGS``) on two ranks: the error each
-    rank got, how long it took, and whether anything changed (weights, files)."""
-    rank = dist.get_rank()
-    wm = wrapkit.adapt(build(spec))
+def mismatched_calls(spec: str, tmp: str, precision: str = "fp32", topology: str = "flat") -> dict[str, Any]:
+    """Every neighbouring pair of ``OPS`` (and every pair of ``ARGS``), rank 0 of the model's group
+    calling one and the others the other: the error each rank got, how long it took, and whether
+    anything changed (weights, files)."""
+    wm = wrapkit.adapt(build(spec, precision=precision, topology=topology))
+    # The rank in the model's group: every group (each sub-group, each HSDP replica) gets a mismatch.
+    rank = wm.rank
     ref = wrapkit.prepare_reference(wm)
-    other = wrapkit.adapt(build(spec, seed=1))
+    other = wrapkit.adapt(build(spec, seed=1, precision=precision, topology=topology))
     other.save(os.path.join(tmp, "other.safetensors"))
     before = _state(wm, ref)
     files = sorted(os.listdir(tmp))
