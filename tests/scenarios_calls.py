@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 import wrapkit
 from wrapkit._agree import CHECK_ENV
@@ -80,8 +81,11 @@ def mismatched_calls(spec: str, tmp: str, precision: str = "fp32", topology: str
     ref = wrapkit.prepare_reference(wm)
     other = wrapkit.adapt(build(spec, seed=1, precision=precision, topology=topology))
     other.save(os.path.join(tmp, "other.safetensors"))
+    # Every group has written its file (sub-groups write theirs side by side) before the listing.
+    dist.barrier()
     before = _state(wm, ref)
     files = sorted(os.listdir(tmp))
+    dist.barrier()  # every rank has listed them before any group starts its calls
     names = list(OPS)
     cases = [(f"{a} / {b}", OPS[a], OPS[b]) for a, b in zip(names, names[1:] + names[:1], strict=True)]
     cases += [(f"{arg} differs", *pair) for arg, pair in ARGS.items()]
@@ -107,9 +111,10 @@ def mismatched_calls(spec: str, tmp: str, precision: str = "fp32", topology: str
         obs["unchecked"] = f"{type(exc).__name__}: {exc}"
     finally:
         del os.environ[CHECK_ENV]
+    dist.barrier()  # and every group is done with its calls before the files are listed again
     after = _state(wm, ref)
     obs["changed"] = sorted(k for k in before if not torch.equal(before[k], after[k]))
-    obs["files"] = sorted(os.listdir(tmp)) == files
+    obs["files"] = sorted(os.listdir(tmp)) == files or (files, sorted(os.listdir(tmp)))
     # The group is still usable: a matched call goes through.
     with wm.generation() as m:
         m(input_ids=torch.tensor([[1, 2, 3]]))
