@@ -25,14 +25,34 @@ def torchrun(script: Path, *args: str, timeout: float = 280, **env_extra: str) -
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     env.update(env_extra)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    errors = _without_warnings(proc.stderr)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{errors[-6000:]}"
     return proc
+
+
+def _without_warnings(text: str) -> str:
+    """``text`` less Python's warning lines (and the source line each quotes), which otherwise fill
+    the shown end of a failed run's output and hide the error (torch prints one per collective)."""
+    out: list[str] = []
+    skip_next = False
+    for line in text.splitlines():
+        if skip_next and line.startswith("  "):
+            skip_next = False
+            continue
+        skip_next = "Warning: " in line
+        if not skip_next:
+            out.append(line)
+    return "\n".join(out)
 
 
 def report_and_close(obs: Any, path: str | Path) -> None:
     """In a launched script: gather every rank's observations, write them as JSON from rank 0,
-    and destroy the process group (without that, gloo's worker threads can outlive the
-    interpreter and abort the process at exit)."""
+    destroy the process group and end the process.
+
+    The process ends with ``os._exit(0)`` once everything is written: the interpreter's own
+    teardown runs third-party destructors (gloo's worker threads, DeepSpeed's communication
+    ops) that on occasion abort with SIGABRT after all the work is done, which is not what
+    these scripts test."""
     import json
 
     import torch.distributed as dist
@@ -43,3 +63,6 @@ def report_and_close(obs: Any, path: str | Path) -> None:
         Path(path).write_text(json.dumps(everyone))
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
