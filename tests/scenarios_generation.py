@@ -321,3 +321,51 @@ def generation_registered_generate(spec: str) -> dict[str, Any]:
         "wrapper_back": wm.module.__dict__.get("generate") is registered,
         "loss_after": _train_step(wm),
     }
+
+
+def torch_ops(spec: str) -> dict[str, Any]:
+    """Which ``F.linear`` each model's forward runs with, in a process holding a ZeRO-3 engine:
+    ``spec``'s model inside generation() and gathered(), its reference from prepare_reference,
+    and the engine's own forward."""
+    import torch.nn.functional as F
+
+    torch_linear = torch._C._nn.linear
+    engine = wrapkit.adapt(build("zero3"))  # replaces F.linear for the whole process, for good
+    replaced = F.linear
+    seen: list[bool] = []
+
+    def record(mod: torch.nn.Module, args: Any) -> None:
+        seen.append(F.linear is torch_linear)
+
+    def probe(m: torch.nn.Module) -> Any:
+        linear = next(x for x in m.modules() if isinstance(x, torch.nn.Linear))
+        return linear.register_forward_pre_hook(record)
+
+    wm = wrapkit.adapt(build(spec))
+    obs: dict[str, Any] = {"replaced": replaced is not torch_linear,
+                           "reported": sorted(wrapkit._torch_ops.replaced_ops())}
+    with wm.generation() as m:
+        handle = probe(m)
+        _generate(m)
+        handle.remove()
+    obs["generation"], seen[:] = sorted(set(seen)), []
+    obs["after_generation"] = F.linear is replaced
+    with wm.gathered() as m:
+        handle = probe(m)
+        m(TOKENS)
+        handle.remove()
+    obs["gathered"], seen[:] = sorted(set(seen)), []
+    ref = wrapkit.prepare_reference(wm.module)
+    handle = probe(ref.unwrap())
+    with torch.no_grad():
+        ref.module(TOKENS)
+    handle.remove()
+    obs["reference"], seen[:] = sorted(set(seen)), []
+    obs["after_reference"] = F.linear is replaced
+    handle = probe(engine.unwrap())
+    with torch.no_grad():
+        engine.module(TOKENS)
+    handle.remove()
+    obs["engine"] = sorted(set(seen))
+    obs["after_all"] = F.linear is replaced
+    return obs

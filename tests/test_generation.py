@@ -108,3 +108,15 @@ def test_generation_with_registered_generate(group: Any) -> None:
         assert obs["registered"] and obs["wrapper_back"]
         assert obs["same_tokens"] and obs["after_equal"]
         assert math.isfinite(obs["loss_after"])  # the model still trains
+
+
+@pytest.mark.parametrize("spec", ["fsdp", "fsdp2", "ddp"])
+def test_torch_ops_beside_a_zero3_engine(group: Any, spec: str) -> None:
+    pytest.importorskip("deepspeed")
+    for obs in group.run(sg.torch_ops, spec, timeout=120):
+        assert obs["replaced"] and obs["reported"] == ["torch.nn.functional.linear"], obs
+        # wrapkit's contexts and the reference it builds run with torch's own linear ...
+        assert obs["generation"] == [True] and obs["gathered"] == [True] and obs["reference"] == [True], obs
+        # ... and put DeepSpeed's back, which the engine's own forward keeps using.
+        assert obs["after_generation"] and obs["after_reference"] and obs["after_all"], obs
+        assert obs["engine"] == [False], obs

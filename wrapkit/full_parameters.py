@@ -5,7 +5,8 @@ writes back from ``modifier_rank``), ``gather_bypass`` says whether the module m
 out of the backend's hooks to run on them (``_gather.bypassed``), and ``gather_layerwise``
 sets up the backend's own per-unit gathering, for models too big to gather whole. Both
 contexts put every submodule's ``training`` flag back on exit, and ``generation()`` also
-gradient checkpointing, whatever the body did, exception or not.
+gradient checkpointing, whatever the body did, exception or not. Both run with torch's own
+operators where DeepSpeed has replaced them process-wide (``_torch_ops``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from ._agree import Call, check_modifier_rank, enter
 from ._errors import ArgumentError, PlacementError
 from ._gather import bypassed, generation_modes, restore_modes, synced_generate
 from ._memory import BUDGET_ENV, format_bytes, memory_budget
+from ._torch_ops import torch_ops
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
@@ -66,7 +68,7 @@ def _gathered(wm: Adapter, modifier_rank: int | None) -> Iterator[torch.nn.Modul
     # Modes are restored too: code inside often calls eval() to run the model and forgets train().
     modes = [(m, m.training) for m in wm.module.modules()]
     try:
-        with wm.gather_full(modifier_rank) as replace:
+        with wm.gather_full(modifier_rank) as replace, torch_ops():
             if wm.gather_bypass():
                 with bypassed(wm.unwrap(), replace) as inner:
                     yield inner
@@ -98,7 +100,7 @@ def generation(wm: Adapter, gather: str = "auto") -> Iterator[torch.nn.Module]:
         return
     modes = [(m, m.training) for m in wm.module.modules()]
     try:
-        with wm.gather_layerwise(), generation_modes(wm.module), synced_generate(wm.unwrap()):
+        with wm.gather_layerwise(), generation_modes(wm.module), synced_generate(wm.unwrap()), torch_ops():
             yield wm.unwrap()
     finally:
         restore_modes(modes)

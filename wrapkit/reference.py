@@ -28,6 +28,7 @@ from ._errors import ReferenceModelError
 from ._imports import require
 from ._names import canonical_name
 from ._registry import as_adapter
+from ._torch_ops import keep_torch_ops
 from .adapters import Adapter
 from .adapters._base import model_class_name
 from .placement import to_eval_frozen
@@ -58,10 +59,18 @@ def build_reference(policy: Any, ref_model: Any = None, *,
                 "policy; pass a separate model (e.g. loaded again from the same checkpoint) or None to "
                 "let prepare_reference build one."
             )
-        return to_eval_frozen(wrap_like(pol, ref_model, ds_config))
+        return _torch_forward(to_eval_frozen(wrap_like(pol, ref_model, ds_config)))
     if view_possible(pol):
         return AdapterDisabledView(pol)
-    return to_eval_frozen(_fresh_copy(pol, ds_config))
+    return _torch_forward(to_eval_frozen(_fresh_copy(pol, ds_config)))
+
+
+def _torch_forward(ref: Adapter) -> Adapter:
+    """A reference outside DeepSpeed runs its forward with torch's own operators, even in a process
+    where a ZeRO-3 engine has replaced them (``_torch_ops``); a DeepSpeed one keeps its engine's."""
+    if ref.backend != "deepspeed":
+        keep_torch_ops(ref.module)
+    return ref
 
 
 # -- identity checks -------------------------------------------------------------------------

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .._agree import agree_any
-from .._imports import is_instance, lookup, require
+from .._imports import is_instance, require
 from .._names import canonical_name
 from ._base import Adapter, copy_into, move_buffers
 from ._internals import ZERO3_PARAM, require_internals
@@ -226,17 +226,12 @@ class DeepSpeedAdapter(Adapter):
         ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
         ctx.__enter__()
         failed = False
-        linear = _plain_linear()
         try:
-            if linear is not None:
-                torch.nn.functional.linear = linear[0]
             yield None
         except BaseException:
             failed = True
             raise
         finally:
-            if linear is not None:
-                torch.nn.functional.linear = linear[1]
             try:
                 if modifier_rank is not None:
                     failed = agree_any(failed, self.process_group(), self.world_size)
@@ -296,21 +291,6 @@ class DeepSpeedAdapter(Adapter):
                 yield canonical_name(name), p
         for name, buf in module.named_buffers():
             yield canonical_name(name), buf
-
-
-def _plain_linear() -> tuple[Any, Any] | None:
-    """(torch's own ``F.linear``, the current one) when ZeRO-3 has replaced it, else None.
-
-    ZeRO-3's memory-efficient linear replaces ``torch.nn.functional.linear`` for the
-    whole process, for good (DeepSpeed says so when it does it); on full parameters
-    it only costs time, about half the speed of a small model's generation on CPU.
-    """
-    holder = lookup("deepspeed.runtime.zero.partition_parameters", "InsertPostInitMethodToModuleSubClasses")
-    original = getattr(holder, "linear_bk", None)
-    current = torch.nn.functional.linear
-    if original is None or current is original:
-        return None
-    return original, current
 
 
 def _full_writer(p: Any, master: Callable[[Any], torch.Tensor | None] | None) -> Callable[[torch.Tensor], None]:

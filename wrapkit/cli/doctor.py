@@ -3,6 +3,7 @@ backend, run every operation and print a backend x operation table."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import tempfile
@@ -98,6 +99,29 @@ def run_op(backend: str, name: str) -> list[Any]:
     return result
 
 
+def process_wide(use_llama: bool) -> dict[str, Any]:
+    """Worker side: the operators DeepSpeed replaced for the whole process (``_torch_ops``), and
+    what the replacement costs a plain model's no-grad forward here (its time over torch's own)."""
+    from .._torch_ops import replaced_ops, torch_ops
+
+    replaced = replaced_ops()
+    if not replaced:
+        return {"replaced": {}, "slowdown": None}
+    model, inputs = _base_model(use_llama).eval(), _inputs(use_llama)
+
+    def best(ctx: Callable[[], Any]) -> float:
+        times = []
+        for _ in range(5):
+            with torch.no_grad(), ctx():
+                t0 = time.perf_counter()
+                model(inputs)
+                times.append(time.perf_counter() - t0)
+        return min(times)
+
+    best(torch_ops)  # warm-up
+    return {"replaced": replaced, "slowdown": best(contextlib.nullcontext) / best(torch_ops)}
+
+
 def teardown_backend(backend: str) -> None:
     _STATE.pop(backend, None)
     import gc
@@ -190,6 +214,7 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
     op_names = [name for name, _ in OPS]
     columns = ["adapt", *op_names]
     rows: dict[str, dict[str, Any]] = {}
+    wide: dict[str, Any] = {"replaced": {}, "slowdown": None}
     # The workers' own output (torch FutureWarnings, DeepSpeed's notices) is kept out of the report.
     logs = tempfile.TemporaryDirectory(prefix="wrapkit-doctor-")
     group = WorkerGroup(world_size=world_size, backend="nccl" if use_nccl else "gloo",
@@ -229,6 +254,8 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
                     missing = [c for c in columns if c not in res]
                     if missing:
                         res[missing[0]] = [False, _OP_TIMEOUT * 1e3, f"WorkerError: {first}", str(exc)]
+        with contextlib.suppress(WorkerError):
+            wide = group.run(process_wide, use_llama, timeout=60)[0]
     finally:
         group.close()
         worker_output = _read_logs(logs.name)
@@ -243,6 +270,12 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
     elif worker_output:
         print(f"\n{len(worker_output)} lines of third-party output from the worker processes (warnings, notices) "
               "were kept out of this report; -v shows them.")
+    for op, by in wide["replaced"].items():
+        cost = f"{wide['slowdown']:.2f}x the time of torch's own" if wide["slowdown"] else "a cost not measured"
+        print(f"\nprocess-wide: DeepSpeed replaced {op} with {by} once a ZeRO-3 engine was built, for the "
+              f"whole process: a plain model's forward here took {cost}. wrapkit's gathered(), generation() "
+              "and the references it builds outside DeepSpeed run with torch's own; other models in the "
+              "process (reward models, your own) do not.")
     problems: list[str] = []
     for backend, res in rows.items():
         if res.get("_status") == "FAIL":
@@ -267,7 +300,8 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
         with open(json_path, "w") as fh:
             json.dump({"versions": versions, "world_size": world_size, "device": device, "dtype": dtype,
                        "topology": topology,
-                       "elapsed_s": elapsed, "worker_output": worker_output, "results": rows},
+                       "elapsed_s": elapsed, "worker_output": worker_output, "process_wide": wide,
+                       "results": rows},
                       fh, indent=2, default=str)
     return 1 if failed else 0
 
