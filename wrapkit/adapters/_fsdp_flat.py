@@ -65,18 +65,20 @@ def flat_pieces(root: torch.nn.Module, handles: Iterable[Any]) -> list[Piece]:
 
 def gather_in(units: list[Any], dtypes: dict[int, torch.dtype], group: Any,
               world: int) -> dict[int, torch.nn.Parameter] | None:
-    """id(original parameter) -> its full value in the units' compute dtype, from one all-gather of
-    every unit's shard; None where that layout does not hold (use_orig_params=False, NO_SHARD,
-    units computing in different dtypes)."""
+    """id(original parameter) -> its full value in the units' compute dtype (``dtypes``, by module;
+    a unit absent from it computes in its stored dtype), from one all-gather of every unit's shard;
+    None where that layout does not hold (use_orig_params=False, NO_SHARD, units computing in
+    different dtypes, shards on different devices)."""
     flats = [u._handle.flat_param for u in units]
-    wanted = {dtypes.get(id(u._fsdp_wrapped_module)) for u in units}
-    if (not flats or world < 2 or len(wanted) != 1 or None in wanted
+    if (not flats or world < 2
             or any(f._params is None or not u._handle.uses_sharded_strategy
                    for u, f in zip(units, flats, strict=True))):
         return None
-    dtype = wanted.pop()
-    assert dtype is not None
     shards = [local_shard(f) for f in flats]
+    wanted = {dtypes.get(id(u._fsdp_wrapped_module), s.dtype) for u, s in zip(units, shards, strict=True)}
+    if len(wanted) != 1 or len({s.device for s in shards}) != 1:
+        return None
+    dtype = wanted.pop()
     sizes = [s.numel() for s in shards]
     with torch.no_grad():
         send = torch.cat([s.reshape(-1).to(dtype) for s in shards])
@@ -94,7 +96,8 @@ def gather_in(units: list[Any], dtypes: dict[int, torch.dtype], group: Any,
             for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
                 if not padding:
                     p, shape = next(originals)
-                    out[id(p)] = torch.nn.Parameter(full[offset: offset + numel].view(shape), requires_grad=False)
+                    out[id(p)] = torch.nn.Parameter(full[offset: offset + numel].view(shape),
+                                                    requires_grad=p.requires_grad)
                 offset += numel
     return out
 

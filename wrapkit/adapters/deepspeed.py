@@ -211,6 +211,41 @@ class DeepSpeedAdapter(Adapter):
         dist.all_gather(list(out.chunk(world)), part, group=group)
         return out[: int(p.ds_numel)].view(p.ds_shape)  # type: ignore[attr-defined]
 
+    def _gather_partitions(self, params: list[Any]) -> dict[int, torch.nn.Parameter] | None:
+        """id(parameter) -> a full copy, for every partitioned parameter, from one all-gather of
+        all the partitions (``GatheredParameters`` gathers them one collective each); None where
+        the partitions are not all in memory on the compute device, in one dtype and one group
+        (NVMe or CPU offload, parameters mid-gather): ``GatheredParameters`` serves those.
+
+        ZeRO-3 pads each flattened parameter to a multiple of its group's size and gives rank r
+        the r-th equal slice (``_partition_param`` in deepspeed/runtime/zero/partition_parameters.py).
+        Parameters already gathered (the persistent ones) are used as they are."""
+        todo = [p for p in params if getattr(p.ds_status, "name", "") != "AVAILABLE"]
+        if not todo:
+            return {}
+        first = todo[0]
+        group, dtype = first.ds_process_group, first.ds_tensor.dtype
+        for p in todo:
+            part = p.ds_tensor
+            if (getattr(p.ds_status, "name", "") != "NOT_AVAILABLE" or getattr(part, "status", None) is None
+                    or part.status.name != "AVAILABLE" or p.ds_process_group is not group or part.dtype != dtype
+                    or part.device.type != self.device.type or part.numel() != part.ds_numel):
+                return None
+        world = dist.get_world_size(group)
+        sizes = [int(p.ds_tensor.ds_numel) for p in todo]
+        with torch.no_grad():
+            send = torch.cat([p.ds_tensor.detach().reshape(-1) for p in todo])
+            recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
+            dist.all_gather_into_tensor(recv, send, group=group)
+            by_rank = recv.view(world, send.numel())
+            out: dict[int, torch.nn.Parameter] = {}
+            start = 0
+            for p, size in zip(todo, sizes, strict=True):
+                full = by_rank[:, start: start + size].reshape(-1)[: int(p.ds_numel)].view(p.ds_shape)
+                out[id(p)] = torch.nn.Parameter(full, requires_grad=p.requires_grad)
+                start += size
+        return out
+
     @contextlib.contextmanager
     def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
         if self.zero_stage != 3:
@@ -219,6 +254,12 @@ class DeepSpeedAdapter(Adapter):
             return
         deepspeed = require("deepspeed", feature="gathered() under ZeRO-3")
         params: list[Any] = [p for p in self._unique_parameters() if hasattr(p, "ds_id")]
+        fast = self._gather_partitions(params) if modifier_rank is None else None
+        if fast is not None:
+            # Reading: full copies from one all-gather, swapped in by ``bypassed``; ZeRO-3's own
+            # parameter state is never touched, so there is nothing to re-partition on exit.
+            yield lambda mod, name, p: fast.get(id(p))
+            return
         # Small "persistent" parameters stay gathered between steps; GatheredParameters
         # re-partitions them on exit, so they are gathered again afterwards (see
         # mark_persistent_parameters in deepspeed/runtime/zero/parameter_offload.py).

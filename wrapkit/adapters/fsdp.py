@@ -187,9 +187,10 @@ class FSDPAdapter(Adapter):
                 cast[id(p)] = torch.nn.Parameter(p.detach().to(dtype), requires_grad=False)
             return cast[id(p)]
 
-        # Reading in the compute dtype: the units' shards are gathered in it, as FSDP1's forward
-        # gathers them (half the bytes in bf16), and summon_full_params is not needed.
-        fast = self._gather_in(dtypes) if dtypes else None
+        # Reading: every unit's shard in one all-gather (summon_full_params makes one per unit), in
+        # the compute dtype, as FSDP1's forward gathers them (half the bytes in bf16).
+        offloaded = getattr(getattr(self._backend_obj, "cpu_offload", None), "offload_params", False)
+        fast = self._gather_in(dtypes) if modifier_rank is None and not offloaded else None
         handles = [self._cast_root_inputs()] if dtypes else []
         try:
             if fast is not None:
