@@ -90,16 +90,29 @@ def gather_in(units: list[Any], dtypes: dict[int, torch.dtype], group: Any,
         for flat, size in zip(flats, sizes, strict=True):
             # A unit's unsharded flat parameter is its ranks' shards end to end; the originals
             # lie in it in order, with alignment padding between some of them.
-            full = by_rank[:, start: start + size].reshape(-1)
+            pieces = by_rank[:, start: start + size]
             start += size
             offset, originals = 0, iter(zip(flat._params, flat._shapes, strict=True))
             for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
                 if not padding:
                     p, shape = next(originals)
-                    out[id(p)] = torch.nn.Parameter(full[offset: offset + numel].view(shape),
-                                                    requires_grad=p.requires_grad)
+                    full = _span(pieces, offset, numel).view(shape)
+                    out[id(p)] = torch.nn.Parameter(full, requires_grad=p.requires_grad)
                 offset += numel
     return out
+
+
+def _span(pieces: torch.Tensor, offset: int, numel: int) -> torch.Tensor:
+    """Elements ``offset:offset + numel`` of the rows of ``pieces`` laid end to end: a view into the
+    gathered buffer when they lie in one rank's row (most parameters), else a copy of the pieces."""
+    size = pieces.shape[1]
+    if numel == 0:
+        return pieces[0, :0]
+    first, last = offset // size, (offset + numel - 1) // size
+    if first == last:
+        return pieces[first, offset - first * size: offset - first * size + numel]
+    parts = [pieces[k, max(offset - k * size, 0): min(offset + numel - k * size, size)] for k in range(first, last + 1)]
+    return torch.cat(parts)
 
 
 def full_from_shards(flat: Any, names: dict[int, list[str]], group: Any, world: int,
