@@ -321,3 +321,46 @@ def sync_after_forwards(spec: str) -> dict[str, Any]:
     policy.copy_to(trained)
     into_trained = float((_logits(trained) - _logits(policy)).abs().max())
     return {"fast": fast, "exact": exact, "after_ema": after_ema, "into_trained": into_trained}
+
+
+def cached_sync(backend: str) -> dict[str, Any]:
+    """A same-layout ``copy_to`` after the first: how many collectives it makes, checked and not
+    (``WRAPKIT_CHECK_CALLS=0``), and whether it still writes the live shards after either model's
+    shards moved to fresh storage, or the target was replaced by another model."""
+    import torch.distributed as dist
+
+    from wrapkit.placement import move_verified
+
+    src = wrapkit.adapt(build(backend, seed=1))
+    dst = wrapkit.adapt(build(backend, seed=2))
+    # Collectives counted on the default group and the models' own (a ZeRO-3 engine makes its own).
+    groups = {id(g): g for g in (dist.distributed_c10d._get_default_group(), as_adapter(src).process_group(),
+                                 as_adapter(dst).process_group()) if g is not None}
+
+    def collectives(fn: Any) -> int:
+        before = sum(g._get_sequence_number_for_group() for g in groups.values())
+        fn()
+        return int(sum(g._get_sequence_number_for_group() for g in groups.values()) - before)
+
+    a = _plain_sd(1)
+    obs: dict[str, Any] = {"first": collectives(lambda: src.copy_to(dst, alpha=0.5))}
+    obs["checked"] = collectives(lambda: src.copy_to(dst, alpha=0.5))
+    os.environ["WRAPKIT_CHECK_CALLS"] = "0"
+    try:
+        obs["unchecked"] = collectives(lambda: src.copy_to(dst))
+        obs["unchecked_exact"] = _bitwise(dst.full_state_dict(rank0_only=False), a)
+        # Fresh storage on both sides (what an offload and back does): the pairing is read again.
+        for wm in (src, dst):
+            move_verified(as_adapter(wm), torch.device("cpu"), copy=True)
+        with src.gathered(modifier_rank=0) as m, torch.no_grad():
+            for p in m.parameters():
+                p.add_(1.0)
+        want = src.full_state_dict(rank0_only=False)
+        obs["after_move"] = collectives(lambda: src.copy_to(dst))
+        obs["after_move_exact"] = _bitwise(dst.full_state_dict(rank0_only=False), want)
+        other = wrapkit.adapt(build(backend, seed=3))
+        src.copy_to(other)
+        obs["new_target_exact"] = _bitwise(other.full_state_dict(rank0_only=False), want)
+    finally:
+        del os.environ["WRAPKIT_CHECK_CALLS"]
+    return obs

@@ -230,3 +230,17 @@ def test_sync_into_a_reference_that_ran_forwards(group: Any, spec: str) -> None:
         assert obs["exact"] < 1e-5, f"the reference computes with stale weights ({obs['exact']})"
         assert obs["after_ema"] < 1e-5
         assert obs["into_trained"] < 1e-5, f"a trained target computes with stale weights ({obs['into_trained']})"
+
+
+@pytest.mark.parametrize("backend", ["zero3", "fsdp2"])
+def test_copy_to_caches_the_pairing(group: Any, backend: str) -> None:
+    if backend == "zero3":
+        pytest.importorskip("deepspeed")
+    for rank, obs in enumerate(group.run(sc.cached_sync, backend, timeout=120)):
+        where = f"rank {rank}, {backend}: {obs}"
+        # The first sync validates (one all-reduce); later ones keep only that entry, or none unchecked.
+        assert obs["first"] == 1 and obs["checked"] == 1 and obs["unchecked"] == 0, where
+        assert obs["unchecked_exact"], where
+        # Shards moved to fresh storage: the pairing is read again and the live shards are written.
+        assert obs["after_move"] >= 1 and obs["after_move_exact"], where
+        assert obs["new_target_exact"], where

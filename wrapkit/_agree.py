@@ -25,7 +25,8 @@ if TYPE_CHECKING:
     from .adapters._base import Adapter
 
 __all__ = [
-    "Call", "enter", "CHECK_ENV", "is_distributed", "agree_flags", "agree_any", "settle", "check_modifier_rank",
+    "Call", "enter", "CHECK_ENV", "checking", "is_distributed", "agree_flags", "agree_any", "settle",
+    "check_modifier_rank",
     "models_group", "agree_over_models", "any_over_models", "raise_agreed", "first_replica", "broadcast_object",
 ]
 
@@ -135,7 +136,8 @@ def _hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 2
 
 
-def _checking() -> bool:
+def checking() -> bool:
+    """Whether calls are checked (``WRAPKIT_CHECK_CALLS`` is not 0)."""
     return os.environ.get(CHECK_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -156,7 +158,7 @@ def enter(call: Call, *wms: Adapter, flags: Sequence[bool] = (), invalid: int = 
     agreed = [bool(f) for f in flags]
     assert len(agreed) <= _SLOTS, call.op
     use, group = models_group(*wms)
-    if not use or (not agreed and not _checking()):
+    if not use or (not agreed and not checking()):
         return agreed
     op, full = call.fingerprints()
     # [op, -op, op and arguments, -(op and arguments), flags...]: after MAX, a fingerprint and

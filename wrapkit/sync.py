@@ -4,16 +4,21 @@ Matched by canonical name. Where both models hold the same slice of every parame
 rank (ZeRO-3 to ZeRO-3, FSDP2 to FSDP2 over the same ranks) the sync is a local copy of the
 shards, with nothing gathered; otherwise the source is streamed one full parameter at a time
 into the target's write-back. Either way every problem is agreed on first (``_agree``).
+
+A shard-to-shard pairing, once validated, is cached against a fingerprint of both layouts
+(``_layout_key``): a later sync of the same pair reads no names, shapes or buffers again.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._agree import Call, enter, raise_agreed
+from ._agree import Call, checking, enter, raise_agreed
+from ._gather import submodules
 from .state_dict import Shape, assign, check_entries, expected_shapes, live_buffers, write
 
 if TYPE_CHECKING:
@@ -50,6 +55,21 @@ def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
     same = target is source or target.module is source.module
     problems = _copy_problems(
         alpha, "the target is the source model itself; pass another model (e.g. the reference)" if same else None)
+    cached = None if problems else _cached_pairs(source, target)
+    if cached is not None:
+        # The pairing validated by an earlier call still holds on this rank: no names, shapes or
+        # buffers to read again. The entry still agrees that it holds on every rank (and checks
+        # the call), unless calls are not checked: then a same-layout sync has no collective.
+        any_problem = any_slow = False
+        if checking():
+            any_problem, any_slow = enter(_copy_call(target, alpha), source, target, flags=[False, False], invalid=1)
+        raise_agreed([], f"copy_to from {' > '.join(source.stack)} to {' > '.join(target.stack)}", _COPY_FIX,
+                     source, target, agreed=any_problem)
+        if any_slow:
+            write(target, source_stream(source), float(alpha))
+            return
+        _copy_pairs(cached, float(alpha), target)
+        return
     pairs = None if problems else _shard_pairs(source, target)
     if not problems:
         # Same parameter names and shard layouts imply the same shapes: then only the
@@ -71,13 +91,59 @@ def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
                   _COPY_FIX, source, target, agreed=any_problem)
     if not any_slow:
         assert pairs is not None
-        with torch.no_grad():
-            for dst, src_tensor in pairs:  # shards, then the (unsharded) buffers
-                assign(dst, src_tensor, float(alpha))
-        target.shards_written()
-        target.weights_written()
+        _copy_pairs(pairs, float(alpha), target)
+        _remember(source, target, pairs)
         return
     write(target, source_stream(source), float(alpha))
+
+
+def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], alpha: float, target: Adapter) -> None:
+    with torch.no_grad():
+        for dst, src_tensor in pairs:  # shards, then the (unsharded) buffers
+            assign(dst, src_tensor, alpha)
+    target.shards_written()
+    target.weights_written()
+
+
+# source module -> {id(target module): (the target, layout key, pairs)}. Weak on the source; the
+# entry holds the target's module weakly too, so a cached pairing never keeps a model alive.
+_PAIRINGS: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, tuple[Any, Any, list[Any]]]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _layout_key(source: Adapter, target: Adapter) -> Any:
+    """What a shard-to-shard pairing rests on, read cheaply: every shard tensor of both models
+    (which object, which storage) and every buffer. Any parameter or buffer added, removed or
+    replaced, or a shard moved (``place``, an offload, a load into new storage) changes it."""
+    src, dst = source.shard_tensors(), target.shard_tensors()
+    if src is None or dst is None:
+        return None
+    return (tuple((id(t), t.data_ptr()) for t in src), tuple((id(t), t.data_ptr()) for t in dst),
+            _buffer_ids(source.unwrap()), _buffer_ids(target.unwrap()))
+
+
+def _buffer_ids(root: torch.nn.Module) -> tuple[int, ...]:
+    return tuple(id(b) for m in submodules(root) for b in m._buffers.values())
+
+
+def _cached_pairs(source: Adapter, target: Adapter) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    entry = _PAIRINGS.get(source.module, {}).get(id(target.module))
+    if entry is None or entry[0]() is not target.module:
+        return None
+    key = _layout_key(source, target)
+    return entry[2] if key is not None and key == entry[1] else None
+
+
+def _remember(source: Adapter, target: Adapter, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    key = _layout_key(source, target)
+    if key is None:
+        return
+    mine = _PAIRINGS.setdefault(source.module, {})
+    tid = id(target.module)
+
+    def forget(_: Any) -> None:  # the target is gone: so are the shards the pairing holds
+        mine.pop(tid, None)
+    mine[tid] = (weakref.ref(target.module, forget), key, pairs)
 
 
 def copy_stream_to(group: Adapter, source: str, shapes: Mapping[str, Shape], stream: Iterable[tuple[str, torch.Tensor]],

@@ -253,6 +253,12 @@ class Adapter:
         per-parameter shards (unsharded, or FSDP1's flat parameters)."""
         return None
 
+    def shard_tensors(self) -> list[torch.Tensor] | None:
+        """This rank's shard of every parameter (a shared one may come twice), read without names
+        or keys: what a cached sync pairing checks is still in place (``sync``). ``None`` where
+        ``local_shards()`` is."""
+        return None
+
     def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(canonical name, full tensor)`` for every parameter, gathered one at a time."""
         for name, p in self.unwrap().named_parameters(remove_duplicate=False):

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .._agree import agree_any
+from .._gather import submodules
 from .._imports import is_instance, require
 from .._names import canonical_name
 from ._base import Adapter, copy_into, move_buffers
@@ -174,9 +175,10 @@ class DeepSpeedAdapter(Adapter):
         # Drop them and gather again from the partitions (the same set on every rank).
         if self.zero_stage != 3:
             return
-        stale: list[Any] = [
-            p for p in self._unique_parameters() if getattr(getattr(p, "ds_status", None), "name", "") == "AVAILABLE"
-        ]
+        stale: list[Any] = list({
+            id(p): p for m in submodules(self.unwrap()) for p in m._parameters.values()
+            if getattr(getattr(p, "ds_status", None), "name", "") == "AVAILABLE"
+        }.values())
         if stale:
             stale[0].partition(param_list=stale)  # frees the full copies; partitions are kept as written
             stale[0].all_gather(param_list=stale)
@@ -193,6 +195,13 @@ class DeepSpeedAdapter(Adapter):
             # ZeRO-3 splits the flattened, padded parameter evenly over the group's ranks.
             out[canonical_name(name)] = (part, ("zero3", ranks, tuple(getattr(p, "ds_shape", ())), part.numel()))
         return out
+
+    def shard_tensors(self) -> list[torch.Tensor] | None:
+        if self.zero_stage != 3:
+            return None
+        # Straight from each module's parameter dict: ``parameters()`` costs several times more.
+        return [getattr(p, "ds_tensor", p) for m in submodules(self.unwrap()) for p in m._parameters.values()
+                if p is not None]
 
     # -- full parameters (gathered / generation / named_full_parameters) --------------
     def gather_bypass(self) -> bool:
