@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._agree import Call, checking, enter, raise_agreed
-from ._gather import submodules
 from .state_dict import Shape, assign, check_entries, expected_shapes, live_buffers, write
 
 if TYPE_CHECKING:
@@ -98,9 +97,20 @@ def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
 
 
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], alpha: float, target: Adapter) -> None:
+    # fp32 targets with fp32 sources on their device: ``dst*(1-alpha) + src*alpha`` as two fused
+    # in-place passes over the whole list (``assign`` makes three passes and two temporaries per
+    # tensor, and a Python round per tensor that a small model's sync is dominated by).
+    fused = [(d, s) for d, s in pairs
+             if alpha != 1.0 and d.dtype == s.dtype == torch.float32 and d.device == s.device]
     with torch.no_grad():
-        for dst, src_tensor in pairs:  # shards, then the (unsharded) buffers
-            assign(dst, src_tensor, alpha)
+        if fused:
+            dsts, srcs = [d for d, _ in fused], [s for _, s in fused]
+            torch._foreach_mul_(dsts, 1.0 - alpha)
+            torch._foreach_add_(dsts, srcs, alpha=alpha)
+        done = {id(d) for d, _ in fused}
+        for dst, src_tensor in pairs:  # the rest: 16-bit targets, copies, integer buffers
+            if id(dst) not in done:
+                assign(dst, src_tensor, alpha)
     target.shards_written()
     target.weights_written()
 
@@ -112,18 +122,13 @@ _PAIRINGS: weakref.WeakKeyDictionary[torch.nn.Module, dict[int, tuple[Any, Any, 
 
 
 def _layout_key(source: Adapter, target: Adapter) -> Any:
-    """What a shard-to-shard pairing rests on, read cheaply: every shard tensor of both models
-    (which object, which storage) and every buffer. Any parameter or buffer added, removed or
-    replaced, or a shard moved (``place``, an offload, a load into new storage) changes it."""
-    src, dst = source.shard_tensors(), target.shard_tensors()
+    """What a shard-to-shard pairing rests on, read cheaply: every shard tensor and buffer of both
+    models (which object, which storage). Any parameter or buffer added, removed or replaced, or
+    a shard moved (``place``, an offload, a load into new storage) changes it."""
+    src, dst = source.layout_tensors(), target.layout_tensors()
     if src is None or dst is None:
         return None
-    return (tuple((id(t), t.data_ptr()) for t in src), tuple((id(t), t.data_ptr()) for t in dst),
-            _buffer_ids(source.unwrap()), _buffer_ids(target.unwrap()))
-
-
-def _buffer_ids(root: torch.nn.Module) -> tuple[int, ...]:
-    return tuple(id(b) for m in submodules(root) for b in m._buffers.values())
+    return tuple((id(t), t.data_ptr()) for t in src), tuple((id(t), t.data_ptr()) for t in dst)
 
 
 def _cached_pairs(source: Adapter, target: Adapter) -> list[tuple[torch.Tensor, torch.Tensor]] | None:

@@ -253,10 +253,10 @@ class Adapter:
         per-parameter shards (unsharded, or FSDP1's flat parameters)."""
         return None
 
-    def shard_tensors(self) -> list[torch.Tensor] | None:
-        """This rank's shard of every parameter (a shared one may come twice), read without names
-        or keys: what a cached sync pairing checks is still in place (``sync``). ``None`` where
-        ``local_shards()`` is."""
+    def layout_tensors(self) -> list[torch.Tensor] | None:
+        """This rank's shard of every parameter, then every buffer (a shared one may come twice),
+        read in one walk without names or keys: what a cached sync pairing checks is still in
+        place (``sync``). ``None`` where ``local_shards()`` is."""
         return None
 
     def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:

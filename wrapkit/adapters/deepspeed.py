@@ -196,12 +196,15 @@ class DeepSpeedAdapter(Adapter):
             out[canonical_name(name)] = (part, ("zero3", ranks, tuple(getattr(p, "ds_shape", ())), part.numel()))
         return out
 
-    def shard_tensors(self) -> list[torch.Tensor] | None:
+    def layout_tensors(self) -> list[torch.Tensor] | None:
         if self.zero_stage != 3:
             return None
-        # Straight from each module's parameter dict: ``parameters()`` costs several times more.
-        return [getattr(p, "ds_tensor", p) for m in submodules(self.unwrap()) for p in m._parameters.values()
-                if p is not None]
+        # Straight from each module's dicts: ``parameters()`` and ``buffers()`` cost several times more.
+        out: list[torch.Tensor] = []
+        for m in submodules(self.unwrap()):
+            out.extend(getattr(p, "ds_tensor", p) for p in m._parameters.values() if p is not None)
+            out.extend(b for b in m._buffers.values() if b is not None)
+        return out
 
     # -- full parameters (gathered / generation / named_full_parameters) --------------
     def gather_bypass(self) -> bool:

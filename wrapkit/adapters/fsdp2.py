@@ -139,14 +139,15 @@ class FSDP2Adapter(Adapter):
             out[canonical_name(name)] = (local, key)
         return out
 
-    def shard_tensors(self) -> list[torch.Tensor] | None:
-        # Straight from each module's parameter dict: ``parameters()`` costs several times more.
-        out = []
+    def layout_tensors(self) -> list[torch.Tensor] | None:
+        # Straight from each module's dicts: ``parameters()`` and ``buffers()`` cost several times more.
+        out: list[torch.Tensor] = []
         for m in submodules(self.unwrap()):
             for p in m._parameters.values():
                 if p is not None:
                     local = getattr(p, "_local_tensor", None)
                     out.append(local if isinstance(local, torch.Tensor) else p)
+            out.extend(b for b in m._buffers.values() if b is not None)
         return out
 
     # -- full parameters (gathered / generation / named_full_parameters) --------------
