@@ -330,7 +330,14 @@ def torch_ops(spec: str) -> dict[str, Any]:
     import torch.nn.functional as F
 
     torch_linear = torch._C._nn.linear
-    engine = wrapkit.adapt(build("zero3"))  # replaces F.linear for the whole process, for good
+    engine = wrapkit.adapt(build("zero3"))  # recent DeepSpeed: replaces F.linear for the process, for good
+    if F.linear is torch_linear:
+        # Older releases replace it in zero.Init only (which from_pretrained runs under ZeRO-3).
+        import deepspeed
+
+        with deepspeed.zero.Init(config_dict_or_path={"train_micro_batch_size_per_gpu": 1,
+                                                      "zero_optimization": {"stage": 3}}):
+            torch.nn.Linear(4, 4)
     replaced = F.linear
     seen: list[bool] = []
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -245,8 +246,13 @@ class DeepSpeedAdapter(Adapter):
                 return None
         world = dist.get_world_size(group)
         sizes = [int(p.ds_tensor.ds_numel) for p in todo]
+        parts = [p.ds_tensor.detach().reshape(-1) for p in todo]
         with torch.no_grad():
-            send = torch.cat([p.ds_tensor.detach().reshape(-1) for p in todo])
+            if all(x.data_ptr() + x.numel() * x.element_size() == y.data_ptr() for x, y in pairwise(parts)):
+                # ZeRO-3's optimizer keeps the partitions end to end in one flat buffer: send it as is.
+                send = parts[0].as_strided((sum(sizes),), (1,), parts[0].storage_offset())
+            else:
+                send = torch.cat(parts)
             recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
             dist.all_gather_into_tensor(recv, send, group=group)
             by_rank = recv.view(world, send.numel())

@@ -7,7 +7,8 @@ every dict is one case measured side by side in one run::
      "ratio": 1.008, "goal": 1.01, "better": "lower", "note": "..."}
 
 ``better`` says which way the goal points: ``"lower"`` (ratio <= goal) or
-``"higher"`` (ratio >= goal).
+``"higher"`` (ratio >= goal). ``"baseline_is_floor": True`` marks a baseline that is the physical
+minimum (generation: the unsharded model plus one bare gather); the plot draws it as a line.
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
     fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(rows)), 4.5))
     ax.bar(range(len(rows)), values, color=colors)
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="goal")
+    # Rows measured against a physical floor (``baseline_is_floor``): the floor itself, ratio 1,
+    # drawn across the bar, so that the distance left to it shows.
+    floors = [i for i, r in enumerate(rows) if r.get("baseline_is_floor") and r.get("better") != "higher"]
+    for n, i in enumerate(floors):
+        ax.hlines(1.0 / rows[i]["goal"], i - 0.45, i + 0.45, color="tab:blue", linewidth=2,
+                  label="physical floor" if n == 0 else "_nolegend_")
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("ratio / goal (lower is better; <= 1 meets the goal)")

@@ -272,7 +272,7 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
               "were kept out of this report; -v shows them.")
     for op, by in wide["replaced"].items():
         cost = f"{wide['slowdown']:.2f}x the time of torch's own" if wide["slowdown"] else "a cost not measured"
-        print(f"\nprocess-wide: DeepSpeed replaced {op} with {by} once a ZeRO-3 engine was built, for the "
+        print(f"\nprocess-wide: DeepSpeed replaced {op} with {by} when ZeRO-3 was set up, for the "
               f"whole process: a plain model's forward here took {cost}. wrapkit's gathered(), generation() "
               "and the references it builds outside DeepSpeed run with torch's own; other models in the "
               "process (reward models, your own) do not.")
