@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from itertools import pairwise
 from typing import Any
 
 import torch
@@ -26,7 +25,7 @@ from ._imports import lookup
 __all__ = [
     "bypassed", "broadcast_", "Replace",
     "set_modes", "restore_modes", "set_checkpointing", "restore_checkpointing", "generation_modes",
-    "synced_generate", "submodules", "all_gather_rows",
+    "synced_generate", "submodules",
 ]
 
 # Returns the tensor to put in place of ``module._parameters[name]``, or None to keep it.
@@ -48,43 +47,6 @@ def submodules(root: torch.nn.Module) -> list[torch.nn.Module]:
         out.append(mod)
         todo.extend(child for child in reversed(mod._modules.values()) if child is not None)
     return out
-
-
-def all_gather_rows(parts: Sequence[torch.Tensor], group: Any, world: int, dtype: torch.dtype | None = None,
-                    slots: Sequence[int] | None = None) -> list[torch.Tensor]:
-    """Every rank's ``parts`` in one ``all_gather_into_tensor``: for each part, a ``(world, slot)``
-    view into the gathered buffer whose row k is rank k's part.
-
-    The parts are flattened and cast to ``dtype`` (default: the first part's). ``slots`` (default:
-    each part's size) may exceed a part's size on this rank, for shards of uneven size: the rest of
-    its slot is zero. The parts are sent as they are, with no copy, when they already lie end to
-    end in one storage in that dtype (ZeRO-3's flat partition buffer)."""
-    flat = [t.reshape(-1) for t in parts]
-    dtype = dtype or flat[0].dtype
-    sizes = [t.numel() for t in flat] if slots is None else list(slots)
-    total = sum(sizes)
-    with torch.no_grad():
-        storage = flat[0].untyped_storage().data_ptr()
-        if slots is None and all(t.dtype == dtype and t.untyped_storage().data_ptr() == storage for t in flat) and all(
-                x.data_ptr() + x.numel() * x.element_size() == y.data_ptr() for x, y in pairwise(flat)):
-            send = flat[0].as_strided((total,), (1,), flat[0].storage_offset())
-        elif slots is None:
-            send = torch.cat([t.to(dtype) for t in flat])
-        else:
-            send = torch.zeros(total, dtype=dtype, device=flat[0].device)
-            offset = 0
-            for t, size in zip(flat, sizes, strict=True):
-                assert t.numel() <= size, "a part larger than its slot"
-                send[offset: offset + t.numel()].copy_(t)
-                offset += size
-        recv = torch.empty(world * total, dtype=dtype, device=send.device)
-        dist.all_gather_into_tensor(recv, send, group=group)
-    by_rank = recv.view(world, total)
-    rows, start = [], 0
-    for size in sizes:
-        rows.append(by_rank[:, start: start + size])
-        start += size
-    return rows
 
 
 def broadcast_(tensors: Sequence[torch.Tensor], src: int, group: Any, world_size: int) -> None:

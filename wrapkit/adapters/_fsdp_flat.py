@@ -13,7 +13,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._gather import all_gather_rows
 from .._names import canonical_name
 from ._base import copy_into
 from ._primitives import Piece
@@ -79,11 +78,20 @@ def gather_in(units: list[Any], dtypes: dict[int, torch.dtype], group: Any,
     wanted = {dtypes.get(id(u._fsdp_wrapped_module), s.dtype) for u, s in zip(units, shards, strict=True)}
     if len(wanted) != 1 or len({s.device for s in shards}) != 1:
         return None
-    out: dict[int, torch.nn.Parameter] = {}
+    dtype = wanted.pop()
+    sizes = [s.numel() for s in shards]
     with torch.no_grad():
-        for flat, pieces in zip(flats, all_gather_rows(shards, group, world, wanted.pop()), strict=True):
+        send = torch.cat([s.reshape(-1).to(dtype) for s in shards])
+        recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
+        dist.all_gather_into_tensor(recv, send, group=group)
+        by_rank = recv.view(world, send.numel())
+        out: dict[int, torch.nn.Parameter] = {}
+        start = 0
+        for flat, size in zip(flats, sizes, strict=True):
             # A unit's unsharded flat parameter is its ranks' shards end to end; the originals
             # lie in it in order, with alignment padding between some of them.
+            pieces = by_rank[:, start: start + size]
+            start += size
             offset, originals = 0, iter(zip(flat._params, flat._shapes, strict=True))
             for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask, strict=True):
                 if not padding:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
+from itertools import pairwise
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .._agree import agree_any
-from .._gather import all_gather_rows, submodules
+from .._gather import submodules
 from .._imports import is_instance, require
 from .._names import canonical_name
 from ._base import Adapter, copy_into, move_buffers
@@ -243,11 +244,24 @@ class DeepSpeedAdapter(Adapter):
                     or part.status.name != "AVAILABLE" or p.ds_process_group is not group or part.dtype != dtype
                     or part.device.type != self.device.type or part.numel() != part.ds_numel):
                 return None
-        rows = all_gather_rows([p.ds_tensor.detach() for p in todo], group, dist.get_world_size(group))
-        out: dict[int, torch.nn.Parameter] = {}
-        for p, row in zip(todo, rows, strict=True):
-            full = row.reshape(-1)[: int(p.ds_numel)].view(p.ds_shape)
-            out[id(p)] = torch.nn.Parameter(full, requires_grad=p.requires_grad)
+        world = dist.get_world_size(group)
+        sizes = [int(p.ds_tensor.ds_numel) for p in todo]
+        parts = [p.ds_tensor.detach().reshape(-1) for p in todo]
+        with torch.no_grad():
+            if all(x.data_ptr() + x.numel() * x.element_size() == y.data_ptr() for x, y in pairwise(parts)):
+                # ZeRO-3's optimizer keeps the partitions end to end in one flat buffer: send it as is.
+                send = parts[0].as_strided((sum(sizes),), (1,), parts[0].storage_offset())
+            else:
+                send = torch.cat(parts)
+            recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
+            dist.all_gather_into_tensor(recv, send, group=group)
+            by_rank = recv.view(world, send.numel())
+            out: dict[int, torch.nn.Parameter] = {}
+            start = 0
+            for p, size in zip(todo, sizes, strict=True):
+                full = by_rank[:, start: start + size].reshape(-1)[: int(p.ds_numel)].view(p.ds_shape)
+                out[id(p)] = torch.nn.Parameter(full, requires_grad=p.requires_grad)
+                start += size
         return out
 
     @contextlib.contextmanager

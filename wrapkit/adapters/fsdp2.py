@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .._agree import settle
-from .._gather import all_gather_rows, submodules
+from .._gather import submodules
 from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import Adapter, copy_into
@@ -318,18 +318,28 @@ def _all_full(params: list[Any], dtypes: dict[int, torch.dtype]) -> list[tuple[A
     mesh, dtype, device = todo[0].device_mesh, gather_dtype(todo[0]), todo[0].to_local().device
     todo = [p for p in todo if p.device_mesh == mesh and gather_dtype(p) == dtype and p.to_local().device == device]
     shard_dim = mesh.ndim - 1
-    world = mesh.size(shard_dim)
+    world, me = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
     # torch.chunk semantics: every rank holds ceil(rows / world) rows but the last ones, maybe fewer or none.
     layout = []
     for p in todo:
         rows, per_row = p.shape[0], p.numel() // max(p.shape[0], 1)
         chunk = -(-rows // world)
         layout.append((chunk * per_row, [max(0, min(chunk, rows - k * chunk)) * per_row for k in range(world)]))
-    gathered = all_gather_rows([p.to_local() for p in todo], mesh.get_group(shard_dim), world, dtype,
-                               slots=[size for size, _ in layout])
+    total = sum(size for size, _ in layout)
     with torch.no_grad():
-        return [(p, torch.cat([row[k, :counts[k]] for k in range(world)]).view(p.shape))
-                for p, row, (_, counts) in zip(todo, gathered, layout, strict=True)]
+        send = torch.zeros(total, dtype=dtype, device=device)
+        offset = 0
+        for p, (size, counts) in zip(todo, layout, strict=True):
+            send[offset: offset + counts[me]].copy_(p.to_local().reshape(-1))
+            offset += size
+        recv = torch.empty(world * total, dtype=dtype, device=device)
+        dist.all_gather_into_tensor(recv, send, group=mesh.get_group(shard_dim))
+        out, offset = [], 0
+        for p, (size, counts) in zip(todo, layout, strict=True):
+            pieces = [recv[k * total + offset: k * total + offset + counts[k]] for k in range(world)]
+            out.append((p, torch.cat(pieces).view(p.shape)))
+            offset += size
+    return out
 
 
 def _block_writer(local: torch.Tensor, full_shape: tuple[int, ...], block: tuple[slice, ...]) -> Any:
