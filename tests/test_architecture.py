@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("backends", {"adapters", "layers"}),
     ("detection", {"_registry"}),
     ("operations", {"placement", "full_parameters", "state_dict", "checkpoint", "pretrained", "reading", "sync",
-                    "wrapping", "view", "reference"}),
+                    "streaming", "wrapping", "view", "reference"}),
     ("public API", {"", "_wrapped"}),
     ("integrations and cli", {"integrations", "cli", "__main__"}),
 ]

@@ -15,6 +15,7 @@ import torch
 
 import wrapkit
 from wrapkit.cli._models import build, tiny_llama
+from wrapkit.integrations.vllm import load_into
 
 Case = tuple[str, Callable[[Any, Any, Path], Any], type[wrapkit.WrapkitError]]
 
@@ -90,6 +91,24 @@ CASES: list[Case] = [
     ("load(path=corrupt)", lambda wm, other, tmp: wm.load(_file(tmp, b"\x08\x00not")), wrapkit.WrapkitError),
     ("load(strict='x')", lambda wm, other, tmp: wm.load(tmp / "none", strict="x"), wrapkit.WrapkitError),
     ("load(src_rank='1')", lambda wm, other, tmp: wm.load(tmp / "none", src_rank="1"), wrapkit.WrapkitError),
+    ("stream_full_parameters(bucket_bytes=0)", lambda wm, other, tmp: list(wm.stream_full_parameters(0)),
+     wrapkit.ArgumentError),
+    ("stream_full_parameters(bucket_bytes='1MB')", lambda wm, other, tmp: list(wm.stream_full_parameters("1MB")),
+     wrapkit.ArgumentError),
+    ("stream_full_parameters(dtype=torch.int32)",
+     lambda wm, other, tmp: list(wm.stream_full_parameters(dtype=torch.int32)), wrapkit.ArgumentError),
+    ("stream_full_parameters(dtype='bf16')", lambda wm, other, tmp: list(wm.stream_full_parameters(dtype="bf16")),
+     wrapkit.ArgumentError),
+    ("stream_full_parameters(merge_adapters='x')",
+     lambda wm, other, tmp: list(wm.stream_full_parameters(merge_adapters="x")), wrapkit.ArgumentError),
+    ("stream_full_parameters(keep_dtype='norm')",
+     lambda wm, other, tmp: list(wm.stream_full_parameters(keep_dtype="norm")), wrapkit.ArgumentError),
+    ("stream_full_parameters(dst_rank=5)", lambda wm, other, tmp: list(wm.stream_full_parameters(dst_rank=5)),
+     wrapkit.ArgumentError),
+    ("vllm.load_into(llm_or_model=42)",
+     lambda wm, other, tmp: load_into(42, wm.stream_full_parameters()), wrapkit.UnsupportedModelError),
+    ("vllm.load_into(llm_or_model=another architecture)",
+     lambda wm, other, tmp: load_into(torch.nn.Linear(2, 2), wm.stream_full_parameters()), wrapkit.StateDictError),
     ("copy_to(target=42)", lambda wm, other, tmp: wm.copy_to(42), wrapkit.UnsupportedModelError),
     ("copy_to(target=itself)", lambda wm, other, tmp: wm.copy_to(wm), wrapkit.WrapkitError),
     ("copy_to(alpha='x')", lambda wm, other, tmp: wm.copy_to(other, alpha="x"), wrapkit.StateDictError),

@@ -18,6 +18,7 @@ from ._registry import register_adapter, registered_adapters
 from ._wrapped import adapt, prepare_reference
 from .adapters import Adapter
 from .checkpoint import read_checkpoint
+from .streaming import Bucket, BucketEntry
 
 __version__ = "0.1.0"
 
@@ -41,4 +42,6 @@ __all__ = [
     "StateDictError",
     "ArgumentError",
     "read_checkpoint",
+    "Bucket",
+    "BucketEntry",
 ]

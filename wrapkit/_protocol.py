@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -11,6 +11,7 @@ import torch
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
+    from .streaming import Bucket
 
 __all__ = ["WrappedModel", "Handle"]
 
@@ -163,6 +164,14 @@ class WrappedModel(Protocol):
 
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(canonical_name, full tensor)`` pairs, gathered one parameter (or FSDP1 unit) at a time. Collective."""
+        ...
+
+    def stream_full_parameters(self, bucket_bytes: int = 512 * 2**20, dtype: torch.dtype | None = None,
+                               merge_adapters: bool = False, *, keep_dtype: Callable[[str], bool] | None = None,
+                               dst_rank: int | None = None) -> Iterator[Bucket]:
+        """Buckets ``(flat uint8 tensor, [(canonical_name, shape, dtype, offset)])`` of the full weights, each
+        gathered in one collective; ``dtype`` converts (not where ``keep_dtype(name)``); ``merge_adapters`` folds
+        LoRA layer by layer; ``dst_rank``: only that global rank gets buckets. Every rank iterates to the end."""
         ...
 
     # -- weights in and out ----------------------------------------------------------

@@ -9,13 +9,13 @@ operations, so no layer imports one above it.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import torch
 
-from . import _args, checkpoint, full_parameters, placement, pretrained, reading, reference, state_dict, sync
+from . import _args, checkpoint, full_parameters, placement, pretrained, reading, reference, state_dict, streaming, sync
 from ._protocol import Handle, WrappedModel
 from ._registry import as_adapter, copy_target
 from .adapters import Adapter
@@ -146,6 +146,24 @@ class Wrapped(Handle):
         fresh buffers otherwise: clone before writing into one.
         """
         return full_parameters.named_full_parameters(self._below)
+
+    def stream_full_parameters(self, bucket_bytes: int = streaming.DEFAULT_BUCKET_BYTES,
+                               dtype: torch.dtype | None = None, merge_adapters: bool = False, *,
+                               keep_dtype: Callable[[str], bool] | None = None,
+                               dst_rank: int | None = None) -> Iterator[streaming.Bucket]:
+        """The full parameters in buckets of about ``bucket_bytes``, each gathered in one collective:
+        ``Bucket(flat, entries)``, a flat ``uint8`` tensor on the compute device and its
+        ``(canonical_name, shape, dtype, offset)`` entries (``bucket.named_tensors()`` gives views).
+
+        Names are ``named_full_parameters()``'s; values are the weights the module holds (a bf16
+        engine's bf16 weights, not its fp32 masters). ``dtype`` converts floating tensors, except
+        those whose name ``keep_dtype`` accepts. ``merge_adapters`` folds LoRA in one layer at a
+        time, under the base model's names. With ``dst_rank`` (a global rank) only that rank gets
+        buckets; the others still iterate to the end, which drives the collectives. Every rank
+        must iterate equally far. Beyond its shards a rank holds about two buckets.
+        """
+        return streaming.stream_full_parameters(self._below, bucket_bytes, dtype, merge_adapters,
+                                                keep_dtype=keep_dtype, dst_rank=dst_rank)
 
     # -- weights in and out (state_dict.py, checkpoint.py, sync.py) ----------------
     def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from .adapters._base import Adapter
 
 __all__ = ["full_state_dict", "gather_state_dict", "load_full_state_dict", "expected_shapes", "check_entries",
-           "write", "assign", "live_buffers", "Shape", "lora_fold_plan", "lora_fold_stream"]
+           "write", "assign", "live_buffers", "Shape", "LoraFoldPlan", "lora_fold_plan", "lora_fold_stream",
+           "lora_layer_keys"]
 
 Shape = tuple[int, ...]
 
@@ -146,7 +147,7 @@ def gather_state_dict(wm: Adapter, rank0_only: bool, merge_adapters: bool = Fals
 
 
 # -- PEFT merge ------------------------------------------------------------------------
-class _LoraFoldPlan:
+class LoraFoldPlan:
     """What ``merge_adapters`` needs to know of the live PEFT model, read without touching it:
     how its keys map to the base model's, and the LoRA layers to fold."""
 
@@ -155,7 +156,7 @@ class _LoraFoldPlan:
         self.layers = layers
 
 
-def _lora_fold_plan(wm: Adapter) -> _LoraFoldPlan | None:
+def _lora_fold_plan(wm: Adapter) -> LoraFoldPlan | None:
     peft_root = wm.unwrap(keep_peft=True)
     if peft_root is wm.unwrap(keep_peft=False):
         return None  # no PEFT layer: nothing to merge
@@ -181,7 +182,7 @@ def _lora_fold_plan(wm: Adapter) -> _LoraFoldPlan | None:
             + "; ".join(problems)
             + ". Export with merge_adapters=False, or merge with PEFT's merge_and_unload() on an unsharded copy."
         )
-    return _LoraFoldPlan(base_key_map(peft_root), layers)
+    return LoraFoldPlan(base_key_map(peft_root), layers)
 
 
 def _fold_keys(name: str, mod: Any) -> list[str]:
@@ -209,19 +210,26 @@ def _folded(mod: Any, keys: list[str], sd: Mapping[str, torch.Tensor]) -> torch.
     return acc.to(weight.dtype).contiguous()
 
 
-def _fold_lora(sd: dict[str, torch.Tensor], plan: _LoraFoldPlan) -> dict[str, torch.Tensor]:
+def _fold_lora(sd: dict[str, torch.Tensor], plan: LoraFoldPlan) -> dict[str, torch.Tensor]:
     """``sd`` of the PEFT model -> the base model's state dict with the adapters folded in."""
     folded = {f"{name}.base_layer.weight": _folded(mod, _fold_keys(name, mod), sd) for name, mod in plan.layers}
     return {new: folded.get(key, value) for key, value in sd.items() if (new := plan.rename(key)) is not None}
 
 
-def lora_fold_plan(wm: Adapter) -> _LoraFoldPlan | None:
+def lora_fold_plan(wm: Adapter) -> LoraFoldPlan | None:
     """What merging ``wm``'s LoRA adapters needs (None without PEFT); ``UnsupportedModelError``,
     raised alike on every rank, for layers that cannot be merged."""
     return _lora_fold_plan(wm)
 
 
-def lora_fold_stream(plan: _LoraFoldPlan | None,
+def lora_layer_keys(plan: LoraFoldPlan | None) -> dict[str, str]:
+    """Each entry a LoRA layer's merge reads (base weight, adapters) -> that layer's name."""
+    if plan is None:
+        return {}
+    return {key: name for name, mod in plan.layers for key in _fold_keys(name, mod)}
+
+
+def lora_fold_stream(plan: LoraFoldPlan | None,
                      entries: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """``entries`` of the PEFT model -> the base model's, each LoRA layer merged as soon as its
     pieces have come by: no more than one layer's pieces are held at a time."""

@@ -33,6 +33,7 @@ from .layers.peft import adapters_off, base_key_map, merged_layers
 from .placement import resolve_device
 from .pretrained import write_pretrained
 from .state_dict import expected_shapes, gather_state_dict, live_buffers
+from .streaming import DEFAULT_BUCKET_BYTES, Bucket, stream_full_parameters
 from .sync import copy_stream_to, source_stream
 
 __all__ = ["AdapterDisabledView", "view_possible"]
@@ -178,6 +179,15 @@ class AdapterDisabledView(Handle):
             new = rename(name)
             if new is not None:
                 yield new, t
+
+    def stream_full_parameters(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None,
+                               merge_adapters: bool = False, *, keep_dtype: Callable[[str], bool] | None = None,
+                               dst_rank: int | None = None) -> Iterator[Bucket]:
+        """The base model's parameters in buckets, under its own names (the adapters' are gathered and
+        left out). ``merge_adapters`` changes nothing: the adapters are off."""
+        _args.flag(merge_adapters, "merge_adapters", "stream_full_parameters")
+        return stream_full_parameters(self._policy, bucket_bytes, dtype, False, keep_dtype=keep_dtype,
+                                      dst_rank=dst_rank, rename=self._rename())
 
     # -- weights out (and refused in) ----------------------------------------------------
     def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:

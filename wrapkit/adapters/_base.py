@@ -264,6 +264,19 @@ class Adapter:
         for name, p in self.unwrap().named_parameters(remove_duplicate=False):
             yield canonical_name(name), self.gather_one(p)
 
+    def gather_units(self) -> list[list[torch.nn.Parameter]] | None:
+        """Every parameter (tied ones once) in the smallest sets the backend gathers together, in
+        module order: one each here; ``None`` where ``gather_many`` cannot serve this layout
+        (streaming then reads ``gather_each``)."""
+        return [[p] for _, p in self.unwrap().named_parameters()]
+
+    def gather_many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """``(parameter, full value)`` for each of ``params`` (whole ``gather_units``), detached, in
+        the parameter's own dtype: the weights the module holds. Sharded backends gather them
+        in one collective at the first ``next()``; each value is built as it is reached."""
+        for p in params:
+            yield p, p.detach()
+
     def full_parameter_bytes(self) -> int:
         """Bytes that every parameter, gathered, takes in the dtype the backend computes in."""
         return sum(self.global_numel(p) * p.element_size() for p in self._unique_parameters())

@@ -86,6 +86,14 @@ class BackendPrimitives(Protocol):
         """``(canonical name, full tensor)`` for every parameter, gathered one (or one unit) at a time."""
         ...
 
+    def gather_units(self) -> list[list[torch.nn.Parameter]] | None:
+        """Every parameter (tied ones once), in the smallest sets gathered together; None: use ``gather_each``."""
+        ...
+
+    def gather_many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """``(parameter, full value in its own dtype)`` for whole units, in one collective where sharded."""
+        ...
+
     def gather_full(self, modifier_rank: int | None) -> contextlib.AbstractContextManager[Any]:
         """Every parameter full inside; writes on ``modifier_rank`` kept on exit; yields a ``Replace`` or None."""
         ...

@@ -227,42 +227,46 @@ class DeepSpeedAdapter(Adapter):
     def _gather_partitions(self, params: list[Any]) -> dict[int, torch.nn.Parameter] | None:
         """id(parameter) -> a full copy, for every partitioned parameter, from one all-gather of
         all the partitions (``GatheredParameters`` gathers them one collective each); None where
-        the partitions are not all in memory on the compute device, in one dtype and one group
-        (NVMe or CPU offload, parameters mid-gather): ``GatheredParameters`` serves those.
+        ``_one_gather`` cannot serve them. Parameters already gathered (the persistent ones) are
+        used as they are."""
+        todo = self._one_gather([p for p in params if getattr(p.ds_status, "name", "") != "AVAILABLE"])
+        if todo is None:
+            return None
+        return {id(p): torch.nn.Parameter(full, requires_grad=p.requires_grad) for p, full in _each_full(todo)}
 
-        ZeRO-3 pads each flattened parameter to a multiple of its group's size and gives rank r
-        the r-th equal slice (``_partition_param`` in deepspeed/runtime/zero/partition_parameters.py).
-        Parameters already gathered (the persistent ones) are used as they are."""
-        todo = [p for p in params if getattr(p.ds_status, "name", "") != "AVAILABLE"]
+    def _one_gather(self, todo: list[Any]) -> list[Any] | None:
+        """``todo`` when one all-gather of their partitions serves them: every partition in memory
+        on the compute device, in one dtype and one group; None otherwise (NVMe or CPU offload,
+        parameters mid-gather), for ``GatheredParameters`` or one gather each to serve."""
         if not todo:
-            return {}
-        first = todo[0]
-        group, dtype = first.ds_process_group, first.ds_tensor.dtype
+            return todo
+        group, dtype = todo[0].ds_process_group, todo[0].ds_tensor.dtype
         for p in todo:
             part = p.ds_tensor
             if (getattr(p.ds_status, "name", "") != "NOT_AVAILABLE" or getattr(part, "status", None) is None
                     or part.status.name != "AVAILABLE" or p.ds_process_group is not group or part.dtype != dtype
                     or part.device.type != self.device.type or part.numel() != part.ds_numel):
                 return None
-        world = dist.get_world_size(group)
-        sizes = [int(p.ds_tensor.ds_numel) for p in todo]
-        parts = [p.ds_tensor.detach().reshape(-1) for p in todo]
-        with torch.no_grad():
-            if all(x.data_ptr() + x.numel() * x.element_size() == y.data_ptr() for x, y in pairwise(parts)):
-                # ZeRO-3's optimizer keeps the partitions end to end in one flat buffer: send it as is.
-                send = parts[0].as_strided((sum(sizes),), (1,), parts[0].storage_offset())
-            else:
-                send = torch.cat(parts)
-            recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
-            dist.all_gather_into_tensor(recv, send, group=group)
-            by_rank = recv.view(world, send.numel())
-            out: dict[int, torch.nn.Parameter] = {}
-            start = 0
-            for p, size in zip(todo, sizes, strict=True):
-                full = by_rank[:, start: start + size].reshape(-1)[: int(p.ds_numel)].view(p.ds_shape)
-                out[id(p)] = torch.nn.Parameter(full, requires_grad=p.requires_grad)
-                start += size
-        return out
+        return todo
+
+    def gather_many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        # The module's own weights (16-bit in a bf16 engine), not the optimizer's masters: what a
+        # forward computes with, and what an inference engine is fed.
+        if self.zero_stage != 3:
+            yield from super().gather_many(params)
+            return
+        rest: list[Any] = []
+        for p in params:
+            if hasattr(p, "ds_tensor") and getattr(getattr(p, "ds_status", None), "name", "") != "AVAILABLE":
+                rest.append(p)
+            else:  # not partitioned, or gathered already (ZeRO-3's persistent parameters)
+                yield p, p.detach()
+        todo = self._one_gather(rest)
+        if todo is None:
+            for p in rest:
+                yield p, self._gather_16bit(p)
+            return
+        yield from _each_full(todo)
 
     @contextlib.contextmanager
     def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
@@ -386,3 +390,33 @@ def _partition_writer(p: Any, part: torch.Tensor, valid: int,
             padded[:valid] = values.reshape(-1)
             safe_set_local_fp32_param(p, padded)
     return both
+
+
+def _each_full(todo: list[Any]) -> Iterator[tuple[Any, torch.Tensor]]:
+    """``(parameter, full value)`` of ZeRO-3 parameters, from one all-gather of their partitions
+    (``_one_gather`` said it serves them); each value is cut out of the gathered buffer as it is
+    reached. ZeRO-3 pads each flattened parameter to a multiple of its group's size and gives
+    rank r the r-th equal slice (``_partition_param`` in deepspeed/runtime/zero/partition_parameters.py)."""
+    if not todo:
+        return
+    group, dtype = todo[0].ds_process_group, todo[0].ds_tensor.dtype
+    world = dist.get_world_size(group)
+    sizes = [int(p.ds_tensor.ds_numel) for p in todo]
+    parts = [p.ds_tensor.detach().reshape(-1) for p in todo]
+    storage = parts[0].untyped_storage().data_ptr()
+    with torch.no_grad():
+        if all(x.data_ptr() + x.numel() * x.element_size() == y.data_ptr()
+               and y.untyped_storage().data_ptr() == storage for x, y in pairwise(parts)):
+            # ZeRO-3's optimizer keeps the partitions end to end in one flat buffer: send it as is.
+            send = parts[0].as_strided((sum(sizes),), (1,), parts[0].storage_offset())
+        else:
+            send = torch.cat(parts)
+        recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
+        dist.all_gather_into_tensor(recv, send, group=group)
+    by_rank = recv.view(world, send.numel())
+    start = 0
+    for p, size in zip(todo, sizes, strict=True):
+        with torch.no_grad():
+            full = by_rank[:, start: start + size].reshape(-1)[: int(p.ds_numel)].view(p.ds_shape)
+        start += size
+        yield p, full

@@ -14,7 +14,7 @@ from .._gather import broadcast_, bypassed
 from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import Adapter, move_buffers
-from ._fsdp_flat import flat_pieces, full_from_shards, gather_in
+from ._fsdp_flat import flat_pieces, full_from_shards, gather_in, local_shard
 from ._internals import FSDP1_FLAT, FSDP1_HANDLE, FSDP1_UNIT, require_internals
 from ._primitives import Piece
 
@@ -271,6 +271,32 @@ class FSDPAdapter(Adapter):
         def cast(mod: torch.nn.Module, args: Any, kwargs: Any) -> Any:
             return _cast_forward_inputs(dtype, *args, **kwargs)
         return self.unwrap().register_forward_pre_hook(cast, with_kwargs=True)
+
+    def _sharded_units(self) -> list[Any] | None:
+        """The units with parameters, where one all-gather of their shards serves any set of them
+        (``gather_in``: use_orig_params=True, sharded, shards on the compute device); else None."""
+        units = [u for u in self._units() if getattr(u, "_handle", None) is not None]
+        offloaded = getattr(getattr(self._backend_obj, "cpu_offload", None), "offload_params", False)
+        if (offloaded or self.world_size < 2
+                or any(u._handle.flat_param._params is None or not u._handle.uses_sharded_strategy for u in units)):
+            return None
+        shards = [local_shard(u._handle.flat_param) for u in units]
+        return units if len({(s.dtype, s.device) for s in shards}) <= 1 else None
+
+    def gather_units(self) -> list[list[torch.nn.Parameter]] | None:
+        # A unit's FlatParameter is the smallest thing FSDP1 gathers: its original parameters go together.
+        units = self._sharded_units()
+        return None if units is None else [list(u._handle.flat_param._params) for u in units]
+
+    def gather_many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        units = self._sharded_units()
+        assert units is not None, "gather_many needs gather_units()"
+        wanted = {id(p) for p in params}
+        units = [u for u in units if any(id(p) in wanted for p in u._handle.flat_param._params)]
+        full = gather_in(units, {}, self.process_group(), self.world_size)
+        assert full is not None
+        for p in params:
+            yield p, full[id(p)].detach()
 
     def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
         # One FSDP unit at a time: a unit's FlatParameter is the smallest thing FSDP1 gathers.

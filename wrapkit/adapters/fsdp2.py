@@ -207,6 +207,17 @@ class FSDP2Adapter(Adapter):
             for handle in handles:
                 handle.remove()
 
+    def gather_many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        for m, _ in self._fsdp_states():
+            m.reshard()  # the root may hold full copies after a forward: read every value from the shards
+        served: set[int] = set()
+        for p, full in _each_full(params, {}):
+            served.add(id(p))
+            yield p, full
+        for p in params:  # not sharded as FSDP2 shards (or another mesh or dtype): one by one
+            if id(p) not in served:
+                yield p, self.gather_one(p)
+
     def full_parameter_bytes(self) -> int:
         dtypes = self._compute_dtypes(list(self._fsdp_states()))
         return sum(p.numel() * dtypes.get(id(p), p.dtype).itemsize for p in self._unique_parameters())
@@ -293,6 +304,11 @@ def _write_back(p: Any, full: torch.Tensor, modifier_rank: int) -> None:
 
 
 def _all_full(params: list[Any], dtypes: dict[int, torch.dtype]) -> list[tuple[Any, torch.Tensor]]:
+    """``_each_full`` of ``params``, every value built."""
+    return list(_each_full(params, dtypes))
+
+
+def _each_full(params: list[Any], dtypes: dict[int, torch.dtype]) -> Iterator[tuple[Any, torch.Tensor]]:
     """Full copies of every DTensor sharded as FSDP2 does (``Shard(0)`` on the last mesh dimension,
     replicated on the others), in one all-gather over the shard dimension, each in
     ``dtypes[id(p)]`` (default: its own dtype). Casting before the gather, as FSDP2 does,
@@ -309,7 +325,7 @@ def _all_full(params: list[Any], dtypes: dict[int, torch.dtype]) -> list[tuple[A
 
     todo = [p for p in params if isinstance(p, DTensor) and fsdp_layout(p)]
     if not todo:
-        return []
+        return
 
     def gather_dtype(p: Any) -> torch.dtype:
         own: torch.dtype = p.dtype
@@ -334,12 +350,14 @@ def _all_full(params: list[Any], dtypes: dict[int, torch.dtype]) -> list[tuple[A
             offset += size
         recv = torch.empty(world * total, dtype=dtype, device=device)
         dist.all_gather_into_tensor(recv, send, group=mesh.get_group(shard_dim))
-        out, offset = [], 0
-        for p, (size, counts) in zip(todo, layout, strict=True):
-            pieces = [recv[k * total + offset: k * total + offset + counts[k]] for k in range(world)]
-            out.append((p, torch.cat(pieces).view(p.shape)))
-            offset += size
-    return out
+    del send
+    offset = 0
+    for p, (size, counts) in zip(todo, layout, strict=True):
+        # Built as it is reached: a consumer that packs each value away holds one at a time.
+        with torch.no_grad():
+            full = torch.cat([recv[k * total + offset: k * total + offset + counts[k]] for k in range(world)])
+        offset += size
+        yield p, full.view(p.shape)
 
 
 def _block_writer(local: torch.Tensor, full_shape: tuple[int, ...], block: tuple[slice, ...]) -> Any:

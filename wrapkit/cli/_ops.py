@@ -166,6 +166,23 @@ def _named_full_parameters(wm: Any, ctx: dict[str, Any]) -> None:
     _assert_equal(got, want, "named_full_parameters vs the unwrapped model", ctx["weight_tol"])
 
 
+def _stream_full_parameters(wm: Any, ctx: dict[str, Any]) -> None:
+    from ..integrations.vllm import load_into
+
+    want = dict(_fresh_model(ctx, 0).named_parameters(remove_duplicate=False))
+    receiver = _fresh_model(ctx, 1)
+    # Small buckets, so that even the tiny model takes several, each gathered in one collective.
+    buckets = 0
+    bucket_bytes = max(t.numel() * t.element_size() for t in want.values())
+    for bucket in wm.stream_full_parameters(bucket_bytes):
+        buckets += 1
+        load_into(receiver, [bucket])
+    got = dict(receiver.named_parameters(remove_duplicate=False))
+    _assert_equal({n: t.detach().cpu() for n, t in got.items()}, want, "stream_full_parameters into a fresh model",
+                  ctx["weight_tol"])
+    assert buckets > 1, f"stream_full_parameters({bucket_bytes}) gave {buckets} bucket for the whole model"
+
+
 # -- weights in and out ----------------------------------------------------------------
 def _fresh_model(ctx: dict[str, Any], seed: int) -> torch.nn.Module:
     """The doctor's base model (seed 0 is the one every backend wrapped), unwrapped."""
@@ -272,6 +289,7 @@ OPS: list[tuple[str, Op]] = [
     ("gathered", _gathered),
     ("generation", _generation),
     ("named_full_parameters", _named_full_parameters),
+    ("stream_full_parameters", _stream_full_parameters),
     ("full_state_dict", _full_state_dict),
     ("save/load", _save_load),
     ("save_pretrained", _save_pretrained),

@@ -1,0 +1,250 @@
+"""``stream_full_parameters``: the full weights in buckets, for feeding an inference engine.
+
+The parameters are cut into buckets of about ``bucket_bytes``, planned from their full shapes
+before anything is gathered, so every rank cuts them alike. Each bucket's parameters are whole
+``gather_units`` of the backend, gathered in one collective (``gather_many``), converted, and
+packed end to end into one flat byte tensor. Beyond its shards a rank holds the collective's
+buffer and the bucket being packed; the bucket yielded before is the consumer's to drop.
+
+With ``merge_adapters`` each LoRA layer's base weight and adapters go into the same bucket and
+are folded there (``lora_fold_stream``), one layer at a time: the whole merged model never
+exists anywhere. Backends whose layout ``gather_many`` cannot serve (FSDP1 with
+``use_orig_params=False``, NO_SHARD or CPU offload) are read through ``gather_each``, one
+parameter or unit per collective, and cut into buckets the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ._agree import Call, enter
+from ._errors import ArgumentError, WrapkitError
+from ._names import canonical_name
+from .state_dict import LoraFoldPlan, lora_fold_plan, lora_fold_stream, lora_layer_keys
+
+if TYPE_CHECKING:
+    from .adapters._base import Adapter
+
+__all__ = ["Bucket", "BucketEntry", "stream_full_parameters", "DEFAULT_BUCKET_BYTES"]
+
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+# Every tensor starts on a 64-byte boundary of the bucket: any dtype can be viewed there, and
+# device copies out of it are aligned.
+_ALIGN = 64
+Rename = Callable[[str], "str | None"]
+
+
+class BucketEntry(NamedTuple):
+    """One tensor of a bucket: its canonical name, full shape, dtype, and byte offset in ``flat``."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    offset: int
+
+
+class Bucket(NamedTuple):
+    """One flat ``uint8`` tensor and the tensors packed in it. Tied parameters are packed once,
+    with one entry per name at the same offset."""
+
+    flat: torch.Tensor
+    entries: list[BucketEntry]
+
+    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for every entry: views into ``flat``, no copies."""
+        for e in self.entries:
+            yield e.name, _view(self.flat, e)
+
+
+def _view(flat: torch.Tensor, e: BucketEntry) -> torch.Tensor:
+    size = math.prod(e.shape) * e.dtype.itemsize
+    return flat[e.offset: e.offset + size].view(e.dtype).view(e.shape)
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _layout(items: Iterable[tuple[str, tuple[int, ...], torch.dtype, int]]) -> tuple[list[BucketEntry], int]:
+    """Entries for ``(name, shape, dtype, key)`` items, one slot per key (tied names share it)."""
+    entries: list[BucketEntry] = []
+    at: dict[int, int] = {}
+    total = 0
+    for name, shape, dtype, key in items:
+        if key not in at:
+            at[key] = total
+            total += _aligned(math.prod(shape) * dtype.itemsize)
+        entries.append(BucketEntry(name, shape, dtype, at[key]))
+    return entries, total
+
+
+def _problem(bucket_bytes: object, dtype: object, merge_adapters: object, keep_dtype: object,
+             dst_rank: object) -> str | None:
+    """What is wrong with the arguments on this rank, or None."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        return f"bucket_bytes={bucket_bytes!r}: pass a positive int (bytes), e.g. 512 * 2**20"
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        return f"dtype={dtype!r}: pass None (each parameter's own dtype) or a floating torch.dtype"
+    if not isinstance(merge_adapters, bool):
+        return f"merge_adapters={merge_adapters!r}: pass True or False"
+    if keep_dtype is not None and not callable(keep_dtype):
+        return f"keep_dtype={keep_dtype!r}: pass None or a callable taking a parameter name"
+    if dst_rank is not None and (isinstance(dst_rank, bool) or not isinstance(dst_rank, int)
+                                 or not 0 <= dst_rank < world):
+        return f"dst_rank={dst_rank!r}: pass None (every rank) or a global rank in 0..{world - 1}"
+    return None
+
+
+def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None,
+                           merge_adapters: bool = False, *, keep_dtype: Callable[[str], bool] | None = None,
+                           dst_rank: int | None = None, rename: Rename | None = None) -> Iterator[Bucket]:
+    """Buckets of the full parameters; see ``WrappedModel.stream_full_parameters``. ``rename`` maps
+    each (merged) name to the one streamed, or None to leave the tensor out (the PEFT view's)."""
+    problem = _problem(bucket_bytes, dtype, merge_adapters, keep_dtype, dst_rank)
+    plan, refused = None, None
+    if problem is None and merge_adapters:
+        try:
+            plan = lora_fold_plan(wm)
+        except WrapkitError as exc:  # raised after the entry, on every rank alike
+            refused = exc
+    call = Call.of("stream_full_parameters", bucket_bytes=bucket_bytes, dtype=str(dtype),
+                   merge_adapters=merge_adapters, keep_dtype=keep_dtype is not None, dst_rank=dst_rank)
+    [bad] = enter(call, wm, flags=[problem is not None], invalid=1)
+    if bad:
+        raise ArgumentError(f"stream_full_parameters() got an argument it does not take on at least one rank "
+                            f"(this rank: {problem or 'none'}); pass the same valid arguments on every rank")
+    if refused is not None:
+        raise refused
+    assert isinstance(bucket_bytes, int)
+    me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    mine = dst_rank is None or dst_rank == me
+
+    def out_name(name: str) -> str | None:
+        new: str | None = plan.rename(name) if plan is not None else name
+        return rename(new) if rename is not None and new is not None else new
+
+    def out_dtype(name: str, own: torch.dtype) -> torch.dtype:
+        if dtype is None or not own.is_floating_point or (keep_dtype is not None and keep_dtype(name)):
+            return own
+        return dtype
+
+    def outputs(values: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, value in lora_fold_stream(plan, values):
+            new = rename(name) if rename is not None else name
+            if new is not None:
+                yield new, value
+
+    units = wm.gather_units()
+    if units is None:
+        yield from _from_each(wm, bucket_bytes, outputs(wm.gather_each()), out_dtype, mine)
+        return
+    names: dict[int, list[str]] = {}
+    for n, p in wm.unwrap().named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(canonical_name(n))
+    shapes = wm.full_shapes()
+    for bucket in _plan(units, names, shapes, plan, bucket_bytes, out_name, out_dtype):
+        items = [(new, shapes.get(id(p), tuple(p.shape)), out_dtype(new, p.dtype), id(p))
+                 for p in bucket for n in names[id(p)] if (new := out_name(n)) is not None]
+        entries, total = _layout(items)
+        values = wm.gather_many(bucket)
+        if not mine:
+            for _ in values:  # the collective, and nothing kept
+                pass
+            continue
+        flat = torch.empty(total, dtype=torch.uint8, device=wm.device)
+        slots = {e.name: e for e in entries}
+        filled: set[int] = set()
+        with torch.no_grad():
+            for name, value in outputs((n, full) for p, full in values for n in names[id(p)]):
+                e = slots[name]
+                if e.offset not in filled:
+                    _view(flat, e).copy_(value)
+                    filled.add(e.offset)
+        assert filled == {e.offset for e in entries}, "a planned tensor never came"
+        yield Bucket(flat, entries)
+        del flat
+
+
+def _plan(units: list[list[torch.nn.Parameter]], names: dict[int, list[str]], shapes: dict[int, tuple[int, ...]],
+          plan: LoraFoldPlan | None, bucket_bytes: int, out_name: Callable[[str], str | None],
+          out_dtype: Callable[[str, torch.dtype], torch.dtype]) -> Iterator[list[torch.nn.Parameter]]:
+    """The parameters of each bucket: whole units, a LoRA layer's units always together, packed in
+    order while the gathered bytes and the packed bytes both stay within ``bucket_bytes`` (a group
+    bigger than that is a bucket of its own)."""
+    # Union of the units that hold parts of one LoRA layer (base weight and adapters).
+    layer_of = lora_layer_keys(plan)
+    root = list(range(len(units)))
+
+    def find(i: int) -> int:
+        while root[i] != i:
+            root[i] = root[root[i]]
+            i = root[i]
+        return i
+
+    first_unit: dict[str, int] = {}
+    for i, unit in enumerate(units):
+        for p in unit:
+            for n in names.get(id(p), []):
+                layer = layer_of.get(n)
+                if layer is not None:
+                    j = first_unit.setdefault(layer, i)
+                    root[find(i)] = find(j)
+    groups: dict[int, list[int]] = {}
+    for i in range(len(units)):
+        groups.setdefault(find(i), []).append(i)
+
+    def cost(params: list[torch.nn.Parameter]) -> int:
+        gathered = packed = 0
+        for p in params:
+            numel = math.prod(shapes.get(id(p), tuple(p.shape)))
+            gathered += numel * p.dtype.itemsize
+            outs = [new for n in names.get(id(p), []) if (new := out_name(n)) is not None]
+            if outs:
+                packed += _aligned(numel * out_dtype(outs[0], p.dtype).itemsize)
+        return max(gathered, packed)
+
+    bucket: list[torch.nn.Parameter] = []
+    size = 0
+    for members in sorted(groups.values(), key=lambda m: m[0]):
+        params = [p for i in members for p in units[i]]
+        c = cost(params)
+        if bucket and size + c > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket += params
+        size += c
+    if bucket:
+        yield bucket
+
+
+def _from_each(wm: Adapter, bucket_bytes: int, values: Iterator[tuple[str, torch.Tensor]],
+               out_dtype: Callable[[str, torch.dtype], torch.dtype], mine: bool) -> Iterator[Bucket]:
+    """Buckets cut from a ``gather_each`` stream, for layouts ``gather_many`` does not serve."""
+    pending: list[tuple[str, torch.Tensor]] = []
+    size = 0
+
+    def pack() -> Bucket:
+        entries, total = _layout((n, tuple(t.shape), out_dtype(n, t.dtype), id(t)) for n, t in pending)
+        flat = torch.empty(total, dtype=torch.uint8, device=wm.device)
+        with torch.no_grad():
+            for (_, t), e in zip(pending, entries, strict=True):
+                _view(flat, e).copy_(t)
+        return Bucket(flat, entries)
+
+    for name, value in values:
+        if not mine:
+            continue
+        c = _aligned(value.numel() * max(value.element_size(), out_dtype(name, value.dtype).itemsize))
+        if pending and size + c > bucket_bytes:
+            yield pack()
+            pending, size = [], 0
+        pending.append((name, value))
+        size += c
+    if pending:
+        yield pack()
