@@ -169,7 +169,7 @@ def _named_full_parameters(wm: Any, ctx: dict[str, Any]) -> None:
 def _stream_full_parameters(wm: Any, ctx: dict[str, Any]) -> None:
     from ..integrations.vllm import load_into
 
-    want = dict(_fresh_model(ctx, 0).named_parameters(remove_duplicate=False))
+    want: dict[str, torch.Tensor] = dict(_fresh_model(ctx, 0).named_parameters(remove_duplicate=False))
     receiver = _fresh_model(ctx, 1)
     # Small buckets, so that even the tiny model takes several, each gathered in one collective.
     buckets = 0
