@@ -156,3 +156,72 @@ def stream_refusals() -> dict[str, Any]:
     except wrapkit.StateDictError as exc:
         out["wrong_receiver"] = str(exc)
     return out
+
+
+# -- sleep / wake ----------------------------------------------------------------------------
+def _storages(state: list[tuple[str, torch.Tensor]]) -> set[int]:
+    return {t.untyped_storage().data_ptr() for _, t in state if t.numel()}
+
+
+def sleep_case(spec: str, level: int, precision: str = "fp32", topology: str = "flat",
+               steps: int = 3) -> dict[str, Any]:
+    """Train ``steps`` steps twice from the same weights, once with a sleep/wake cycle in every step
+    (level 1: between backward and step, so the gradients must come back; level 2: after the step),
+    and report both runs' losses and what sleep moved."""
+    obs: dict[str, Any] = {"losses": {}, "moved_all": [], "grads_after_sleep": [], "reports": []}
+    for cycle in (False, True):
+        wm = wrapkit.adapt(build(spec, seed=5, precision=precision, topology=topology))
+        engine = wm.backend == "deepspeed"
+        opt = None if engine else torch.optim.AdamW([p for p in wm.module.parameters() if p.requires_grad], lr=1e-2)
+        losses = []
+
+        for _ in range(steps):
+            out = wm(input_ids=TOKENS, labels=TOKENS)
+            losses.append(float(out.loss))
+            if engine:
+                wm.module.backward(out.loss)
+            else:
+                out.loss.backward()
+            if cycle and level == 1:
+                _nap(wm, opt, level, obs)
+            if engine:
+                wm.module.step()
+            else:
+                assert opt is not None
+                opt.step()
+            if cycle and level == 2:
+                _nap(wm, opt, level, obs)
+            if not engine:
+                assert opt is not None
+                opt.zero_grad(set_to_none=True)
+        obs["losses"][str(cycle)] = losses
+        obs["device_after"] = str(wm.device)
+    return obs
+
+
+def _nap(wm: Any, opt: Any, level: int, obs: dict[str, Any]) -> None:
+    """One sleep/wake cycle, recording what sleep moved."""
+    from wrapkit.sleeping import training_state
+
+    below = as_adapter(wm)
+    # The old storages are held, so that no new tensor can be put at one of their addresses.
+    held = [t.untyped_storage() for _, t in training_state(below, opt) if t.numel()]
+    before = {st.data_ptr() for st in held}
+    report = wm.sleep(opt, level=level)
+    asleep = training_state(below, opt)
+    obs["reports"].append(report._asdict())
+    obs["moved_all"].append(not (before & _storages(asleep)))
+    obs["kept"] = sorted({what for what, t in asleep if t.numel() and t.untyped_storage().data_ptr() in before})
+    obs["grads_after_sleep"].append(sum(1 for p in below.frozen_parameters() if p.grad is not None))
+    obs["on_cpu"] = all(t.device.type == "cpu" for _, t in asleep)
+    wm.wake()
+
+
+def sleep_cases(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for c in cases:
+        try:
+            out[repr(sorted(c.items()))] = sleep_case(**c)
+        except wrapkit.WrapkitError as exc:
+            out[repr(sorted(c.items()))] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out

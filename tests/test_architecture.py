@@ -21,7 +21,8 @@ LAYERS: list[tuple[str, set[str]]] = [
     ("backends", {"adapters", "layers"}),
     ("detection", {"_registry"}),
     ("operations", {"placement", "full_parameters", "state_dict", "checkpoint", "pretrained", "reading", "sync",
-                    "streaming", "wrapping", "view", "reference"}),
+                    "streaming", "sleeping", "wrapping", "view",
+                    "reference"}),
     ("public API", {"", "_wrapped"}),
     ("integrations and cli", {"integrations", "cli", "__main__"}),
 ]

@@ -18,6 +18,7 @@ from ._registry import register_adapter, registered_adapters
 from ._wrapped import adapt, prepare_reference
 from .adapters import Adapter
 from .checkpoint import read_checkpoint
+from .sleeping import SleepReport
 from .streaming import Bucket, BucketEntry
 
 __version__ = "0.1.0"
@@ -44,4 +45,5 @@ __all__ = [
     "read_checkpoint",
     "Bucket",
     "BucketEntry",
+    "SleepReport",
 ]

@@ -11,6 +11,7 @@ import torch
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
+    from .sleeping import SleepReport
     from .streaming import Bucket
 
 __all__ = ["WrappedModel", "Handle"]
@@ -143,6 +144,15 @@ class WrappedModel(Protocol):
     def place(self, device: torch.device | str | int | None = None) -> WrappedModel:
         """Move this rank's parameters/shards to ``device`` (``None``: the compute device), sharding kept;
         verified afterwards (``PlacementError`` names the offenders). Call on every rank. Returns ``self``."""
+        ...
+
+    def sleep(self, optimizer: Any = None, level: int = 1) -> SleepReport:
+        """Parameters, gradients (level 2: dropped) and optimizer state of this rank to the CPU, sharding kept,
+        for a colocated inference engine; the optimizer is the engine's under DeepSpeed. Collective."""
+        ...
+
+    def wake(self) -> WrappedModel:
+        """Everything ``sleep()`` moved, back on the compute device, verified. Collective."""
         ...
 
     def to_eval_frozen(self) -> WrappedModel:

@@ -15,7 +15,19 @@ from typing import Any, cast
 
 import torch
 
-from . import _args, checkpoint, full_parameters, placement, pretrained, reading, reference, state_dict, streaming, sync
+from . import (
+    _args,
+    checkpoint,
+    full_parameters,
+    placement,
+    pretrained,
+    reading,
+    reference,
+    sleeping,
+    state_dict,
+    streaming,
+    sync,
+)
 from ._protocol import Handle, WrappedModel
 from ._registry import as_adapter, copy_target
 from .adapters import Adapter
@@ -99,6 +111,19 @@ class Wrapped(Handle):
         Raises ``PlacementError`` naming the tensors that are elsewhere. Returns ``self``.
         """
         placement.place(self._below, device)
+        return self
+
+    def sleep(self, optimizer: Any = None, level: int = 1) -> sleeping.SleepReport:
+        """Move this rank's training state off the compute device, for an inference engine that shares
+        it: parameters (shards), gradients and optimizer state to the CPU, sharding kept. Level 2 drops
+        the gradients instead. Under DeepSpeed the engine's optimizer is used (``offload_states``);
+        otherwise pass the torch optimizer whose state should go too. Collective; ``wake()`` undoes it.
+        Returns this rank's ``SleepReport`` (bytes of training state, bytes freed on the device)."""
+        return sleeping.sleep(self._below, optimizer, level)
+
+    def wake(self) -> Wrapped:
+        """Everything ``sleep()`` moved, back on the compute device and verified. Collective. Returns ``self``."""
+        sleeping.wake(self._below)
         return self
 
     def to_eval_frozen(self) -> Wrapped:

@@ -20,7 +20,7 @@ from ._gather import set_modes
 if TYPE_CHECKING:
     from .adapters._base import Adapter
 
-__all__ = ["place", "to_eval_frozen", "move_verified", "resolve_device"]
+__all__ = ["place", "to_eval_frozen", "move_verified", "resolve_device", "home_device", "remember_home"]
 
 # Attribute on the innermost model recording its compute device while it is offloaded: kept on
 # the model, so that place() comes back from any adapter over it.
@@ -79,8 +79,13 @@ def place(wm: Adapter, device: torch.device | str | int | None = None, op: str =
             f"{op}({device!r}) moves this rank's shards to {target}, while other ranks of the {wm.name} group "
             "move theirs to the CPU (or the other way round); name the same kind of device on every rank.")
     move_verified(wm, target, copy=False)
+    remember_home(wm, home, back=target == home)
+
+
+def remember_home(wm: Adapter, home: torch.device, back: bool = False) -> None:
+    """Record the compute device of a model moved away from it (``back``: it is home again)."""
     state = wm.unwrap(keep_peft=False).__dict__
-    if target == home:
+    if back:
         state.pop(_HOME_ATTR, None)
     else:
         state[_HOME_ATTR] = home

@@ -32,6 +32,7 @@ from .full_parameters import gathered, generation, named_full_parameters
 from .layers.peft import adapters_off, base_key_map, merged_layers
 from .placement import resolve_device
 from .pretrained import write_pretrained
+from .sleeping import SleepReport
 from .state_dict import expected_shapes, gather_state_dict, live_buffers
 from .streaming import DEFAULT_BUCKET_BYTES, Bucket, stream_full_parameters
 from .sync import copy_stream_to, source_stream
@@ -123,6 +124,16 @@ class AdapterDisabledView(Handle):
         """Verify that the policy's weights are on ``device`` (default: where the policy computes).
         A view cannot move them: ``ReferenceModelError`` if they are elsewhere."""
         return self._verify_place(device, "place")
+
+    def sleep(self, optimizer: Any = None, level: int = 1) -> SleepReport:
+        """Refused: the view owns no weights; ``sleep()`` the policy."""
+        enter(Call.of("sleep", level=level), self._policy)
+        raise _refusal("sleep()")
+
+    def wake(self) -> AdapterDisabledView:
+        """Refused: the view owns no weights; ``wake()`` the policy."""
+        enter(Call.of("wake"), self._policy)
+        raise _refusal("wake()")
 
     def _verify_place(self, device: torch.device | str | int | None, op: str) -> AdapterDisabledView:
         problem: str | None = None

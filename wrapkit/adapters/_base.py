@@ -8,7 +8,7 @@ parameter count is read off its shards.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -393,10 +393,38 @@ class Adapter:
         """Every parameter whose ``requires_grad`` must go off to freeze the model."""
         yield from self._module.parameters()
 
+    # -- sleep primitives (used by sleeping.py) ------------------------------------------
+    def own_optimizer(self) -> Any:
+        """The optimizer the backend itself holds (a DeepSpeed engine's), or None."""
+        return None
+
+    def optimizer_tensors(self, optimizer: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(what, tensor)`` for the state ``optimizer`` keeps of this rank's part of the model."""
+        for state in getattr(optimizer, "state", {}).values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    yield "optimizer state", _local(value)
+
+    def sleep_refusal(self) -> str | None:
+        """Why this model's training state cannot be moved off the device and back, or None."""
+        return None
+
+    def offload_states(self, home: torch.device) -> Callable[[], None] | None:
+        """Move the training state the backend keeps itself (parameters, gradients, its optimizer's) to
+        the CPU, returning what brings it back to ``home``; None where the backend keeps nothing of its
+        own: parameters then go through ``move`` and the torch optimizer's state is moved by the caller."""
+        return None
+
     def agree_any(self, flag: bool) -> bool:
         """``flag`` or-ed over the group, so that every rank takes the same branch."""
         # Non-distributed adapters may live in a distributed process: they never vote.
         return agree_any(flag, self.process_group(), self.world_size) if self.distributed else flag
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
 
 
 def copy_into(dst: torch.Tensor) -> Any:

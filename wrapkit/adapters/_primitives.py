@@ -144,6 +144,23 @@ class BackendPrimitives(Protocol):
         """Every parameter whose ``requires_grad`` goes off when the model is frozen."""
         ...
 
+    # -- sleep ------------------------------------------------------------------------------------
+    def own_optimizer(self) -> Any:
+        """The optimizer the backend holds itself (a DeepSpeed engine's), or None."""
+        ...
+
+    def optimizer_tensors(self, optimizer: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(what, tensor)`` of the state ``optimizer`` keeps for this rank."""
+        ...
+
+    def sleep_refusal(self) -> str | None:
+        """Why the training state cannot go off the device and back, or None."""
+        ...
+
+    def offload_states(self, home: torch.device) -> Callable[[], None] | None:
+        """The backend's own state to the CPU; returns what brings it back (None: nothing of its own)."""
+        ...
+
     def frozen_form(self) -> Any:
         """The adapter a frozen model keeps: itself, or the module inside a training-only wrapper."""
         ...

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .._agree import agree_any
+from .._errors import UnsupportedModelError
 from .._gather import submodules
 from .._imports import is_instance, require
 from .._names import canonical_name
@@ -343,6 +344,83 @@ class DeepSpeedAdapter(Adapter):
             return
         move_buffers(engine.module, target, copy)
 
+    # -- sleep / wake ------------------------------------------------------------------
+    def own_optimizer(self) -> Any:
+        return getattr(self._engine(), "optimizer", None)
+
+    def optimizer_tensors(self, optimizer: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        # A ZeRO optimizer keeps the fp32 masters and the gradient partitions in flat buffers of its
+        # own, outside the torch optimizer's ``state``.
+        for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+            for t in getattr(optimizer, attr, None) or ():
+                yield "fp32 masters", t
+        buffer = getattr(optimizer, "grad_partitions_flat_buffer", None)
+        if isinstance(buffer, torch.Tensor):
+            yield "gradient partitions", buffer
+        yield from super().optimizer_tensors(getattr(optimizer, "optimizer", optimizer))
+
+    def _sleep_way(self) -> str | None:
+        """"torch": ZeRO-0 with a torch optimizer, moved as any module; "engine": DeepSpeed's
+        ``offload_states`` moves everything; "engine+state": it moves all but the fp32 masters and
+        the optimizer's state, which its ZeRO-3 moves only for its own FusedAdam (moved here);
+        None: no way (ZeRO-1/2 before DeepSpeed 0.17, or no optimizer)."""
+        optimizer = self.own_optimizer()
+        if self.zero_stage == 0 and isinstance(optimizer, torch.optim.Optimizer):
+            return "torch"
+        if optimizer is None or not callable(getattr(optimizer, "offload_states", None)):
+            return None
+        if self.zero_stage == 3 and type(getattr(optimizer, "optimizer", None)).__name__ != "FusedAdam":
+            # Before 0.17 DeepSpeed's ZeRO-3 refused to offload anything for another optimizer.
+            return "engine+state" if _deepspeed_version() >= (0, 17) else None
+        return "engine"
+
+    def sleep_refusal(self) -> str | None:
+        if self._sleep_way() is not None:
+            return None
+        return (f"a ZeRO-{self.zero_stage} engine moves its states with DeepSpeed's offload_states(), which it has "
+                "from DeepSpeed 0.17 for ZeRO-1/2/3 (before, for ZeRO-3 with DeepSpeed's FusedAdam only); upgrade "
+                "DeepSpeed, or use place('cpu') to move the parameters alone")
+
+    def offload_states(self, home: torch.device) -> Callable[[], None] | None:
+        way = self._sleep_way()
+        if way == "torch":
+            return None
+        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+
+        engine, optimizer = self._engine(), self.own_optimizer()
+        include = set(OffloadStateTypeEnum)
+        if way == "engine+state":
+            include -= {OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params}
+        # ZeRO-3 forgets which gradient partitions the next step reads when it moves them (its
+        # offload clears ``averaged_gradients``): rebuilt on reload when a step is pending.
+        pending = self.zero_stage == 3 and bool(getattr(optimizer, "averaged_gradients", None))
+        try:
+            engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=home.type == "cuda")
+        except AssertionError as exc:  # DeepSpeed's own refusal, raised before it moves anything
+            raise UnsupportedModelError(f"DeepSpeed cannot offload this ZeRO-{self.zero_stage} engine's states "
+                                        f"({exc}); use place('cpu') to move the parameters alone") from exc
+        state: list[tuple[dict[str, Any], str]] = []
+        if way == "engine+state":  # what DeepSpeed leaves to its FusedAdam: moved here, after it succeeded
+            for flat in optimizer.fp32_partitioned_groups_flat:
+                flat.data = flat.data.to("cpu")
+            state = [(st, key) for st in optimizer.optimizer.state.values() for key, value in st.items()
+                     if isinstance(value, torch.Tensor) and value.device == home]
+            for st, key in state:
+                st[key] = st[key].to("cpu")
+
+        def reload() -> None:
+            engine.reload_states()
+            for flat in optimizer.fp32_partitioned_groups_flat if way == "engine+state" else ():
+                flat.data = flat.data.to(home)
+            for st, key in state:
+                st[key] = st[key].to(home)
+            if pending:
+                by_id = optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+                for i, group in enumerate(optimizer.fp16_groups):
+                    optimizer.averaged_gradients[i] = [by_id[p.ds_id] if p.requires_grad
+                                                       else torch.zeros_like(p.ds_tensor) for p in group]
+        return reload
+
     def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.zero_stage != 3:
             yield from super().placement_tensors()
@@ -420,3 +498,10 @@ def _each_full(todo: list[Any]) -> Iterator[tuple[Any, torch.Tensor]]:
             full = by_rank[:, start: start + size].reshape(-1)[: int(p.ds_numel)].view(p.ds_shape)
         start += size
         yield p, full
+
+
+def _deepspeed_version() -> tuple[int, int]:
+    import deepspeed
+
+    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in deepspeed.__version__.split(".")[:2])
+    return major, minor

@@ -1,0 +1,132 @@
+"""Weight sync to an inference engine: ``stream_full_parameters`` against the floor and the usual
+ways, on ZeRO-3, FSDP1 and FSDP2, two gloo ranks, at two model sizes, timed alternately in one run.
+
+* **stream vs bare all-gather** (goal: at least 0.8 of its bandwidth): iterating the buckets
+  against bare ``all_gather_into_tensor`` calls moving the same bytes in the same bucket-sized
+  pieces, the least any bucketed transfer can cost.
+* **vs named_full_parameters** and **vs TRL per-tensor** (goal: not slower): the weights end in
+  a receiving model (the stand-in for vLLM's ``load_weights``) through ``load_into`` of the
+  stream, against ``named_full_parameters()`` one tensor at a time, and against the per-tensor
+  loop TRL runs (ZeRO-3: ``GatheredParameters`` of one parameter, FSDP1: ``summon_full_params``
+  of one unit, FSDP2: ``full_tensor()`` of one parameter), each tensor loaded as it comes.
+  The ratio there is the stream's speed-up.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from _common import median, print_rows, row, two_ranks
+
+NAME = "weight_sync"
+GOAL_BANDWIDTH = 0.8
+SIZES = {"M": 512, "L": 1024}  # hidden size of an 8-layer Llama (vocab 1024): 75 MB and 290 MB in fp32
+BUCKET = 32 * 2**20
+
+
+def _load_one(receiver: dict[str, torch.Tensor], name: str, t: torch.Tensor) -> None:
+    with torch.no_grad():
+        receiver[name].copy_(t)
+
+
+def _times(backend: str, hidden: int, reps: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    import wrapkit
+    from wrapkit._registry import as_adapter
+    from wrapkit.cli._models import build, tiny_llama
+    from wrapkit.integrations.vllm import load_into
+
+    wm = wrapkit.adapt(build(backend, model=tiny_llama(0, layers=8, hidden=hidden, vocab=1024)))
+    if wm.zero_stage == 3:
+        wm.module.empty_partition_cache()  # nothing kept gathered between steps: every byte is sent
+    target = tiny_llama(1, layers=8, hidden=hidden, vocab=1024)
+    receiver = dict(target.named_parameters())
+    group = as_adapter(wm).process_group()
+    world = dist.get_world_size(group)
+    total = as_adapter(wm).full_parameter_bytes()
+    pieces = [min(BUCKET, total - start) for start in range(0, total, BUCKET)]
+    sends = [torch.empty(-(-n // (4 * world)), dtype=torch.float32) for n in pieces]
+
+    def timed(fn: Any) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def bare() -> None:
+        for send in sends:
+            recv = torch.empty(send.numel() * world, dtype=send.dtype)
+            dist.all_gather_into_tensor(recv, send, group=group)
+
+    def stream() -> None:
+        for _ in wm.stream_full_parameters(BUCKET):
+            pass
+
+    def stream_load() -> None:
+        load_into(target, wm.stream_full_parameters(BUCKET))
+
+    def named() -> None:
+        for name, t in wm.named_full_parameters():
+            _load_one(receiver, name, t)
+
+    def trl() -> None:
+        from wrapkit._names import canonical_name
+
+        if backend == "zero3":
+            import deepspeed
+
+            for name, p in wm.unwrap().named_parameters():
+                with deepspeed.zero.GatheredParameters([p]):
+                    _load_one(receiver, canonical_name(name), p.data)
+        elif backend == "fsdp":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            units = [(path, m) for path, m in wm.module.named_modules() if isinstance(m, FullyShardedDataParallel)]
+            for path, unit in units:
+                with FullyShardedDataParallel.summon_full_params(unit, recurse=False, writeback=False):
+                    for name, p in unit.named_parameters():
+                        if name.count("_fsdp_wrapped_module") == 1:  # this unit's own, not a nested unit's
+                            _load_one(receiver, canonical_name(f"{path}.{name}" if path else name), p.data)
+        else:
+            for name, p in wm.unwrap().named_parameters():
+                _load_one(receiver, canonical_name(name), p.full_tensor())  # type: ignore[operator]
+
+    ways = {"bare": bare, "stream": stream, "stream_load": stream_load, "named": named, "trl": trl}
+    for fn in ways.values():  # warm-up
+        timed(fn)
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    for i in range(reps):
+        order = list(ways.items()) if i % 2 else list(reversed(ways.items()))
+        for key, fn in order:
+            times[key].append(timed(fn))
+    buckets = sum(1 for _ in wm.stream_full_parameters(BUCKET))
+    return {"times": {k: median(v) for k, v in times.items()}, "megabytes": total / 2**20, "buckets": buckets,
+            "params": sum(1 for _ in wm.unwrap().parameters())}
+
+
+def run(quick: bool = False) -> list[dict[str, Any]]:
+    reps = 3 if quick else 7
+    rows = []
+    with two_ranks() as group:
+        for backend in ("zero3", "fsdp", "fsdp2"):
+            for size, hidden in SIZES.items():
+                if quick and size != "M":
+                    continue
+                obs = group.run(_times, backend, hidden, reps, timeout=600)[0]
+                t = obs["times"]
+                what = (f"{obs['megabytes']:.0f} MB in {obs['buckets']} buckets of {BUCKET >> 20} MiB, "
+                        f"{obs['params']} parameters, median of {reps}")
+                rows.append(row(f"{backend} {size} vs bare all-gather", t["stream"], t["bare"], GOAL_BANDWIDTH,
+                                better="higher", note=f"bandwidth ratio; {what}"))
+                rows.append(row(f"{backend} {size} vs named_full_parameters", t["stream_load"], t["named"], 1.0,
+                                better="higher", note="speed-up, loaded into a model"))
+                rows.append(row(f"{backend} {size} vs TRL per-tensor", t["stream_load"], t["trl"], 1.0,
+                                better="higher", note="speed-up, loaded into a model"))
+    return rows
+
+
+if __name__ == "__main__":
+    print_rows("stream_full_parameters vs the floor and the per-tensor ways", run())
