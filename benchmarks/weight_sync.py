@@ -10,6 +10,10 @@ ways, on ZeRO-3, FSDP1 and FSDP2, two gloo ranks, at two model sizes, timed alte
   loop TRL runs (ZeRO-3: ``GatheredParameters`` of one parameter, FSDP1: ``summon_full_params``
   of one unit, FSDP2: ``full_tensor()`` of one parameter), each tensor loaded as it comes.
   The ratio there is the stream's speed-up.
+* **sleep+wake**: one ``sleep()`` and ``wake()`` of the whole training state (parameters and AdamW's
+  moments after a step), against copying the same tensors to fresh memory and back by hand (goal:
+  at most 1.5x). On a machine without an accelerator both are host copies; DeepSpeed's own
+  offload does nothing when the engine already lives on the CPU.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from _common import median, print_rows, row, two_ranks
 
 NAME = "weight_sync"
 GOAL_BANDWIDTH = 0.8
+GOAL_CYCLE = 1.5
 SIZES = {"M": 512, "L": 1024}  # hidden size of an 8-layer Llama (vocab 1024): 75 MB and 290 MB in fp32
 BUCKET = 32 * 2**20
 
@@ -38,6 +43,7 @@ def _times(backend: str, hidden: int, reps: int) -> dict[str, Any]:
     from wrapkit._registry import as_adapter
     from wrapkit.cli._models import build, tiny_llama
     from wrapkit.integrations.vllm import load_into
+    from wrapkit.sleeping import training_state
 
     wm = wrapkit.adapt(build(backend, model=tiny_llama(0, layers=8, hidden=hidden, vocab=1024)))
     if wm.zero_stage == 3:
@@ -94,7 +100,36 @@ def _times(backend: str, hidden: int, reps: int) -> dict[str, Any]:
             for name, p in wm.unwrap().named_parameters():
                 _load_one(receiver, canonical_name(name), p.full_tensor())  # type: ignore[operator]
 
-    ways = {"bare": bare, "stream": stream, "stream_load": stream_load, "named": named, "trl": trl}
+    # sleep() + wake() of the whole training state (AdamW's moments made by one step), against copying
+    # the same bytes to fresh memory and back by hand.
+    engine = wm.backend == "deepspeed"
+    opt = None if engine else torch.optim.AdamW(wm.module.parameters(), lr=1e-5)
+    tokens = torch.arange(64).reshape(2, 32) % 1024
+    loss = wm(input_ids=tokens, labels=tokens).loss
+    if engine:
+        wm.module.backward(loss)
+        wm.module.step()
+    else:
+        assert opt is not None
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    report = wm.sleep(opt)
+    wm.wake()
+    state = [t for _, t in training_state(as_adapter(wm), as_adapter(wm).own_optimizer() or opt)]
+
+    def cycle() -> None:
+        wm.sleep(opt)
+        wm.wake()
+
+    def by_hand() -> None:
+        with torch.no_grad():
+            away = [t.to("cpu", copy=True) for t in state]
+            for t, a in zip(state, away, strict=True):
+                t.copy_(a)
+
+    ways = {"bare": bare, "stream": stream, "stream_load": stream_load, "named": named, "trl": trl,
+            "cycle": cycle, "by_hand": by_hand}
     for fn in ways.values():  # warm-up
         timed(fn)
     times: dict[str, list[float]] = {k: [] for k in ways}
@@ -104,7 +139,7 @@ def _times(backend: str, hidden: int, reps: int) -> dict[str, Any]:
             times[key].append(timed(fn))
     buckets = sum(1 for _ in wm.stream_full_parameters(BUCKET))
     return {"times": {k: median(v) for k, v in times.items()}, "megabytes": total / 2**20, "buckets": buckets,
-            "params": sum(1 for _ in wm.unwrap().parameters())}
+            "params": sum(1 for _ in wm.unwrap().parameters()), "state_mb": report.state_bytes / 2**20}
 
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
@@ -125,6 +160,9 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                                 better="higher", note="speed-up, loaded into a model"))
                 rows.append(row(f"{backend} {size} vs TRL per-tensor", t["stream_load"], t["trl"], 1.0,
                                 better="higher", note="speed-up, loaded into a model"))
+                rows.append(row(f"{backend} {size} sleep+wake", t["cycle"], t["by_hand"], GOAL_CYCLE,
+                                note=f"{obs['state_mb']:.0f} MB of training state per rank, against copying it "
+                                     "away and back by hand"))
     return rows
 
 
