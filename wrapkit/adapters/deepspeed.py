@@ -9,20 +9,20 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
-from itertools import pairwise
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .._agree import agree_any
-from .._errors import UnsupportedModelError
 from .._gather import submodules
 from .._imports import is_instance, require
 from .._names import canonical_name
-from ._base import Adapter, copy_into, move_buffers
+from ._base import Adapter, move_buffers
 from ._internals import ZERO3_PARAM, require_internals
 from ._primitives import Piece
+from ._zero_partitions import each_full, full_writer, partition_writer
+from ._zero_states import offload_engine_states, sleep_way
 
 
 class DeepSpeedAdapter(Adapter):
@@ -143,14 +143,14 @@ class DeepSpeedAdapter(Adapter):
             part = getattr(p, "ds_tensor", None)
             if part is None:
                 shape = tuple(p.shape)
-                out.append(Piece(canonical_name(name), 0, p.numel(), shape, _full_writer(p, keep)))
+                out.append(Piece(canonical_name(name), 0, p.numel(), shape, full_writer(p, keep)))
                 continue
             size = part.numel()
             start = dist.get_rank(p.ds_process_group) * size  # type: ignore[attr-defined]
             valid = max(0, min(size, int(p.ds_numel) - start))  # type: ignore[attr-defined]
             if valid:
                 shape = tuple(p.ds_shape)  # type: ignore[attr-defined]
-                out.append(Piece(canonical_name(name), start, valid, shape, _partition_writer(p, part, valid, keep)))
+                out.append(Piece(canonical_name(name), start, valid, shape, partition_writer(p, part, valid, keep)))
         return out
 
     def pieces_written(self) -> None:
@@ -233,7 +233,7 @@ class DeepSpeedAdapter(Adapter):
         todo = self._one_gather([p for p in params if getattr(p.ds_status, "name", "") != "AVAILABLE"])
         if todo is None:
             return None
-        return {id(p): torch.nn.Parameter(full, requires_grad=p.requires_grad) for p, full in _each_full(todo)}
+        return {id(p): torch.nn.Parameter(full, requires_grad=p.requires_grad) for p, full in each_full(todo)}
 
     def _one_gather(self, todo: list[Any]) -> list[Any] | None:
         """``todo`` when one all-gather of their partitions serves them: every partition in memory
@@ -267,7 +267,7 @@ class DeepSpeedAdapter(Adapter):
             for p in rest:
                 yield p, self._gather_16bit(p)
             return
-        yield from _each_full(todo)
+        yield from each_full(todo)
 
     @contextlib.contextmanager
     def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
@@ -359,67 +359,15 @@ class DeepSpeedAdapter(Adapter):
             yield "gradient partitions", buffer
         yield from super().optimizer_tensors(getattr(optimizer, "optimizer", optimizer))
 
-    def _sleep_way(self) -> str | None:
-        """"torch": ZeRO-0 with a torch optimizer, moved as any module; "engine": DeepSpeed's
-        ``offload_states`` moves everything; "engine+state": it moves all but the fp32 masters and
-        the optimizer's state, which its ZeRO-3 moves only for its own FusedAdam (moved here);
-        None: no way (ZeRO-1/2 before DeepSpeed 0.17, or no optimizer)."""
-        optimizer = self.own_optimizer()
-        if self.zero_stage == 0 and isinstance(optimizer, torch.optim.Optimizer):
-            return "torch"
-        if optimizer is None or not callable(getattr(optimizer, "offload_states", None)):
-            return None
-        if self.zero_stage == 3 and type(getattr(optimizer, "optimizer", None)).__name__ != "FusedAdam":
-            # Before 0.17 DeepSpeed's ZeRO-3 refused to offload anything for another optimizer.
-            return "engine+state" if _deepspeed_version() >= (0, 17) else None
-        return "engine"
-
     def sleep_refusal(self) -> str | None:
-        if self._sleep_way() is not None:
+        if sleep_way(self.zero_stage or 0, self.own_optimizer()) is not None:
             return None
         return (f"a ZeRO-{self.zero_stage} engine moves its states with DeepSpeed's offload_states(), which it has "
                 "from DeepSpeed 0.17 for ZeRO-1/2/3 (before, for ZeRO-3 with DeepSpeed's FusedAdam only); upgrade "
                 "DeepSpeed, or use place('cpu') to move the parameters alone")
 
     def offload_states(self, home: torch.device) -> Callable[[], None] | None:
-        way = self._sleep_way()
-        if way == "torch":
-            return None
-        from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
-
-        engine, optimizer = self._engine(), self.own_optimizer()
-        include = set(OffloadStateTypeEnum)
-        if way == "engine+state":
-            include -= {OffloadStateTypeEnum.optim_states, OffloadStateTypeEnum.hp_params}
-        # ZeRO-3 forgets which gradient partitions the next step reads when it moves them (its
-        # offload clears ``averaged_gradients``): rebuilt on reload when a step is pending.
-        pending = self.zero_stage == 3 and bool(getattr(optimizer, "averaged_gradients", None))
-        try:
-            engine.offload_states(include=include, device=OffloadDeviceEnum.cpu, pin_memory=home.type == "cuda")
-        except AssertionError as exc:  # DeepSpeed's own refusal, raised before it moves anything
-            raise UnsupportedModelError(f"DeepSpeed cannot offload this ZeRO-{self.zero_stage} engine's states "
-                                        f"({exc}); use place('cpu') to move the parameters alone") from exc
-        state: list[tuple[dict[str, Any], str]] = []
-        if way == "engine+state":  # what DeepSpeed leaves to its FusedAdam: moved here, after it succeeded
-            for flat in optimizer.fp32_partitioned_groups_flat:
-                flat.data = flat.data.to("cpu")
-            state = [(st, key) for st in optimizer.optimizer.state.values() for key, value in st.items()
-                     if isinstance(value, torch.Tensor) and value.device == home]
-            for st, key in state:
-                st[key] = st[key].to("cpu")
-
-        def reload() -> None:
-            engine.reload_states()
-            for flat in optimizer.fp32_partitioned_groups_flat if way == "engine+state" else ():
-                flat.data = flat.data.to(home)
-            for st, key in state:
-                st[key] = st[key].to(home)
-            if pending:
-                by_id = optimizer._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
-                for i, group in enumerate(optimizer.fp16_groups):
-                    optimizer.averaged_gradients[i] = [by_id[p.ds_id] if p.requires_grad
-                                                       else torch.zeros_like(p.ds_tensor) for p in group]
-        return reload
+        return offload_engine_states(self._engine(), self.zero_stage or 0, home)
 
     def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.zero_stage != 3:
@@ -432,76 +380,3 @@ class DeepSpeedAdapter(Adapter):
                 yield canonical_name(name), p
         for name, buf in module.named_buffers():
             yield canonical_name(name), buf
-
-
-def _full_writer(p: Any, master: Callable[[Any], torch.Tensor | None] | None) -> Callable[[torch.Tensor], None]:
-    """Write a whole (ZeRO 0-2) parameter, and its fp32 master where the optimizer keeps one."""
-    write = copy_into(p.data)
-
-    def both(values: torch.Tensor) -> None:
-        write(values)
-        if master is None:
-            return
-        with torch.no_grad():
-            if hasattr(p, "_hp_mapping"):  # ZeRO 1-2, bf16 optimizer: this rank's fragment
-                from deepspeed.utils import safe_set_full_fp32_param
-
-                safe_set_full_fp32_param(p, values.reshape(p.shape).to(device=p.device, dtype=torch.float32))
-            elif (own := master(p)) is not None:  # ZeRO-0's unfused optimizer: the fp32 parameter itself
-                own.copy_(values.reshape(own.shape))
-    return both
-
-
-def _partition_writer(p: Any, part: torch.Tensor, valid: int,
-                      master: Callable[[Any], torch.Tensor | None] | None) -> Callable[[torch.Tensor], None]:
-    """Write a ZeRO-3 partition (its first ``valid`` elements; the rest is padding), and its fp32 master."""
-    write = copy_into(part.view(-1)[:valid])
-
-    def both(values: torch.Tensor) -> None:
-        write(values)
-        if master is None:
-            return
-        from deepspeed.utils import safe_set_local_fp32_param
-
-        with torch.no_grad():
-            padded = torch.zeros(part.numel(), dtype=torch.float32, device=part.device)
-            padded[:valid] = values.reshape(-1)
-            safe_set_local_fp32_param(p, padded)
-    return both
-
-
-def _each_full(todo: list[Any]) -> Iterator[tuple[Any, torch.Tensor]]:
-    """``(parameter, full value)`` of ZeRO-3 parameters, from one all-gather of their partitions
-    (``_one_gather`` said it serves them); each value is cut out of the gathered buffer as it is
-    reached. ZeRO-3 pads each flattened parameter to a multiple of its group's size and gives
-    rank r the r-th equal slice (``_partition_param`` in deepspeed/runtime/zero/partition_parameters.py)."""
-    if not todo:
-        return
-    group, dtype = todo[0].ds_process_group, todo[0].ds_tensor.dtype
-    world = dist.get_world_size(group)
-    sizes = [int(p.ds_tensor.ds_numel) for p in todo]
-    parts = [p.ds_tensor.detach().reshape(-1) for p in todo]
-    storage = parts[0].untyped_storage().data_ptr()
-    with torch.no_grad():
-        if all(x.data_ptr() + x.numel() * x.element_size() == y.data_ptr()
-               and y.untyped_storage().data_ptr() == storage for x, y in pairwise(parts)):
-            # ZeRO-3's optimizer keeps the partitions end to end in one flat buffer: send it as is.
-            send = parts[0].as_strided((sum(sizes),), (1,), parts[0].storage_offset())
-        else:
-            send = torch.cat(parts)
-        recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
-        dist.all_gather_into_tensor(recv, send, group=group)
-    by_rank = recv.view(world, send.numel())
-    start = 0
-    for p, size in zip(todo, sizes, strict=True):
-        with torch.no_grad():
-            full = by_rank[:, start: start + size].reshape(-1)[: int(p.ds_numel)].view(p.ds_shape)
-        start += size
-        yield p, full
-
-
-def _deepspeed_version() -> tuple[int, int]:
-    import deepspeed
-
-    major, minor = (int("".join(c for c in part if c.isdigit()) or 0) for part in deepspeed.__version__.split(".")[:2])
-    return major, minor
