@@ -16,6 +16,18 @@ def two_ranks() -> WorkerGroup:
     return WorkerGroup(world_size=2, backend="gloo", preload=PRELOAD)
 
 
+def barrier_timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` takes on this rank, started together on every rank (a barrier first)."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
 def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 

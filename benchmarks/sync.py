@@ -13,11 +13,10 @@ rank made the same call), none with ``WRAPKIT_CHECK_CALLS=0`` (the "unchecked" r
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import torch
-from _common import interleaved, median, print_rows, row, two_ranks
+from _common import barrier_timed, interleaved, median, print_rows, row, two_ranks
 
 NAME = "sync"
 GOAL = 1.2
@@ -27,7 +26,6 @@ SIZES = {"S": 256, "M": 512, "L": 1024}  # hidden size of an 8-layer Llama (voca
 
 def _times(backend: str, hidden: int, reps: int,
            checked: bool) -> tuple[list[float], list[float], float, list[float]]:
-    import torch.distributed as dist
 
     import wrapkit
     from wrapkit._agree import CHECK_ENV
@@ -58,12 +56,6 @@ def _times(backend: str, hidden: int, reps: int,
             for dst, src in pairs:
                 dst.copy_(dst.float() * (1 - ALPHA) + src.float() * ALPHA)
 
-    def timed(fn: Any) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
-
     def sync() -> None:
         policy.copy_to(ref, alpha=ALPHA)
 
@@ -71,10 +63,10 @@ def _times(backend: str, hidden: int, reps: int,
         os.environ[CHECK_ENV] = "0"
     try:
         for _ in range(2):
-            timed(sync)
-            timed(local_copy)
-        through, base = interleaved(lambda: timed(sync), lambda: timed(local_copy), reps)
-        by_hand = [timed(per_tensor) for _ in range(max(3, reps // 3))]
+            barrier_timed(sync)
+            barrier_timed(local_copy)
+        through, base = interleaved(lambda: barrier_timed(sync), lambda: barrier_timed(local_copy), reps)
+        by_hand = [barrier_timed(per_tensor) for _ in range(max(3, reps // 3))]
     finally:
         os.environ.pop(CHECK_ENV, None)
     return through, base, megabytes, by_hand

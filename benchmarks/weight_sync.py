@@ -18,11 +18,10 @@ ways, on ZeRO-3, FSDP1 and FSDP2, two gloo ranks, at two model sizes, timed alte
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import torch
-from _common import median, print_rows, row, two_ranks
+from _common import barrier_timed, median, print_rows, row, two_ranks
 
 NAME = "weight_sync"
 GOAL_BANDWIDTH = 0.8
@@ -55,12 +54,6 @@ def _times(backend: str, hidden: int, reps: int) -> dict[str, Any]:
     total = as_adapter(wm).full_parameter_bytes()
     pieces = [min(BUCKET, total - start) for start in range(0, total, BUCKET)]
     sends = [torch.empty(-(-n // (4 * world)), dtype=torch.float32) for n in pieces]
-
-    def timed(fn: Any) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        return time.perf_counter() - t0
 
     def bare() -> None:
         for send in sends:
@@ -131,12 +124,12 @@ def _times(backend: str, hidden: int, reps: int) -> dict[str, Any]:
     ways = {"bare": bare, "stream": stream, "stream_load": stream_load, "named": named, "trl": trl,
             "cycle": cycle, "by_hand": by_hand}
     for fn in ways.values():  # warm-up
-        timed(fn)
+        barrier_timed(fn)
     times: dict[str, list[float]] = {k: [] for k in ways}
     for i in range(reps):
         order = list(ways.items()) if i % 2 else list(reversed(ways.items()))
         for key, fn in order:
-            times[key].append(timed(fn))
+            times[key].append(barrier_timed(fn))
     buckets = sum(1 for _ in wm.stream_full_parameters(BUCKET))
     return {"times": {k: median(v) for k, v in times.items()}, "megabytes": total / 2**20, "buckets": buckets,
             "params": sum(1 for _ in wm.unwrap().parameters()), "state_mb": report.state_bytes / 2**20}
