@@ -186,8 +186,9 @@ def main() -> None:
             }
             with open(args.json, "w") as f:
                 json.dump(summary, f, indent=2)
-    dist.barrier()
-    dist.destroy_process_group()
+    # The end of every rank: destroys the group and exits 0, without the abort at interpreter exit
+    # that gloo's threads can cause once a DDP wrapper has existed (see wrapkit/shutdown.py).
+    wrapkit.shutdown()
 
 
 if __name__ == "__main__":

@@ -47,12 +47,8 @@ def _without_warnings(text: str) -> str:
 
 def report_and_close(obs: Any, path: str | Path) -> None:
     """In a launched script: gather every rank's observations, write them as JSON from rank 0,
-    destroy the process group and end the process.
-
-    The process ends with ``os._exit(0)`` once everything is written: the interpreter's own
-    teardown runs third-party destructors (gloo's worker threads, DeepSpeed's communication
-    ops) that on occasion abort with SIGABRT after all the work is done, which is not what
-    these scripts test."""
+    then ``wrapkit.shutdown()``: the group destroyed and the process ended with exit code 0,
+    without the abort at interpreter exit that gloo's threads can cause (wrapkit/shutdown.py)."""
     import json
 
     import torch.distributed as dist
@@ -61,8 +57,6 @@ def report_and_close(obs: Any, path: str | Path) -> None:
     dist.all_gather_object(everyone, obs)
     if dist.get_rank() == 0:
         Path(path).write_text(json.dumps(everyone))
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    import wrapkit
+
+    wrapkit.shutdown()

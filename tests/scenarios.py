@@ -156,3 +156,43 @@ def fsdp1_variants() -> dict[str, Any]:
         "noshard_sharded": wrapkit.adapt(noshard).is_sharded,
         "noshard_count": wrapkit.adapt(noshard).num_parameters(),
     }
+
+
+def tensor_parallel_refused() -> dict[str, str]:
+    """A tensor-parallel Llama (``parallelize_module`` over every rank), and on four ranks FSDP2 over
+    ``mesh["dp"]`` of a (dp, tp) mesh on top of it: ``adapt()`` must refuse both, never call them plain."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    import wrapkit
+    from wrapkit.cli._models import tiny_llama
+
+    world = dist.get_world_size()
+    tp_size = 2
+    shape, names = ((world // tp_size, tp_size), ("dp", "tp")) if world > tp_size else ((tp_size,), ("tp",))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = tiny_llama(0)
+    plan = {**{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+            "self_attn.o_proj": RowwiseParallel(),
+            **{f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")}, "mlp.down_proj": RowwiseParallel()}
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], plan)
+    out: dict[str, str] = {}
+
+    def attempt(key: str, obj: Any) -> None:
+        try:
+            wm = wrapkit.adapt(obj)
+            out[key] = f"adapted as {wm.backend}, is_sharded={wm.is_sharded}"
+        except wrapkit.UnsupportedModelError as exc:
+            out[key] = f"UnsupportedModelError: {exc}"
+
+    attempt("tp", model)
+    if world > tp_size:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        attempt("fsdp2+tp", model)
+    return out

@@ -17,11 +17,11 @@ PACKAGE = Path(wrapkit.__file__).resolve().parent  # the one imported: a checkou
 # Lowest first. A module may import its own layer and the ones below it.
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"_errors", "_args", "_names", "_imports", "_protocol", "_agree", "_gather",
-                     "_memory", "_torch_ops"}),
+                     "_memory", "_torch_ops", "_dtypes"}),
     ("backends", {"adapters", "layers"}),
     ("detection", {"_registry"}),
     ("operations", {"placement", "full_parameters", "state_dict", "checkpoint", "pretrained", "reading", "sync",
-                    "streaming", "sleeping", "wrapping", "view",
+                    "streaming", "sleeping", "wrapping", "view", "shutdown",
                     "reference"}),
     ("public API", {"", "_wrapped"}),
     ("integrations and cli", {"integrations", "cli", "__main__"}),

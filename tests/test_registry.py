@@ -132,3 +132,20 @@ def test_forward_is_a_direct_call() -> None:
     finally:
         handle.remove()
     assert calls == [1, 1]
+
+
+def _check_tp_refusal(message: str) -> None:
+    assert message.startswith("UnsupportedModelError"), message
+    # It names a parameter and its placements, and says what to do.
+    assert "self_attn.q_proj.weight" in message and "Shard(" in message and "fully_shard" in message, message
+
+
+def test_tensor_parallel_model_refused_at_adapt(group: Any) -> None:
+    for obs in group.run("tests.scenarios:tensor_parallel_refused", timeout=120):
+        _check_tp_refusal(obs["tp"])
+
+
+def test_fsdp2_over_a_tensor_parallel_mesh_refused_at_adapt(group4: Any) -> None:
+    for obs in group4.run("tests.scenarios:tensor_parallel_refused", timeout=120):
+        _check_tp_refusal(obs["tp"])
+        _check_tp_refusal(obs["fsdp2+tp"])

@@ -18,6 +18,7 @@ from ._registry import register_adapter, registered_adapters
 from ._wrapped import adapt, prepare_reference
 from .adapters import Adapter
 from .checkpoint import read_checkpoint
+from .shutdown import shutdown
 from .sleeping import SleepReport
 from .streaming import Bucket, BucketEntry
 
@@ -46,4 +47,5 @@ __all__ = [
     "Bucket",
     "BucketEntry",
     "SleepReport",
+    "shutdown",
 ]

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._agree import Call, any_over_models, broadcast_object, enter, first_replica, models_group, raise_agreed
+from ._dtypes import safetensors_name
 from ._errors import ArgumentError, StateDictError, WrapkitError
 from ._memory import parse_size
 from .checkpoint import _fsync_dir
@@ -93,11 +94,6 @@ def _commit(tmp: str, directory: str) -> None:
 
 
 # -- writing ------------------------------------------------------------------------------
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-
-
 def _write_file(tensors: dict[str, torch.Tensor], path: str) -> None:
     """One safetensors file, written straight from the tensors' memory: safetensors' own
     ``save_file`` first copies every tensor into one buffer, which would double the memory a
@@ -106,10 +102,11 @@ def _write_file(tensors: dict[str, torch.Tensor], path: str) -> None:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, t in tensors.items():
-        if t.dtype not in _ST_DTYPES:
+        st_dtype = safetensors_name(t.dtype)
+        if st_dtype is None:
             raise StateDictError(f"{name!r} has dtype {t.dtype}, which safetensors cannot store")
         nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": st_dtype, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ._agree import Call, broadcast_object, enter, models_group, raise_agreed
+from ._dtypes import SAFETENSORS_DTYPES, torch_dtype
 from ._errors import StateDictError
 from ._imports import require
 from .state_dict import check_entries, expected_shapes, live_buffers
@@ -34,10 +35,6 @@ __all__ = ["load", "Catalog"]
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 _log = logging.getLogger(__name__.rpartition(".")[0] or __name__)
-
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
 
 
 class Catalog:
@@ -120,7 +117,24 @@ class Catalog:
         return out
 
     def total_bytes(self) -> int:
-        return sum(math.prod(shape) * _DTYPES[dtype].itemsize for shape, dtype in self.entries.values())
+        return sum(math.prod(shape) * _itemsize(dtype) for shape, dtype in self.entries.values())
+
+
+def _itemsize(name: str) -> int:
+    dtype = torch_dtype(name)
+    return dtype.itemsize if dtype is not None else 0
+
+
+def dtype_problems(entries: dict[str, tuple[tuple[int, ...], str]], path: str) -> list[str]:
+    """One line per checkpoint tensor whose dtype this torch cannot hold, so that the load
+    refuses it before anything is written."""
+    bad = {name: dtype for name, (_, dtype) in entries.items() if torch_dtype(dtype) is None}
+    if not bad:
+        return []
+    first = ", ".join(f"{n!r} ({d})" for n, d in list(bad.items())[:3])
+    return [f"the checkpoint {path!r} holds {len(bad)} tensor(s) in a dtype torch {torch.__version__} cannot "
+            f"read: {first}{', ...' if len(bad) > 3 else ''} (readable: {', '.join(SAFETENSORS_DTYPES)}); "
+            "convert them, or load with a torch that has that dtype"]
 
 
 def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_rank: int | None = None) -> None:
@@ -160,7 +174,8 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
         if not problems:
             shapes: dict[str, tuple[int, ...] | None] = {k: v[0] for k, v in entries.items()}
             expected = expected_shapes(wm)
-            problems = check_entries(shapes, expected, strict, (f"the checkpoint {path!r}", "the model"))
+            problems = dtype_problems(entries, path)
+            problems += check_entries(shapes, expected, strict, (f"the checkpoint {path!r}", "the model"))
             if meta is not None:
                 problems += _meta_problems(wm, meta, [k for k in expected if k not in entries])
         if not broadcast:
@@ -178,7 +193,7 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
                 assert catalog is not None
                 _fill(wm, catalog)
         wm.pieces_written()
-        if catalog is not None:
+        if catalog is not None and _log.isEnabledFor(logging.DEBUG):
             _log.debug("load: rank %d read %d of the %d bytes in %s", wm.rank, catalog.bytes_read,
                        catalog.total_bytes(), path)
 
@@ -206,10 +221,14 @@ def _fill_broadcast(wm: Adapter, catalog: Catalog | None, entries: dict[str, tup
     for name in names:
         shape, dtype = entries[name]
         if catalog is not None:
-            full = catalog.full(name).to(device)
+            full = catalog.full(name).to(device).contiguous()
         else:
-            full = torch.empty(shape, dtype=_DTYPES[dtype], device=device)
-        dist.broadcast(full, global_src, group=group)
+            known = torch_dtype(dtype)
+            assert known is not None, "dtype_problems() let an unknown dtype through"
+            full = torch.empty(shape, dtype=known, device=device)
+        # Sent as its bytes: gloo (and NCCL for some) cannot carry every dtype a checkpoint holds,
+        # float8 among them, and bytes are bytes whatever the dtype.
+        dist.broadcast(full.reshape(-1).view(torch.uint8), global_src, group=group)
         flat = full.reshape(-1)
         for piece in pieces.get(name, ()):
             piece.write(flat[piece.start: piece.start + piece.numel])

@@ -31,6 +31,7 @@ from ._registry import as_adapter
 from ._torch_ops import keep_torch_ops
 from .adapters import Adapter
 from .adapters._base import model_class_name
+from .adapters._zero_partitions import settle_gathers
 from .placement import to_eval_frozen
 from .view import AdapterDisabledView, view_possible
 from .wrapping import fsdp1_like, fsdp2_like, policy_mpu, reference_ds_config, wrap_like
@@ -192,6 +193,7 @@ def _zero3_copy(pol: Adapter, ds_config: dict[str, Any] | None) -> Adapter:
             src = dist.get_global_rank(group, 0) if group is not None else 0
             for a, b in pairs:
                 with deepspeed.zero.GatheredParameters([a, b], modifier_rank=src):
+                    settle_gathers([a, b])
                     if pol.rank == 0:
                         b.data.copy_(a.data)
     engine, *_ = deepspeed.initialize(model=model, config=cfg, mpu=policy_mpu(pol))

@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from .._agree import agree_any, settle
-from .._errors import DistributedStateError, MissingConfigError
+from .._errors import DistributedStateError, MissingConfigError, UnsupportedModelError
 from .._gather import broadcast_
+from .._imports import lookup
 from .._names import canonical_name
 from ._primitives import BackendPrimitives, Piece
 
@@ -71,6 +72,7 @@ class Adapter:
         self._innermost = innermost
         self._check_group()
         self._check_internals()
+        self._check_layout()
         cfg = getattr(innermost, "config", None)
         # Read once: generation code branches on it every step.
         self._is_encoder_decoder = bool(getattr(cfg, "is_encoder_decoder", False)) if cfg is not None else bool(
@@ -349,6 +351,34 @@ class Adapter:
 
     def _check_internals(self) -> None:
         """Refuse a backend version whose private fields this adapter reads are missing (``_internals``)."""
+
+    def _check_layout(self) -> None:
+        """Refuse a model whose DTensor parameters this adapter cannot read or write: taken for
+        unsharded, every operation after ``adapt()`` would hand out shards as full values."""
+        dtensor = lookup("torch.distributed.tensor", "DTensor")
+        if dtensor is None:  # never imported: no parameter can be one
+            return
+        for name, param in self._innermost.named_parameters():
+            if not isinstance(param, dtensor):
+                continue
+            p: Any = param
+            why = self.unsupported_dtensor(p)
+            if why is None:
+                continue
+            mesh = p.device_mesh
+            dims = f" ({', '.join(mesh.mesh_dim_names)})" if getattr(mesh, "mesh_dim_names", None) else ""
+            raise UnsupportedModelError(
+                f"{type(self._innermost).__name__} parameter {canonical_name(name)!r} is a DTensor with placements "
+                f"{tuple(p.placements)} on a {mesh.ndim}-D mesh of {mesh.size()} ranks{dims}: {why}. Tensor "
+                "parallelism (parallelize_module, tp_plan, a ParallelismConfig with tp > 1) is not supported yet; "
+                "shard the model with fully_shard (FSDP2), FSDP1 or DeepSpeed alone, or call adapt() before "
+                "applying tensor parallelism."
+            )
+
+    def unsupported_dtensor(self, p: Any) -> str | None:
+        """Why this adapter cannot handle DTensor parameter ``p`` (None: it can). No backend but FSDP2
+        shards with DTensors, so here every one is refused."""
+        return f"the {self.name} adapter does not shard with DTensors, so this is a layout it cannot read"
 
     def _group_size_and_rank(self) -> tuple[int, int]:
         group = self.process_group()

@@ -14,7 +14,27 @@ import torch.distributed as dist
 
 from ._base import copy_into
 
-__all__ = ["each_full", "full_writer", "partition_writer"]
+__all__ = ["each_full", "full_writer", "partition_writer", "settle_gathers"]
+
+
+def settle_gathers(params: list[Any]) -> None:
+    """Wait until every all-gather DeepSpeed started for ``params`` has finished.
+
+    DeepSpeed's blocking gather of several parameters (``GatheredParameters``, ``param.all_gather``)
+    starts one asynchronous all-gather per parameter and, before DeepSpeed 0.19 (PR #8539), waits for
+    the last one only, then points each parameter at its buffer. On CUDA the stream orders them; on
+    gloo each runs on a worker thread of its own, so an earlier one may still be filling its buffer:
+    a read sees uninitialised memory, and a write made then is overwritten by the gather's late
+    values (a load that loses some of what it wrote, a few runs in ten under DeepSpeed 0.16). A gloo
+    barrier completes only after all the work queued before it on that group: one per group settles
+    them all. Other backends order their work themselves: nothing to do."""
+    groups: dict[int, Any] = {}
+    for p in params:
+        group = getattr(p, "ds_process_group", None)
+        groups.setdefault(id(group), group)
+    for group in groups.values():
+        if dist.get_backend(group) == "gloo":
+            dist.barrier(group=group)
 
 
 def full_writer(p: Any, master: Callable[[Any], torch.Tensor | None] | None) -> Callable[[torch.Tensor], None]:

@@ -21,7 +21,7 @@ from .._names import canonical_name
 from ._base import Adapter, move_buffers
 from ._internals import ZERO3_PARAM, require_internals
 from ._primitives import Piece
-from ._zero_partitions import each_full, full_writer, partition_writer
+from ._zero_partitions import each_full, full_writer, partition_writer, settle_gathers
 from ._zero_states import offload_engine_states, sleep_way
 
 
@@ -184,6 +184,7 @@ class DeepSpeedAdapter(Adapter):
         if stale:
             stale[0].partition(param_list=stale)  # frees the full copies; partitions are kept as written
             stale[0].all_gather(param_list=stale)
+            settle_gathers(stale)
 
     def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
         if self.zero_stage != 3:
@@ -289,6 +290,7 @@ class DeepSpeedAdapter(Adapter):
         persistent = [p for p in params if getattr(p.ds_status, "name", "") == "AVAILABLE"]
         ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
         ctx.__enter__()
+        settle_gathers(params)  # before anything reads or writes the gathered values
         failed = False
         try:
             yield None
@@ -307,6 +309,7 @@ class DeepSpeedAdapter(Adapter):
                 ctx.__exit__(None, None, None)
                 if persistent:
                     persistent[0].all_gather(param_list=persistent)
+                    settle_gathers(persistent)
             if modifier_rank is not None and not failed:
                 self.weights_written()
 

@@ -67,6 +67,22 @@ class FSDP2Adapter(Adapter):
         shards = [p for p in self._innermost.parameters() if dtensor is not None and isinstance(p, dtensor)]
         require_internals(shards, DTENSOR, "DTensor parameters", "torch")
 
+    def unsupported_dtensor(self, p: Any) -> str | None:
+        # fully_shard's own layout: shards and replicas over the mesh it was given. A parameter on
+        # a mesh with more dimensions (FSDP2 over one dimension of a (dp, tp) mesh, tensor parallel
+        # over the other) or placed otherwise (_StridedShard, Partial) is beyond every read and write here.
+        mesh = self.mesh()
+        own = p.device_mesh
+        if mesh is None or _mesh_key(own) != _mesh_key(mesh):
+            return (f"fully_shard was given a {getattr(mesh, 'ndim', 0)}-D mesh, and a parameter on another mesh "
+                    "(a tensor-parallel dimension beside the data-parallel ones) is a layout the fsdp2 adapter "
+                    "cannot read")
+        from torch.distributed.tensor import Replicate, Shard
+
+        if not all(type(x) in (Shard, Replicate) for x in p.placements):
+            return "placements other than Shard and Replicate are a layout the fsdp2 adapter cannot read"
+        return None
+
     def _fsdp_states(self) -> Iterator[tuple[Any, Any]]:
         """(module, its FSDP state) for every module ``fully_shard`` was applied to."""
         fsdp_module = lookup("torch.distributed.fsdp", "FSDPModule")
@@ -120,6 +136,7 @@ class FSDP2Adapter(Adapter):
         return total
 
     def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
+        self._reshard()
         out: dict[str, tuple[torch.Tensor, tuple[Any, ...]]] = {}
         meshes: dict[int, tuple[Any, ...]] = {}  # reading a mesh's rank layout is slow: once per mesh
         for name, p in self.unwrap().named_parameters():
@@ -169,9 +186,8 @@ class FSDP2Adapter(Adapter):
         # But FSDP2 leaves the root's parameters unsharded (and registered, in param_dtype)
         # after a forward that no backward follows: reshard first, so that every parameter
         # is a DTensor shard again and the copies all come from the same place.
+        self._reshard()
         states = list(self._fsdp_states())
-        for m, _ in states:
-            m.reshard()
         group = self.process_group()
         # Reading, the copies are in the dtype FSDP2's forward computes in; writing
         # (modifier_rank), in the parameters' own dtype, so that the writes are kept exactly.
@@ -207,9 +223,25 @@ class FSDP2Adapter(Adapter):
             for handle in handles:
                 handle.remove()
 
-    def gather_many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+    def _reshard(self) -> None:
+        """Every unit back to its shards. After a forward that no backward followed, FSDP2 keeps
+        the root's parameters unsharded: registered in their place are full copies in the
+        compute dtype (rounded, under mixed precision), whose storage the next reshard frees.
+        Every read and write of the weights starts from the shards, where the values live."""
         for m, _ in self._fsdp_states():
-            m.reshard()  # the root may hold full copies after a forward: read every value from the shards
+            m.reshard()
+
+    def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._reshard()
+        yield from super().gather_each()
+
+    def gather_units(self) -> list[list[torch.nn.Parameter]] | None:
+        # Planned before anything is gathered, read after: the units must be the shards.
+        self._reshard()
+        return super().gather_units()
+
+    def gather_many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        self._reshard()
         served: set[int] = set()
         for p, full in _each_full(params, {}):
             served.add(id(p))
@@ -227,18 +259,15 @@ class FSDP2Adapter(Adapter):
         # ``fully_shard`` hooks every unit, the root included, so the module's own forward
         # gathers unit by unit. FSDP2 keeps the root (and a no-grad forward's last units)
         # unsharded after a forward; resharding on exit frees them, as before entry.
-        states = list(self._fsdp_states())
         try:
             yield
         finally:
-            for m, _ in states:
-                m.reshard()
+            self._reshard()
 
     def load_pieces(self) -> list[Piece]:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        for m, _ in self._fsdp_states():
-            m.reshard()  # the root may hold full copies after a forward: write where they come from
+        self._reshard()  # write where the values come from
         out: list[Piece] = []
         for name, p in self.unwrap().named_parameters():
             local = getattr(p, "_local_tensor", None)
@@ -267,6 +296,10 @@ class FSDP2Adapter(Adapter):
         for name, t in super().placement_tensors():
             local = getattr(t, "_local_tensor", None)
             yield (f"{name} (local shard)", local) if isinstance(local, torch.Tensor) else (name, t)
+
+
+def _mesh_key(mesh: Any) -> tuple[Any, ...]:
+    return (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()))
 
 
 def _cast_hooks(module: torch.nn.Module, state: Any) -> list[Any]:
