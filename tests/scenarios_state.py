@@ -364,3 +364,21 @@ def cached_sync(backend: str) -> dict[str, Any]:
     finally:
         del os.environ["WRAPKIT_CHECK_CALLS"]
     return obs
+
+
+def zero3_writes_after_slow_gathers(rounds: int = 4) -> dict[str, Any]:
+    """Loads into a ZeRO-3 model whose first parameter is large and whose last ones are tiny.
+
+    DeepSpeed's blocking gather of several parameters starts one all-gather each; before 0.19 it
+    waited for the last only, and on gloo each runs on its own thread. With the large one first,
+    its gather is still filling the parameter when the tiny last one has finished: a write made
+    then is overwritten by the gather's late values unless wrapkit waits for all of them."""
+    big = torch.nn.Sequential(torch.nn.Linear(4096, 2048), torch.nn.LayerNorm(8))
+    wm = wrapkit.adapt(build("zero3", model=big))
+    lost: list[list[str]] = []
+    for i in range(rounds):
+        want = {k: torch.full_like(v, float(i + 2)) for k, v in wm.full_state_dict(rank0_only=False).items()}
+        wm.load_full_state_dict(want)
+        got = wm.full_state_dict(rank0_only=False)
+        lost.append([k for k in want if not torch.equal(got[k], want[k])])
+    return {"lost": lost}

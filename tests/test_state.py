@@ -244,3 +244,10 @@ def test_copy_to_caches_the_pairing(group: Any, backend: str) -> None:
         # Shards moved to fresh storage: the pairing is read again and the live shards are written.
         assert obs["after_move"] >= 1 and obs["after_move_exact"], where
         assert obs["new_target_exact"], where
+
+
+def test_zero3_writes_wait_for_every_gather(group: Any) -> None:
+    """DeepSpeed before 0.19 waited for the last of its all-gathers only (the oldest-versions environment)."""
+    pytest.importorskip("deepspeed")
+    for rank, obs in enumerate(group.run(sc.zero3_writes_after_slow_gathers, timeout=180)):
+        assert not any(obs["lost"]), f"rank {rank}: loaded values lost, per round: {obs['lost']}"
