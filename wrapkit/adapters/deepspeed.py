@@ -173,18 +173,32 @@ class DeepSpeedAdapter(Adapter):
         # ZeRO-3 keeps small ("persistent") parameters gathered between forwards once it has
         # traced the model; their full copies were built before the partitions changed.
         # (DeepSpeed: mark_persistent_parameters in deepspeed/runtime/zero/parameter_offload.py,
-        # sized by stage3_param_persistence_threshold.)
-        # Drop them and gather again from the partitions (the same set on every rank).
+        # sized by stage3_param_persistence_threshold.) The full copies get the partitions' new
+        # values in place (the same set on every rank). Releasing and gathering them again would go
+        # through DeepSpeed's parameter state machine, which, before 0.19, refuses to release a
+        # parameter that a forward without its backward yet still holds (ds_active_sub_modules).
         if self.zero_stage != 3:
             return
         stale: list[Any] = list({
             id(p): p for m in submodules(self.unwrap()) for p in m._parameters.values()
             if getattr(getattr(p, "ds_status", None), "name", "") == "AVAILABLE"
         }.values())
-        if stale:
-            stale[0].partition(param_list=stale)  # frees the full copies; partitions are kept as written
-            stale[0].all_gather(param_list=stale)
-            settle_gathers(stale)
+        with torch.no_grad():
+            for p, full in self._from_partitions(stale):
+                p.data.copy_(full.view(p.data.shape))
+
+    def _from_partitions(self, params: list[Any]) -> Iterator[tuple[Any, torch.Tensor]]:
+        """Full values of ``params`` read from their partitions alone: one all-gather where they
+        share a group and a dtype and their partitions are in memory, else one each."""
+        first = params[0] if params else None
+        if first is not None and all(
+                p.ds_process_group is first.ds_process_group and p.ds_tensor.dtype == first.ds_tensor.dtype
+                and p.ds_tensor.device == first.ds_tensor.device and p.ds_tensor.numel() == p.ds_tensor.ds_numel
+                for p in params):
+            yield from each_full(params)
+            return
+        for p in params:
+            yield p, self._gather_16bit(p)
 
     def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
         if self.zero_stage != 3:
