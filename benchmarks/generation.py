@@ -90,7 +90,7 @@ def trl_style(engine: Any) -> Iterator[torch.nn.Module]:
 def bare_gather(wm: Any) -> Callable[[], torch.Tensor]:
     """One ``all_gather_into_tensor`` of the model's full weight bytes in the dtype it gathers in:
     the least any sharded generation must communicate."""
-    import torch.distributed as dist
+    from wrapkit._gather import all_gather_into
 
     adapter = wm._below  # the backend's own sizes and group
     world = max(wm.world_size, 1)
@@ -100,7 +100,7 @@ def bare_gather(wm: Any) -> Callable[[], torch.Tensor]:
     recv = torch.empty(numel * world, dtype=dtype)
 
     def gather() -> torch.Tensor:
-        dist.all_gather_into_tensor(recv, send, group=adapter.process_group())
+        all_gather_into(recv, send, group=adapter.process_group())
         return recv
     return gather
 

@@ -39,6 +39,7 @@ def _times(backend: str, hidden: int, reps: int) -> dict[str, Any]:
     import torch.distributed as dist
 
     import wrapkit
+    from wrapkit._gather import all_gather_into
     from wrapkit._registry import as_adapter
     from wrapkit.cli._models import build, tiny_llama
     from wrapkit.integrations.vllm import load_into
@@ -58,7 +59,7 @@ def _times(backend: str, hidden: int, reps: int) -> dict[str, Any]:
     def bare() -> None:
         for send in sends:
             recv = torch.empty(send.numel() * world, dtype=send.dtype)
-            dist.all_gather_into_tensor(recv, send, group=group)
+            all_gather_into(recv, send, group=group)
 
     def stream() -> None:
         for _ in wm.stream_full_parameters(BUCKET):

@@ -115,8 +115,8 @@ CASES: list[Case] = [
     ("wake() without sleep()", lambda wm, other, tmp: wm.wake(), wrapkit.DistributedStateError),
     ("copy_to(target=42)", lambda wm, other, tmp: wm.copy_to(42), wrapkit.UnsupportedModelError),
     ("copy_to(target=itself)", lambda wm, other, tmp: wm.copy_to(wm), wrapkit.WrapkitError),
-    ("copy_to(alpha='x')", lambda wm, other, tmp: wm.copy_to(other, alpha="x"), wrapkit.StateDictError),
-    ("copy_to(alpha=2.0)", lambda wm, other, tmp: wm.copy_to(other, alpha=2.0), wrapkit.StateDictError),
+    ("copy_to(alpha='x')", lambda wm, other, tmp: wm.copy_to(other, alpha="x"), wrapkit.ArgumentError),
+    ("copy_to(alpha=2.0)", lambda wm, other, tmp: wm.copy_to(other, alpha=2.0), wrapkit.ArgumentError),
     ("copy_to(target=another architecture)",
      lambda wm, other, tmp: wm.copy_to(wrapkit.adapt(torch.nn.Linear(2, 2))), wrapkit.StateDictError),
 ]

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+import wrapkit
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -43,3 +47,18 @@ def test_bench_without_benchmarks_says_where_they_are(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert "source distribution" in out.stderr and "--dir" in out.stderr
+
+
+def test_version_and_bench_help_list_the_benchmarks(capsys: pytest.CaptureFixture[str]) -> None:
+    from wrapkit.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out.strip() == f"wrapkit {wrapkit.__version__}"
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    assert info.value.code == 0
+    names = sorted(p.stem for p in (Path(__file__).resolve().parent.parent / "benchmarks").glob("[!_]*.py"))
+    assert names and all(f"\n  {n} " in out for n in names), out
+    assert max(len(line) for line in out.splitlines()) <= 100, out

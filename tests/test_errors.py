@@ -107,3 +107,27 @@ def test_unusable_devices_raise_placement_errors_everywhere(group: Any, spec: st
         want = "no cuda device" if rank == 1 else "another rank"
         assert want in obs["one_rank"], obs["one_rank"]
         assert all(obs[f"{k}_devices"] == ["cpu"] for k in ("cuda", "string", "float", "one_rank")), obs
+
+
+def test_state_dict_errors_say_the_likely_cause() -> None:
+    wm = wrapkit.adapt(tiny_llama(0))
+    before = {k: v.clone() for k, v in wm.full_state_dict().items()}
+    # A DDP model's state_dict(): every key behind "module.".
+    prefixed = {f"module.{k}": v for k, v in tiny_llama(1).state_dict().items()}
+    with pytest.raises(wrapkit.StateDictError) as info:
+        wm.load_full_state_dict(prefixed)
+    first = str(info.value).splitlines()[1]
+    assert "wrapper's prefix" in first and "canonical_name" in first, first
+    # A model of another size: every shared key differs in shape.
+    with pytest.raises(wrapkit.StateDictError) as info:
+        wm.load_full_state_dict(tiny_llama(1, hidden=64).state_dict())
+    first = str(info.value).splitlines()[1]
+    assert "differ in shape" in first and "another model size" in first, first
+    # One wrong key among right ones: no guess, just the key.
+    sd = dict(tiny_llama(1).state_dict())
+    sd["lm_head.weight"] = torch.zeros(3, 3)
+    with pytest.raises(wrapkit.StateDictError) as info:
+        wm.load_full_state_dict(sd)
+    assert "1 problem(s)" in str(info.value) and "another model size" not in str(info.value)
+    after = wm.full_state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before), "a refused load wrote"

@@ -118,7 +118,7 @@ def test_strict_errors_leave_model_unchanged(group: Any, shared_dir: str, spec: 
         assert obs["unchanged_files"] and obs["flags_kept"]
         assert obs["copy_mismatch"].startswith("StateDictError") and "model.layers.2" in obs["copy_mismatch"]
         assert obs["copy_target_unchanged"]
-        assert obs["bad_alpha"].startswith("StateDictError") and "alpha" in obs["bad_alpha"]
+        assert obs["bad_alpha"].startswith("ArgumentError") and "alpha=1.5" in obs["bad_alpha"], obs["bad_alpha"]
         assert obs["save_bad_dir"].startswith("StateDictError") and "does not exist" in obs["save_bad_dir"]
 
 

@@ -23,6 +23,7 @@ from ._agree import is_distributed
 from ._imports import lookup
 
 __all__ = [
+    "all_gather_into",
     "bypassed", "broadcast_", "Replace",
     "set_modes", "restore_modes", "set_checkpointing", "restore_checkpointing", "generation_modes",
     "synced_generate", "submodules",
@@ -47,6 +48,13 @@ def submodules(root: torch.nn.Module) -> list[torch.nn.Module]:
         out.append(mod)
         todo.extend(child for child in reversed(mod._modules.values()) if child is not None)
     return out
+
+
+def all_gather_into(recv: torch.Tensor, send: torch.Tensor, group: Any = None) -> None:
+    """Every rank's ``send``, end to end in ``recv``: torch's ``all_gather_single`` where it has it
+    (newer releases deprecate ``all_gather_into_tensor``, warning at every call), else the older name."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(recv, send, group=group)
 
 
 def broadcast_(tensors: Sequence[torch.Tensor], src: int, group: Any, world_size: int) -> None:

@@ -95,7 +95,25 @@ def check_entries(given: Mapping[str, Shape | None], expected: Mapping[str, Shap
             problems.append(f"{key!r} in {ours} is not a tensor")
         elif shape != expected[key]:
             problems.append(f"{key!r} has shape {list(shape)} in {ours}, {list(expected[key])} in {theirs}")
-    return problems
+    return _likely_cause(given, expected, strict, names) + problems if problems else problems
+
+
+def _likely_cause(given: Mapping[str, Shape | None], expected: Mapping[str, Shape], strict: bool,
+                  names: tuple[str, str]) -> list[str]:
+    """One line ahead of a long list, naming the usual reason for it where the keys show one."""
+    ours, theirs = names
+    unexpected = [k for k in given if k not in expected]
+    prefixed = [k for k in unexpected if canonical_name(k) != k and canonical_name(k) in expected]
+    if strict and prefixed and len(prefixed) * 2 >= len(unexpected):
+        return [f"{len(prefixed)} of the {len(unexpected)} unexpected keys in {ours} are the model's own keys "
+                f"behind a wrapper's prefix (e.g. {prefixed[0]!r}): it was taken from a wrapper's state_dict(); "
+                "strip the prefixes with wrapkit.canonical_name, or save with wm.full_state_dict() / wm.save()"]
+    shared = [k for k in given if k in expected and given[k] is not None]
+    wrong = [k for k in shared if given[k] != expected[k]]
+    if len(wrong) >= 2 and len(wrong) == len(shared):
+        return [f"all {len(wrong)} keys that {ours} and {theirs} share differ in shape: is it a checkpoint of "
+                "another model size?"]
+    return []
 
 
 # -- reading ---------------------------------------------------------------------------

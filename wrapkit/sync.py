@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._agree import Call, checking, enter, raise_agreed
+from ._errors import ArgumentError
 from .state_dict import Shape, assign, check_entries, expected_shapes, live_buffers, write
 
 if TYPE_CHECKING:
@@ -26,14 +27,16 @@ if TYPE_CHECKING:
 __all__ = ["copy_to", "copy_stream_to", "source_stream"]
 
 
-def _copy_problems(alpha: float, same: str | None) -> list[str]:
-    """What is wrong with copy_to's arguments themselves; ``same``: why the target is the source."""
-    problems: list[str] = []
-    if not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
-        problems.append(f"alpha must be a number in [0, 1], got {alpha!r}")
-    if same is not None:
-        problems.append(same)
-    return problems
+def _alpha_problem(alpha: object) -> str | None:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= float(alpha) <= 1.0:
+        return (f"alpha={alpha!r}: pass a number in [0, 1] (1 copies; below 1 is an EMA, "
+                "target = alpha * source + (1 - alpha) * target)")
+    return None
+
+
+def _raise_bad_alpha(problem: str | None) -> None:
+    raise ArgumentError(f"copy_to() got an alpha it does not take on at least one rank (this rank: "
+                        f"{problem or 'fine'}); pass the same valid alpha on every rank")
 
 
 def _copy_call(target: Adapter, alpha: float) -> Call:
@@ -42,7 +45,7 @@ def _copy_call(target: Adapter, alpha: float) -> Call:
 
 
 _COPY_FIX = ("copy_to matches weights by canonical name: source and target must be the same architecture, "
-             "with the same PEFT layers, and alpha in [0, 1].")
+             "with the same PEFT layers.")
 
 
 def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
@@ -52,16 +55,19 @@ def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
     ``requires_grad`` and training flags of the target are not touched.
     """
     same = target is source or target.module is source.module
-    problems = _copy_problems(
-        alpha, "the target is the source model itself; pass another model (e.g. the reference)" if same else None)
-    cached = None if problems else _cached_pairs(source, target)
+    bad_alpha = _alpha_problem(alpha)
+    problems = ["the target is the source model itself; pass another model (e.g. the reference)"] if same else []
+    cached = None if problems or bad_alpha else _cached_pairs(source, target)
     if cached is not None:
         # The pairing validated by an earlier call still holds on this rank: no names, shapes or
         # buffers to read again. The entry still agrees that it holds on every rank (and checks
         # the call), unless calls are not checked: then a same-layout sync has no collective.
-        any_problem = any_slow = False
+        any_problem = any_bad = any_slow = False
         if checking():
-            any_problem, any_slow = enter(_copy_call(target, alpha), source, target, flags=[False, False], invalid=1)
+            any_problem, any_bad, any_slow = enter(_copy_call(target, alpha), source, target,
+                                                   flags=[False, False, False], invalid=1)
+        if any_bad:
+            _raise_bad_alpha(None)
         raise_agreed([], f"copy_to from {' > '.join(source.stack)} to {' > '.join(target.stack)}", _COPY_FIX,
                      source, target, agreed=any_problem)
         if any_slow:
@@ -69,8 +75,8 @@ def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
             return
         _copy_pairs(cached, float(alpha), target)
         return
-    pairs = None if problems else _shard_pairs(source, target)
-    if not problems:
+    pairs = None if problems or bad_alpha else _shard_pairs(source, target)
+    if not problems and not bad_alpha:
         # Same parameter names and shard layouts imply the same shapes: then only the
         # buffers need checking, which keeps a frequent soft update cheap.
         if pairs is None:
@@ -84,8 +90,11 @@ def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
             pairs += [(tgt_buffers[n], b) for n, b in src_buffers.items() if n in tgt_buffers]
     # One collective agrees on both: whether any rank found a problem, and whether every
     # rank can take the shard-to-shard path (which has no collective; the general one has many).
-    any_problem, any_slow = enter(_copy_call(target, alpha), source, target,
-                                  flags=[bool(problems), pairs is None], invalid=1)
+    any_problem, any_bad, any_slow = enter(_copy_call(target, alpha), source, target,
+                                           flags=[bool(problems) or bad_alpha is not None, bad_alpha is not None,
+                                                  pairs is None], invalid=1)
+    if any_bad:
+        _raise_bad_alpha(bad_alpha)
     raise_agreed(problems, f"copy_to from {' > '.join(source.stack)} to {' > '.join(target.stack)}",
                   _COPY_FIX, source, target, agreed=any_problem)
     if not any_slow:
@@ -156,10 +165,14 @@ def copy_stream_to(group: Adapter, source: str, shapes: Mapping[str, Shape], str
     """``copy_to`` from a source that is not an adapter of its own (a view over ``group``'s
     model): ``shapes`` are its full shapes by name, ``stream`` its full tensors, gathered
     lazily. ``same``: set when the target is the model the source is a view of."""
-    problems = _copy_problems(alpha, same)
-    if not problems:
+    bad_alpha = _alpha_problem(alpha)
+    problems = [same] if same is not None else []
+    if not problems and not bad_alpha:
         problems = check_entries(dict(shapes), expected_shapes(target), True, ("the source", "the target"))
-    [agreed] = enter(_copy_call(target, alpha), group, target, flags=[bool(problems)], invalid=1)
+    agreed, any_bad = enter(_copy_call(target, alpha), group, target,
+                            flags=[bool(problems) or bad_alpha is not None, bad_alpha is not None], invalid=1)
+    if any_bad:
+        _raise_bad_alpha(bad_alpha)
     raise_agreed(problems, f"copy_to from {source} to {' > '.join(target.stack)}", _COPY_FIX, group, target,
                  agreed=agreed)
     write(target, stream, float(alpha))

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._gather import all_gather_into
 from .._names import canonical_name
 from ._base import copy_into
 from ._primitives import Piece
@@ -83,7 +84,7 @@ def gather_in(units: list[Any], dtypes: dict[int, torch.dtype], group: Any,
     with torch.no_grad():
         send = torch.cat([s.reshape(-1).to(dtype) for s in shards])
         recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
-        dist.all_gather_into_tensor(recv, send, group=group)
+        all_gather_into(recv, send, group=group)
         by_rank = recv.view(world, send.numel())
         out: dict[int, torch.nn.Parameter] = {}
         start = 0

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._gather import all_gather_into
 from ._base import copy_into
 
 __all__ = ["each_full", "full_writer", "partition_writer", "settle_gathers"]
@@ -93,7 +94,7 @@ def each_full(todo: list[Any]) -> Iterator[tuple[Any, torch.Tensor]]:
         else:
             send = torch.cat(parts)
         recv = torch.empty(world * send.numel(), dtype=dtype, device=send.device)
-        dist.all_gather_into_tensor(recv, send, group=group)
+        all_gather_into(recv, send, group=group)
     by_rank = recv.view(world, send.numel())
     start = 0
     for p, size in zip(todo, sizes, strict=True):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .._agree import settle
-from .._gather import submodules
+from .._gather import all_gather_into, submodules
 from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import Adapter, copy_into
@@ -382,7 +382,7 @@ def _each_full(params: list[Any], dtypes: dict[int, torch.dtype]) -> Iterator[tu
             send[offset: offset + counts[me]].copy_(p.to_local().reshape(-1))
             offset += size
         recv = torch.empty(world * total, dtype=dtype, device=device)
-        dist.all_gather_into_tensor(recv, send, group=mesh.get_group(shard_dim))
+        all_gather_into(recv, send, group=mesh.get_group(shard_dim))
     del send
     offset = 0
     for p, (size, counts) in zip(todo, layout, strict=True):

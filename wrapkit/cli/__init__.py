@@ -9,7 +9,10 @@ __all__ = ["main"]
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .. import __version__
+
     parser = argparse.ArgumentParser(prog="wrapkit", description="One protocol over distributed model wrappers.")
+    parser.add_argument("--version", action="version", version=f"wrapkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     doc = sub.add_parser("doctor", help="run every operation on every installed backend and print a table")
     doc.add_argument("--backends", help="comma-separated subset, e.g. ddp,zero3")
@@ -21,7 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     doc.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON")
     doc.add_argument("-v", "--verbose", action="store_true",
                      help="print the full traceback of each failure, and what the workers printed")
-    ben = sub.add_parser("bench", help="run the benchmarks in benchmarks/ and print their ratios")
+    ben = sub.add_parser("bench", help="run the benchmarks in benchmarks/ and print their ratios",
+                         epilog=_benchmark_list(), formatter_class=argparse.RawDescriptionHelpFormatter)
     ben.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     ben.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
     ben.add_argument("--plot", dest="plot_path", metavar="PNG", help="bar chart of the ratios against their goals")
@@ -36,6 +40,29 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, FileExistsError) as exc:  # what the user must fix, not a crash
         print(f"wrapkit {args.command}: {exc}", file=sys.stderr)
         return 2
+
+
+def _benchmark_list() -> str:
+    """The benchmarks ``bench`` can run, each with the first line of its docstring, for ``--help``."""
+    import ast
+
+    from .bench import find_benchmarks
+
+    try:
+        directory = find_benchmarks()
+    except FileNotFoundError as exc:
+        return f"benchmarks: {exc}"
+    lines = ["benchmarks (in " + str(directory) + "):"]
+    for path in sorted(directory.glob("*.py")):
+        if path.stem.startswith("_"):
+            continue
+        try:
+            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        except (OSError, SyntaxError, ValueError):
+            doc = ""
+        first = " ".join(doc.split("\n\n")[0].split()).split(". ")[0].rstrip(".:")
+        lines.append(f"  {path.stem:<18} {first if len(first) <= 78 else first[:75] + '...'}")
+    return "\n".join(lines)
 
 
 def _run(args: argparse.Namespace) -> int:
