@@ -1,12 +1,28 @@
 from __future__ import annotations
 
+import hashlib
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 from wrapkit.cli._workers import WorkerGroup
+
+
+# DeepSpeed compiles a CPU op on first use into TORCH_EXTENSIONS_DIR, keyed by op name only: the user's
+# shared cache would be rebuilt by every DeepSpeed release that uses it in turn (and a build killed
+# midway leaves a lock that blocks every later one). Each environment gets its own, as .ci/run does;
+# the workers and launched scripts inherit it.
+def _extensions_dir() -> str:
+    if os.access(sys.prefix, os.W_OK):  # a virtual environment: beside its packages
+        return os.path.join(sys.prefix, "torch_extensions")
+    key = hashlib.sha1(sys.prefix.encode()).hexdigest()[:12]
+    return os.path.join(os.path.expanduser("~"), ".cache", "wrapkit", f"torch_extensions-{key}")
+
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", _extensions_dir())
 
 # Heavy libraries are imported once per worker when the group starts, not per scenario.
 PRELOAD = ("transformers", "peft", "deepspeed")
