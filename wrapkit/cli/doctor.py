@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import tempfile
+import textwrap
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -53,9 +54,34 @@ def _barrier() -> None:
 _TOLERANCES = {"fp32": (1e-3, 0.0), "bf16": (0.1, 1e-3)}
 
 
+_WIDTH = 100  # the report fits a terminal this wide
+
+
+def _cell(ok: bool, t0: float, exc: BaseException | None = None) -> dict[str, Any]:
+    """One result: whether it passed, its milliseconds, and the error's first line and traceback."""
+    return {"ok": ok, "ms": (time.perf_counter() - t0) * 1e3, "error": _first_line(exc) if exc else "",
+            "traceback": traceback.format_exc() if exc else ""}
+
+
+def one_time_setup(backend: str) -> dict[str, Any] | None:
+    """Worker side: what the first use of ``backend``'s library costs once per process, measured apart
+    so that the adapt row does not carry it. For DeepSpeed: its communication setup, which builds a
+    CPU op with the C++ compiler the first time it runs on a machine (tens of seconds), then loads it."""
+    if not backend.startswith("zero"):
+        return None
+    import deepspeed
+
+    t0 = time.perf_counter()
+    try:
+        deepspeed.init_distributed()
+    except Exception as exc:
+        return {**_cell(False, t0, exc), "what": "DeepSpeed communication setup"}
+    return {**_cell(True, t0), "what": "DeepSpeed communication setup (builds its CPU op on first use)"}
+
+
 def setup_backend(backend: str, use_llama: bool, device: str = "cpu", dtype: str = "fp32",
-                  topology: str = "flat") -> list[Any]:
-    """Worker side: wrap the model with ``backend``; returns ``[ok, ms, error]`` for the adapt column."""
+                  topology: str = "flat") -> dict[str, Any]:
+    """Worker side: wrap the model with ``backend``; the adapt row's cell."""
     from .._wrapped import adapt
 
     if device == "cuda":
@@ -79,22 +105,22 @@ def setup_backend(backend: str, use_llama: bool, device: str = "cpu", dtype: str
     try:
         wm = adapt(build(backend, model=_base_model(use_llama), device=device, precision=dtype, topology=topology))
     except Exception as exc:
-        return [False, (time.perf_counter() - t0) * 1e3, _first_line(exc), traceback.format_exc()]
+        return _cell(False, t0, exc)
     _STATE[backend] = (wm, ctx)
     _barrier()
-    return [True, (time.perf_counter() - t0) * 1e3, "", ""]
+    return _cell(True, t0)
 
 
-def run_op(backend: str, name: str) -> list[Any]:
-    """Worker side: run one operation on the wrapped model; ``[ok, ms, error, traceback]``."""
+def run_op(backend: str, name: str) -> dict[str, Any]:
+    """Worker side: run one operation on the wrapped model; its cell."""
     wm, ctx = _STATE[backend]
     op = dict(OPS)[name]
     t0 = time.perf_counter()
     try:
         op(wm, ctx)
-        result = [True, (time.perf_counter() - t0) * 1e3, "", ""]
+        result = _cell(True, t0)
     except Exception as exc:
-        result = [False, (time.perf_counter() - t0) * 1e3, _first_line(exc), traceback.format_exc()]
+        result = _cell(False, t0, exc)
     _barrier()
     return result
 
@@ -171,30 +197,27 @@ def _progress(total: int) -> Iterator[Callable[[str], None]]:
 
 
 def _format_table(rows: dict[str, dict[str, Any]], columns: list[str]) -> str:
-    header = ["backend", *columns]
-    table: list[list[str]] = []
-    for backend, res in rows.items():
-        if "_status" in res:
-            table.append([backend, res["_status"], *[""] * (len(columns) - 1)])
-            continue
-        cells = [backend]
-        for col in columns:
-            cell = res.get(col)
-            cells.append("-" if cell is None else f"{'ok' if cell[0] else 'FAIL'} {cell[1]:.0f}ms")
+    """Operations down, backends across: milliseconds (the slowest rank's), FAIL, or a dash where the
+    backend did not run (its reason is printed below the table)."""
+    backends = list(rows)
+    table = [["(ms)", *backends]]
+    for col in columns:
+        cells = [col]
+        for backend in backends:
+            cell = rows[backend].get(col)
+            cells.append("-" if cell is None else f"{cell['ms']:.0f}" if cell["ok"] else "FAIL")
         table.append(cells)
-    widths = [max(len(r[i]) for r in [header, *table]) for i in range(len(header))]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    lines = [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*r) for r in table]
-    return "\n".join(lines)
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+             for r in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(line.rstrip() for line in lines)
 
 
-def _worst_of_ranks(per_rank: list[list[Any]]) -> list[Any]:
+def _worst_of_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     """A cell fails if it failed on any rank; the time is the slowest rank's."""
-    bad = next((r for r in per_rank if not r[0]), None)
-    cell = list(bad or per_rank[0])
-    cell[1] = max(r[1] for r in per_rank)
-    return cell
+    bad = next((r for r in per_rank if not r["ok"]), None)
+    return {**(bad or per_rank[0]), "ms": max(r["ms"] for r in per_rank)}
 
 
 def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path: str | None = None,
@@ -215,6 +238,7 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
     columns = ["adapt", *op_names]
     rows: dict[str, dict[str, Any]] = {}
     wide: dict[str, Any] = {"replaced": {}, "slowdown": None}
+    one_time: dict[str, dict[str, Any]] = {}  # the first DeepSpeed backend's library setup, measured apart
     # The workers' own output (torch FutureWarnings, DeepSpeed's notices) is kept out of the report.
     logs = tempfile.TemporaryDirectory(prefix="wrapkit-doctor-")
     group = WorkerGroup(world_size=world_size, backend="nccl" if use_nccl else "gloo",
@@ -239,10 +263,14 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
                 res: dict[str, Any] = {}
                 rows[backend] = res
                 try:
+                    if not one_time:
+                        first_use = group.run(one_time_setup, backend, timeout=600)
+                        if first_use[0] is not None:
+                            one_time[backend] = _worst_of_ranks(first_use)
                     res["adapt"] = _worst_of_ranks(group.run(setup_backend, backend, use_llama, device, dtype,
                                                              topology, timeout=300))
                     advance(f"{backend}: adapt")
-                    if not res["adapt"][0]:
+                    if not res["adapt"]["ok"]:
                         continue
                     for name in op_names:
                         res[name] = _worst_of_ranks(group.run(run_op, backend, name, timeout=_OP_TIMEOUT))
@@ -253,7 +281,8 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
                     first = next((ln for ln in str(exc).splitlines() if ln.strip()), "")
                     missing = [c for c in columns if c not in res]
                     if missing:
-                        res[missing[0]] = [False, _OP_TIMEOUT * 1e3, f"WorkerError: {first}", str(exc)]
+                        res[missing[0]] = {"ok": False, "ms": _OP_TIMEOUT * 1e3, "error": f"WorkerError: {first}",
+                                           "traceback": str(exc)}
         with contextlib.suppress(WorkerError):
             wide = group.run(process_wide, use_llama, timeout=60)[0]
     finally:
@@ -263,28 +292,37 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
     elapsed = time.perf_counter() - t_start
     print()
     print(_format_table(rows, columns))
+    for backend, cell in one_time.items():
+        state = f"{cell['ms'] / 1e3:.1f} s" if cell["ok"] else f"FAILED: {cell['error']}"
+        print("\n" + textwrap.fill(f"one-time, before {backend}'s adapt (not in the table): {cell['what']}: {state}",
+                                   _WIDTH))
+    not_run = [f"{backend}: {res['_status']}" for backend, res in rows.items()
+               if "_status" in res and res["_status"] not in ("FAIL", "unsupported")]
+    if not_run:
+        print("\nnot run: " + "; ".join(not_run))
     if worker_output and verbose:
         print(f"\noutput of the worker processes ({len(worker_output)} lines):")
         for line in worker_output:
             print("  " + line)
     elif worker_output:
-        print(f"\n{len(worker_output)} lines of third-party output from the worker processes (warnings, notices) "
-              "were kept out of this report; -v shows them.")
+        print("\n" + textwrap.fill(f"{len(worker_output)} lines of third-party output from the worker processes "
+                                   "(warnings, notices) were kept out of this report; -v shows them.", _WIDTH))
     for op, by in wide["replaced"].items():
         cost = f"{wide['slowdown']:.2f}x the time of torch's own" if wide["slowdown"] else "a cost not measured"
-        print(f"\nprocess-wide: DeepSpeed replaced {op} with {by} when ZeRO-3 was set up, for the "
-              f"whole process: a plain model's forward here took {cost}. wrapkit's gathered(), generation() "
-              "and the references it builds outside DeepSpeed run with torch's own; other models in the "
-              "process (reward models, your own) do not.")
+        print("\n" + textwrap.fill(
+            f"process-wide: DeepSpeed replaced {op} with {by} when ZeRO-3 was set up, for the whole process: a "
+            f"plain model's forward here took {cost}. wrapkit's gathered(), generation() and the references it "
+            "builds outside DeepSpeed run with torch's own; other models in the process (reward models, your "
+            "own) do not.", _WIDTH))
     problems: list[str] = []
     for backend, res in rows.items():
         if res.get("_status") == "FAIL":
             problems.append(f"{backend}: {res['_error']}")
         for op, cell in res.items():
-            if not op.startswith("_") and not cell[0]:
-                problems.append(f"{backend}/{op}: {cause_of(cell[2])} -- {cell[2]}")
-                if verbose and len(cell) > 3:
-                    problems.append("    " + cell[3].replace("\n", "\n    "))
+            if not op.startswith("_") and not cell["ok"]:
+                problems.append(f"{backend}/{op}: {cause_of(cell['error'])} -- {cell['error']}")
+                if verbose and cell["traceback"]:
+                    problems.append("    " + cell["traceback"].replace("\n", "\n    "))
     skipped = [f"{backend}: {res['_why']}" for backend, res in rows.items() if "_why" in res]
     if skipped:
         print("\nunsupported here (not failures):")
@@ -301,7 +339,7 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
             json.dump({"versions": versions, "world_size": world_size, "device": device, "dtype": dtype,
                        "topology": topology,
                        "elapsed_s": elapsed, "worker_output": worker_output, "process_wide": wide,
-                       "results": rows},
+                       "one_time": one_time, "results": rows},
                       fh, indent=2, default=str)
     return 1 if failed else 0
 
