@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -59,3 +60,15 @@ def test_missing_backend_internals_are_refused_on_adapt(group: Any, spec: str) -
     for text in group.run(scenarios_calls.missing_internals, spec, timeout=120):
         assert text.startswith("UnsupportedModelError"), text
         assert f"this {package} " in text and missing in text and "install a" in text, text
+
+
+def test_an_operation_called_on_one_rank_fails_within_the_entry_timeout(tmp_path: Path) -> None:
+    from tests.launch import ROOT, torchrun
+
+    report = tmp_path / "one_rank.json"
+    torchrun(ROOT / "tests" / "one_rank_run.py", str(report), timeout=120, WRAPKIT_ENTRY_TIMEOUT="5")
+    obs = json.loads(report.read_text())
+    error = obs["error"]
+    assert error.startswith("DistributedStateError"), error
+    assert "full_state_dict(" in error and "WRAPKIT_ENTRY_TIMEOUT" in error and "some ranks only" in error, error
+    assert 4.5 <= obs["seconds"] < 30, obs

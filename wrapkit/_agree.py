@@ -167,7 +167,7 @@ def enter(call: Call, *wms: Adapter, flags: Sequence[bool] = (), invalid: int = 
     t[:4] = torch.tensor([op, -op, full, -full], dtype=torch.int64)
     t[4:4 + len(agreed)] = torch.tensor(agreed, dtype=torch.int64)
     replicas = _replicas_of(*wms)
-    _max_over(t, group, replicas)
+    _meet(t, group, replicas, call)
     values = t.tolist()
     agreed = [bool(x) for x in values[4:4 + len(agreed)]]
     same_op, same_args = values[0] == -values[1], values[2] == -values[3]
@@ -176,6 +176,58 @@ def enter(call: Call, *wms: Adapter, flags: Sequence[bool] = (), invalid: int = 
     if not same_op or (not same_args and not any(agreed[:invalid])):
         _raise_mismatch(call, group, replicas)
     return agreed
+
+
+ENTRY_TIMEOUT_ENV = "WRAPKIT_ENTRY_TIMEOUT"
+DEFAULT_ENTRY_TIMEOUT_S = 600.0
+
+
+def entry_timeout() -> float | None:
+    """Seconds an operation's entry waits for the other ranks (``WRAPKIT_ENTRY_TIMEOUT``; 0 or
+    less: as long as the process group's own timeout)."""
+    raw = os.environ.get(ENTRY_TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_ENTRY_TIMEOUT_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise DistributedStateError(f"{ENTRY_TIMEOUT_ENV}={raw!r} is not a number of seconds; set it to e.g. 600, "
+                                    "or 0 to wait as long as the process group's own timeout") from None
+    return seconds if seconds > 0 else None
+
+
+def _meet(t: torch.Tensor, group: Any, replicas: Sequence[Any], call: Call) -> None:
+    """``_max_over`` for an operation's entry, where a rank that never comes is the likely bug (an
+    operation called on some ranks only): wait at most ``entry_timeout()``, then say which call
+    was left waiting, instead of the process group's timeout (30 minutes on gloo) and a bare
+    "Timed out waiting ... for recv"."""
+    import datetime
+
+    timeout = entry_timeout()
+    for g in [group, *replicas]:
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g, async_op=True)
+        if timeout is None:
+            work.wait()
+            continue
+        try:
+            done = work.wait(timeout=datetime.timedelta(seconds=timeout))
+        except RuntimeError as exc:  # gloo raises when the time is up
+            done, cause = False, f" ({_first_line(exc)})"
+        else:
+            cause = ""
+        if done is False:
+            size = dist.get_world_size(g)
+            raise DistributedStateError(
+                f"{call} was entered on global rank {dist.get_rank()}, and not every rank of its group of {size} "
+                f"joined it within {timeout:g} s ({ENTRY_TIMEOUT_ENV}){cause}. Every rank must make the same "
+                "collective wrapkit calls in the same order: look for a call made on some ranks only (under "
+                "`if rank == 0:`, or after an exception on another rank). The process group cannot be used "
+                "after this; end the job."
+            )
+
+
+def _first_line(exc: BaseException) -> str:
+    return next((ln for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)[:200]
 
 
 def _raise_mismatch(call: Call, group: Any, replicas: Sequence[Any]) -> None:
