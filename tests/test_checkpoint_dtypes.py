@@ -10,7 +10,7 @@ import pytest
 
 from tests import scenarios_dtypes as sd
 
-SPECS = ["plain", "ddp", "fsdp", "fsdp2", "zero0", "zero2", "zero3"]
+SPECS = ["plain", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3"]
 
 
 def check(obs: dict[str, Any], where: str) -> None:
