@@ -190,11 +190,7 @@ class DeepSpeedAdapter(Adapter):
     def _from_partitions(self, params: list[Any]) -> Iterator[tuple[Any, torch.Tensor]]:
         """Full values of ``params`` read from their partitions alone: one all-gather where they
         share a group and a dtype and their partitions are in memory, else one each."""
-        first = params[0] if params else None
-        if first is not None and all(
-                p.ds_process_group is first.ds_process_group and p.ds_tensor.dtype == first.ds_tensor.dtype
-                and p.ds_tensor.device == first.ds_tensor.device and p.ds_tensor.numel() == p.ds_tensor.ds_numel
-                for p in params):
+        if self._partitions_together(params):
             yield from each_full(params)
             return
         for p in params:
@@ -254,16 +250,23 @@ class DeepSpeedAdapter(Adapter):
         """``todo`` when one all-gather of their partitions serves them: every partition in memory
         on the compute device, in one dtype and one group; None otherwise (NVMe or CPU offload,
         parameters mid-gather), for ``GatheredParameters`` or one gather each to serve."""
-        if not todo:
-            return todo
-        group, dtype = todo[0].ds_process_group, todo[0].ds_tensor.dtype
-        for p in todo:
+        if any(getattr(p.ds_status, "name", "") != "NOT_AVAILABLE" for p in todo):
+            return None
+        return todo if self._partitions_together(todo) else None
+
+    def _partitions_together(self, params: list[Any]) -> bool:
+        """Whether one all-gather of their partitions (``each_full``) serves ``params``: every
+        partition in memory on the compute device, in one dtype and one group."""
+        if not params:
+            return True
+        group, dtype = params[0].ds_process_group, params[0].ds_tensor.dtype
+        for p in params:
             part = p.ds_tensor
-            if (getattr(p.ds_status, "name", "") != "NOT_AVAILABLE" or getattr(part, "status", None) is None
-                    or part.status.name != "AVAILABLE" or p.ds_process_group is not group or part.dtype != dtype
+            if (getattr(part, "status", None) is None or part.status.name != "AVAILABLE"
+                    or p.ds_process_group is not group or part.dtype != dtype
                     or part.device.type != self.device.type or part.numel() != part.ds_numel):
-                return None
-        return todo
+                return False
+        return True
 
     def gather_many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         # The module's own weights (16-bit in a bf16 engine), not the optimizer's masters: what a

@@ -63,12 +63,10 @@ def _cell(ok: bool, t0: float, exc: BaseException | None = None) -> dict[str, An
             "traceback": traceback.format_exc() if exc else ""}
 
 
-def one_time_setup(backend: str) -> dict[str, Any] | None:
-    """Worker side: what the first use of ``backend``'s library costs once per process, measured apart
-    so that the adapt row does not carry it. For DeepSpeed: its communication setup, which builds a
+def deepspeed_setup() -> dict[str, Any]:
+    """Worker side: what DeepSpeed's first use costs once per process, measured apart so that the
+    first DeepSpeed backend's adapt row does not carry it: its communication setup, which builds a
     CPU op with the C++ compiler the first time it runs on a machine (tens of seconds), then loads it."""
-    if not backend.startswith("zero"):
-        return None
     import deepspeed
 
     t0 = time.perf_counter()
@@ -263,10 +261,8 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
                 res: dict[str, Any] = {}
                 rows[backend] = res
                 try:
-                    if not one_time:
-                        first_use = group.run(one_time_setup, backend, timeout=600)
-                        if first_use[0] is not None:
-                            one_time[backend] = _worst_of_ranks(first_use)
+                    if need == "deepspeed" and not one_time:
+                        one_time[backend] = _worst_of_ranks(group.run(deepspeed_setup, timeout=600))
                     res["adapt"] = _worst_of_ranks(group.run(setup_backend, backend, use_llama, device, dtype,
                                                              topology, timeout=300))
                     advance(f"{backend}: adapt")
