@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from wrapkit.cli._workers import WorkerGroup
@@ -11,9 +13,10 @@ from wrapkit.cli._workers import WorkerGroup
 PRELOAD = ("transformers", "peft", "deepspeed")
 
 
-def two_ranks() -> WorkerGroup:
-    """A two-rank gloo group; the caller closes it."""
-    return WorkerGroup(world_size=2, backend="gloo", preload=PRELOAD)
+def two_ranks(preload: Sequence[str] = PRELOAD) -> WorkerGroup:
+    """A two-rank gloo group; the caller closes it. Under ``wrapkit bench`` what the workers print
+    (third-party warnings and notices) goes to files in ``WRAPKIT_BENCH_LOGS``, not the terminal."""
+    return WorkerGroup(world_size=2, backend="gloo", preload=preload, log_dir=os.environ.get("WRAPKIT_BENCH_LOGS"))
 
 
 def barrier_timed(fn: Callable[[], object]) -> float:
@@ -44,14 +47,36 @@ def interleaved(a: Callable[[], float], b: Callable[[], float], reps: int) -> tu
     return times_a, times_b
 
 
+def relative_stderr(wrapkit_samples: Sequence[float], baseline_samples: Sequence[float]) -> float | None:
+    """The standard error of a ratio of the two, relative to the ratio (None: too few samples).
+
+    Samples of equal length are taken as pairs measured back to back (``interleaved``): the error
+    is that of the mean log-ratio, so drift of the machine cancels within a pair. Otherwise the two
+    means' relative errors add in quadrature.
+    """
+    a = [float(x) for x in wrapkit_samples]
+    b = [float(x) for x in baseline_samples]
+    if min(len(a), len(b)) < 2 or min(a + b) <= 0:
+        return None
+    if len(a) == len(b):
+        logs = [math.log(x / y) for x, y in zip(a, b, strict=True)]
+        return statistics.stdev(logs) / math.sqrt(len(logs))
+    return math.sqrt(sum(statistics.variance(xs) / (len(xs) * statistics.fmean(xs) ** 2) for xs in (a, b)))
+
+
 def row(case: str, wrapkit_value: float, baseline: float, goal: float, *, better: str = "lower",
-        unit: str = "s", note: str = "") -> dict[str, Any]:
+        unit: str = "s", note: str = "",
+        samples: tuple[Sequence[float], Sequence[float]] | None = None) -> dict[str, Any]:
+    """One result. ``samples``: every measurement of each side, for the ratio's standard error
+    (``stderr``, in ratio units; None for a value measured once or without noise, such as bytes)."""
     # "lower": wrapkit's cost relative to the baseline's; "higher": wrapkit's speed-up over it.
     if better == "higher":
         ratio = baseline / wrapkit_value if wrapkit_value else float("inf")
     else:
         ratio = wrapkit_value / baseline if baseline else float("inf")
+    rel = relative_stderr(*samples) if samples is not None else None
     return {"case": case, "wrapkit": wrapkit_value, "baseline": baseline, "unit": unit, "ratio": ratio,
+            "stderr": ratio * rel if rel is not None and math.isfinite(ratio) else None,
             "goal": goal, "better": better, "note": note}
 
 
@@ -59,5 +84,6 @@ def print_rows(title: str, rows: list[dict[str, Any]]) -> None:
     print(title)
     for r in rows:
         sign = "<=" if r["better"] == "lower" else ">="
+        se = f" +/- {r['stderr']:.3f}" if r.get("stderr") is not None else ""
         print(f"  {r['case']:<24} wrapkit {r['wrapkit']:.4g} {r['unit']}  baseline {r['baseline']:.4g} {r['unit']}  "
-              f"ratio {r['ratio']:.3f}  (goal {sign} {r['goal']:g}) {r['note']}")
+              f"ratio {r['ratio']:.3f}{se}  (goal {sign} {r['goal']:g}) {r['note']}")

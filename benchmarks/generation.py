@@ -107,7 +107,7 @@ def bare_gather(wm: Any) -> Callable[[], torch.Tensor]:
 
 def bench(reps: int, backends: tuple[str, ...] = ("fsdp", "fsdp2", "zero3")) -> dict[str, Any]:
     """Runs on every rank; returns {way: (seconds, unsharded seconds, gather seconds, same tokens
-    as unsharded)}; the floor is unsharded + gather.
+    as unsharded, (every time of the way, every floor timed beside it))}; the floor is unsharded + gather.
 
     ZeRO-3 goes last: its engine replaces F.linear for the rest of the process, which
     would slow the FSDP runs in a way no FSDP job ever sees. FSDP1 then runs again, beside it.
@@ -130,19 +130,23 @@ def bench(reps: int, backends: tuple[str, ...] = ("fsdp", "fsdp2", "zero3")) -> 
             torch.nn.functional.linear = patched
 
     base_time, want = timed(unsharded, reps)
-    results["unsharded"] = (base_time, base_time, 0.0, True)
+    results["unsharded"] = (base_time, base_time, 0.0, True, ([base_time], [base_time]))
 
     def record(way: str, fn: Callable[[], torch.Tensor], gather: Callable[[], torch.Tensor]) -> None:
         # The floor's parts are timed right next to each way: the ratio does not
         # drift with whatever else the machine is doing meanwhile.
         best, base, comm, same = float("inf"), float("inf"), float("inf"), True
+        ways: list[float] = []
+        floors: list[float] = []
         for _ in range(reps):
             b, _ = timed(unsharded, 1)
             c, _ = timed(gather, 1)
             secs, got = timed(fn, 1)
             best, base, comm = min(best, secs), min(base, b), min(comm, c)
+            ways.append(secs)
+            floors.append(b + c)
             same = same and bool(torch.equal(got, want))
-        results[way] = (best, base, comm, same)
+        results[way] = (best, base, comm, same, (ways, floors))
 
     from wrapkit._imports import is_available
 
@@ -210,14 +214,14 @@ def bench(reps: int, backends: tuple[str, ...] = ("fsdp", "fsdp2", "zero3")) -> 
 
 def measure(reps: int, backends: tuple[str, ...] = ("fsdp", "fsdp2", "zero3")) -> list[dict[str, Any]]:
     """All ways on two gloo ranks; rank 0's times, token equality checked on every rank."""
-    from wrapkit.cli._workers import WorkerGroup
+    from _common import two_ranks
 
-    with WorkerGroup(2, "gloo", preload=("transformers", "deepspeed")) as group:
+    with two_ranks(("transformers", "deepspeed")) as group:
         per_rank = group.run("benchmarks.generation:bench", reps, backends, timeout=900)
     return [
         {"way": way, "seconds": secs, "unsharded": base, "gather": comm, "floor": base + comm,
-         "same": all(r[way][3] for r in per_rank)}
-        for way, (secs, base, comm, _) in per_rank[0].items()
+         "same": all(r[way][3] for r in per_rank), "samples": samples}
+        for way, (secs, base, comm, _, samples) in per_rank[0].items()
     ]
 
 
@@ -236,7 +240,8 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
             if backend in naive:
                 note += f"; naive {naive[backend]:.2f}x floor"
             note += "" if r["same"] else "; TOKENS DIFFER"
-            rows.append({**row(backend, r["seconds"], r["floor"], GOAL, note=note), "baseline_is_floor": True})
+            rows.append({**row(backend, r["seconds"], r["floor"], GOAL, note=note, samples=r["samples"]),
+                         "baseline_is_floor": True})
     return rows
 
 

@@ -12,7 +12,7 @@ import time
 from typing import Any
 
 import torch
-from _common import interleaved, median, print_rows, row, two_ranks
+from _common import interleaved, median, print_rows, relative_stderr, row, two_ranks
 
 NAME = "overhead"
 GOAL = 1.01
@@ -80,14 +80,12 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     with two_ranks() as group:
         for backend in BACKENDS:
             raw, through = group.run(_steps, backend, reps, timeout=600)[0]
-            r = row(backend, median(through), median(raw), GOAL,
+            r = row(backend, median(through), median(raw), GOAL, samples=(through, raw),
                     note=f"geometric mean over {reps} pairs of {BLOCK}-step blocks")
             # The mean of log-ratios: each pair ran back to back, so slow phases of the machine cancel.
-            logs = [math.log(t / b) for t, b in zip(through, raw, strict=True)]
-            mean = sum(logs) / reps
-            stderr = (sum((x - mean) ** 2 for x in logs) / max(1, reps - 1) / reps) ** 0.5
-            r["ratio"] = math.exp(mean)
-            r["note"] += f", +/- {stderr * 100:.1f}% (1 s.e.)"
+            r["ratio"] = math.exp(sum(math.log(t / b) for t, b in zip(through, raw, strict=True)) / reps)
+            rel = relative_stderr(through, raw)
+            r["stderr"] = None if rel is None else r["ratio"] * rel
             rows.append(r)
             steps[backend] = median(raw)
     # Timing noise of whole steps on a shared machine is a few percent; the adapter's own

@@ -85,7 +85,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                     case = f"{backend} {size}" + ("" if checked else " unchecked")
                     note = (f"EMA alpha={ALPHA}, {mb:.0f} MB of shards per rank, median of {reps}; "
                             f"per-tensor EMA by hand {median(by_hand) * 1e3:.2f} ms")
-                    rows.append(row(case, median(through), median(base), GOAL, note=note))
+                    rows.append(row(case, median(through), median(base), GOAL, note=note, samples=(through, base)))
     return rows
 
 

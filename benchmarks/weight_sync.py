@@ -132,8 +132,9 @@ def _times(backend: str, hidden: int, reps: int) -> dict[str, Any]:
         for key, fn in order:
             times[key].append(barrier_timed(fn))
     buckets = sum(1 for _ in wm.stream_full_parameters(BUCKET))
-    return {"times": {k: median(v) for k, v in times.items()}, "megabytes": total / 2**20, "buckets": buckets,
-            "params": sum(1 for _ in wm.unwrap().parameters()), "state_mb": report.state_bytes / 2**20}
+    return {"times": {k: median(v) for k, v in times.items()}, "samples": times, "megabytes": total / 2**20,
+            "buckets": buckets, "params": sum(1 for _ in wm.unwrap().parameters()),
+            "state_mb": report.state_bytes / 2**20}
 
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
@@ -145,16 +146,20 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 if quick and size != "M":
                     continue
                 obs = group.run(_times, backend, hidden, reps, timeout=600)[0]
-                t = obs["times"]
+                t, x = obs["times"], obs["samples"]
                 what = (f"{obs['megabytes']:.0f} MB in {obs['buckets']} buckets of {BUCKET >> 20} MiB, "
                         f"{obs['params']} parameters, median of {reps}")
                 rows.append(row(f"{backend} {size} vs bare all-gather", t["stream"], t["bare"], GOAL_BANDWIDTH,
-                                better="higher", note=f"bandwidth ratio; {what}"))
+                                better="higher", samples=(x["stream"], x["bare"]),
+                                note=f"bandwidth ratio; {what}"))
                 rows.append(row(f"{backend} {size} vs named_full_parameters", t["stream_load"], t["named"], 1.0,
-                                better="higher", note="speed-up, loaded into a model"))
+                                better="higher", samples=(x["stream_load"], x["named"]),
+                                note="speed-up, loaded into a model"))
                 rows.append(row(f"{backend} {size} vs TRL per-tensor", t["stream_load"], t["trl"], 1.0,
-                                better="higher", note="speed-up, loaded into a model"))
+                                better="higher", samples=(x["stream_load"], x["trl"]),
+                                note="speed-up, loaded into a model"))
                 rows.append(row(f"{backend} {size} sleep+wake", t["cycle"], t["by_hand"], GOAL_CYCLE,
+                                samples=(x["cycle"], x["by_hand"]),
                                 note=f"{obs['state_mb']:.0f} MB of training state per rank, against copying it "
                                      "away and back by hand"))
     return rows

@@ -13,8 +13,9 @@ from wrapkit.cli._workers import free_port
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def torchrun(script: Path, *args: str, timeout: float = 280, **env_extra: str) -> subprocess.CompletedProcess[str]:
-    """Run ``script args`` under ``torchrun --nproc_per_node 2`` from the repository root, with a
+def torchrun(script: Path, *args: str, timeout: float = 280, cwd: Path = ROOT,
+             **env_extra: str) -> subprocess.CompletedProcess[str]:
+    """Run ``script args`` under ``torchrun --nproc_per_node 2`` from ``cwd`` (the repository root), with a
     fresh port and none of this process's rank variables; fails the test on a non-zero exit,
     showing the end of both outputs."""
     cmd = [
@@ -24,7 +25,7 @@ def torchrun(script: Path, *args: str, timeout: float = 280, **env_extra: str) -
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MASTER_", "RANK", "WORLD_SIZE", "LOCAL_"))}
     env.update(env_extra)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     errors = _without_warnings(proc.stderr)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{errors[-6000:]}"
     return proc

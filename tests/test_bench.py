@@ -31,8 +31,25 @@ def test_bench_runs_and_writes_json_and_plot(tmp_path: Path) -> None:
     }
     for r in rows:
         assert r["wrapkit"] > 0 and r["baseline"] > 0 and r["ratio"] > 0
+    # Timed rows carry the ratio's standard error; the bound computed from one measurement has none.
+    timed = [r for r in rows if "call cost bound" not in r["case"]]
+    assert all(r["stderr"] is not None and r["stderr"] >= 0 for r in timed), timed
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "ratio" in out.stdout
+    assert "ratio +/- s.e." in out.stdout
+    # Third-party warnings stay out of the report (torch warns once per deprecated call in the workers).
+    assert "Warning: " not in out.stdout + out.stderr, out.stdout + out.stderr
+
+
+def test_a_miss_within_the_noise_is_not_called_a_miss() -> None:
+    from wrapkit.cli.bench import verdict
+
+    base = {"ratio": 1.10, "goal": 1.05, "better": "lower"}
+    assert verdict({**base, "stderr": None}) == "NO"
+    assert verdict({**base, "stderr": 0.04}) == "noise"  # 0.05 over, 2 s.e. = 0.08
+    assert verdict({**base, "stderr": 0.02}) == "NO"
+    assert verdict({**base, "ratio": 1.0, "stderr": 0.5}) == "yes"
+    faster = {"ratio": 8.0, "goal": 10.0, "better": "higher"}
+    assert verdict({**faster, "stderr": 1.5}) == "noise" and verdict({**faster, "stderr": 0.5}) == "NO"
 
 
 def test_bench_rejects_unknown_names() -> None:

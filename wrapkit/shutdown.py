@@ -23,6 +23,7 @@ import gc
 import io
 import os
 import sys
+import warnings
 from typing import NoReturn
 
 import torch.distributed as dist
@@ -79,13 +80,17 @@ def _run_exit_handlers() -> None:
 
 def _flush_open_files() -> None:
     # A normal exit flushes a file object when finalization destroys it; os._exit does not.
-    for obj in gc.get_objects():
-        if isinstance(obj, io.IOBase):
-            try:
-                if not obj.closed:
-                    obj.flush()
-            except (OSError, ValueError):  # a detached or broken stream: nothing to save
-                pass
+    # isinstance() reads ``__class__``, which some deprecated objects answer with a warning
+    # (torch.distributed.reduce_op): none of that is the user's to see at exit.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        files = [obj for obj in gc.get_objects() if isinstance(obj, io.IOBase)]
+    for obj in files:
+        try:
+            if not obj.closed:
+                obj.flush()
+        except (OSError, ValueError):  # a detached or broken stream: nothing to save
+            pass
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> int:
     ben.add_argument("--plot", dest="plot_path", metavar="PNG", help="bar chart of the ratios against their goals")
     ben.add_argument("--dir", dest="directory", help="the benchmarks folder (default: ./benchmarks)")
     ben.add_argument("--quick", action="store_true", help="fewer repetitions, for smoke tests")
+    ben.add_argument("-v", "--verbose", action="store_true",
+                     help="show the warnings and the workers' output that are otherwise kept out")
     ven = sub.add_parser("vendor", help="copy the package into another project")
     ven.add_argument("dest")
     ven.add_argument("--name", default=None, help="directory name of the copy (default: the package's)")
@@ -76,7 +78,7 @@ def _run(args: argparse.Namespace) -> int:
         from .bench import run_bench
 
         return run_bench(args.names or None, directory=args.directory, json_path=args.json_path,
-                         plot_path=args.plot_path, quick=args.quick)
+                         plot_path=args.plot_path, quick=args.quick, verbose=args.verbose)
     if args.command == "vendor":
         from .vendor import vendor
 

@@ -7,19 +7,30 @@ every dict is one case measured side by side in one run::
      "ratio": 1.008, "goal": 1.01, "better": "lower", "note": "..."}
 
 ``better`` says which way the goal points: ``"lower"`` (ratio <= goal) or
-``"higher"`` (ratio >= goal). ``"baseline_is_floor": True`` marks a baseline that is the physical
-minimum (generation: the unsharded model plus one bare gather); the plot draws it as a line.
+``"higher"`` (ratio >= goal). ``"stderr"`` (optional) is the ratio's standard error: a goal missed by
+less than two of them is reported as within the noise, not as a miss. ``"baseline_is_floor": True``
+marks a baseline that is the physical minimum (generation: the unsharded model plus one bare gather);
+the plot draws it as a line.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["find_benchmarks", "run_bench", "met"]
+__all__ = ["find_benchmarks", "run_bench", "met", "verdict"]
+
+# How many standard errors a missed goal must be missed by to count as a miss.
+NOISE_SE = 2.0
+_COLOURS = {"yes": "tab:green", "noise": "tab:orange", "NO": "tab:red"}
+_MEANING = {"yes": "meets the goal", "noise": f"misses by less than {NOISE_SE:g} s.e. (noise)",
+            "NO": "misses the goal"}
 
 
 def find_benchmarks(directory: str | Path | None = None) -> Path:
@@ -44,33 +55,58 @@ def met(row: dict[str, Any]) -> bool:
     return ratio >= goal if row.get("better") == "higher" else ratio <= goal
 
 
+def verdict(row: dict[str, Any]) -> str:
+    """``"yes"`` (goal met), ``"noise"`` (missed by less than ``NOISE_SE`` standard errors) or ``"NO"``."""
+    if met(row):
+        return "yes"
+    stderr = row.get("stderr")
+    if stderr is not None and abs(float(row["ratio"]) - float(row["goal"])) <= NOISE_SE * float(stderr):
+        return "noise"
+    return "NO"
+
+
+def _ratio_text(row: dict[str, Any]) -> str:
+    stderr = row.get("stderr")
+    return f"{row['ratio']:.3g}" + (f" +/- {stderr:.2g}" if stderr is not None else "")
+
+
 def _plot(rows: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     labels = [f"{r['benchmark']}\n{r['case']}" for r in rows]
-    # Normalise so that every goal sits at 1.0 and "better" is always below it.
+    # Normalise so that every goal sits at 1.0 and "better" is always below it; a log axis, so that a
+    # 1000x speed-up and a 2% overhead both show.
     values = [
-        (r["goal"] / r["ratio"] if r.get("better") == "higher" else r["ratio"] / r["goal"]) if r["ratio"] else 0.0
+        max((r["goal"] / r["ratio"] if r.get("better") == "higher" else r["ratio"] / r["goal"]) if r["ratio"] else 0.0,
+            1e-4)
         for r in rows
     ]
-    colors = ["tab:green" if met(r) else "tab:red" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.7 * len(rows)), 4.5))
-    ax.bar(range(len(rows)), values, color=colors)
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="goal")
+    verdicts = [verdict(r) for r in rows]
+    fig, ax = plt.subplots(figsize=(max(7.0, 0.75 * len(rows)), 5.0))
+    bars = ax.bar(range(len(rows)), values, color=[_COLOURS[v] for v in verdicts])
+    ax.set_yscale("log")
+    for bar, r in zip(bars, rows, strict=True):  # the measured ratio itself on each bar
+        ax.annotate(_ratio_text(r), (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 2),
+                    textcoords="offset points", ha="center", va="bottom", fontsize=6, rotation=90)
+    handles: list[Any] = [Patch(color=_COLOURS[v], label=_MEANING[v]) for v in _COLOURS if v in verdicts]
+    handles.append(ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="goal"))
     # Rows measured against a physical floor (``baseline_is_floor``): the floor itself, ratio 1,
     # drawn across the bar, so that the distance left to it shows.
     floors = [i for i, r in enumerate(rows) if r.get("baseline_is_floor") and r.get("better") != "higher"]
-    for n, i in enumerate(floors):
-        ax.hlines(1.0 / rows[i]["goal"], i - 0.45, i + 0.45, color="tab:blue", linewidth=2,
-                  label="physical floor" if n == 0 else "_nolegend_")
+    for i in floors:
+        line = ax.hlines(1.0 / rows[i]["goal"], i - 0.45, i + 0.45, color="tab:blue", linewidth=2,
+                         label="physical floor")
+    if floors:
+        handles.append(line)
     ax.set_xticks(range(len(rows)))
     ax.set_xticklabels(labels, rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("ratio / goal (lower is better; <= 1 meets the goal)")
-    ax.set_title("wrapkit bench")
-    ax.legend()
+    ax.set_ylabel("ratio / goal (log; lower is better, <= 1 meets the goal)")
+    ax.set_title("wrapkit bench: bars are ratio / goal, labels the ratio itself (+/- 1 s.e.)")
+    ax.legend(handles=handles, fontsize=7, loc="best")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -107,23 +143,43 @@ def _plot_sizes(plt: Any, rows: list[dict[str, Any]], path: str) -> str:
 
 
 def _format(rows: list[dict[str, Any]]) -> str:
-    header = ["benchmark", "case", "wrapkit", "baseline", "ratio", "goal", "met"]
+    header = ["benchmark", "case", "wrapkit", "baseline", "ratio +/- s.e.", "goal", "met"]
     table = []
     for r in rows:
         unit = r.get("unit", "s")
         goal = ("<= " if r.get("better") != "higher" else ">= ") + f"{r['goal']:g}"
         table.append([
             r["benchmark"], str(r["case"]), f"{r['wrapkit']:.4g} {unit}", f"{r['baseline']:.4g} {unit}",
-            f"{r['ratio']:.3f}", goal, "yes" if met(r) else "NO",
+            _ratio_text(r), goal, {"yes": "yes", "noise": "noise", "NO": "NO"}[verdict(r)],
         ])
     widths = [max(len(x[i]) for x in [header, *table]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths)), *(fmt.format(*t) for t in table)])
 
 
+def _count_warnings(log_dir: str) -> int:
+    """Warning lines the workers printed into their log files."""
+    count = 0
+    for path in Path(log_dir).glob("*.log"):
+        count += sum(1 for line in path.read_text(errors="replace").splitlines() if "Warning: " in line)
+    return count
+
+
+def _show_worker_output(log_dir: str) -> None:
+    """The end of each worker's log, after a failure: the cause is often there."""
+    for path in sorted(Path(log_dir).glob("*.log")):
+        text = path.read_text(errors="replace").strip()
+        if text:
+            print(f"   --- {path.name} (last lines)\n" + "\n".join(text.splitlines()[-20:]), flush=True)
+
+
 def run_bench(names: list[str] | None = None, *, directory: str | None = None, json_path: str | None = None,
-              plot_path: str | None = None, quick: bool = False) -> int:
-    """Run the selected benchmarks (default: all); return 0, or 1 if one could not run."""
+              plot_path: str | None = None, quick: bool = False, verbose: bool = False) -> int:
+    """Run the selected benchmarks (default: all); return 0, or 1 if one could not run.
+
+    Unless ``verbose``, third-party warnings are kept out of the report: those raised here are
+    counted, and the worker processes' output goes to files, shown only when a benchmark fails.
+    """
     bench_dir = find_benchmarks(directory)
     available = sorted(p.stem for p in bench_dir.glob("*.py") if not p.stem.startswith("_"))
     selected = names or available
@@ -136,17 +192,35 @@ def run_bench(names: list[str] | None = None, *, directory: str | None = None, j
         sys.path.insert(0, str(bench_dir))
     rows: list[dict[str, Any]] = []
     failed: list[str] = []
-    for name in selected:
-        print(f"== {name}", flush=True)
-        try:
-            module = importlib.import_module(name)
-            for row in module.run(quick=quick):
-                row = {"benchmark": name, **row}
-                rows.append(row)
-                print(f"   {row['case']}: ratio {row['ratio']:.3f} (goal {row['goal']:g})", flush=True)
-        except Exception as exc:  # a benchmark that breaks is reported, the others still run
-            failed.append(f"{name}: {type(exc).__name__}: {exc}")
-            print(f"   failed: {type(exc).__name__}: {exc}", flush=True)
+    logs = None if verbose else tempfile.TemporaryDirectory(prefix="wrapkit-bench-")
+    if logs is not None:
+        os.environ["WRAPKIT_BENCH_LOGS"] = logs.name
+    caught: list[warnings.WarningMessage] = []
+    try:
+        for name in selected:
+            print(f"== {name}", flush=True)
+            try:
+                with warnings.catch_warnings(record=not verbose) as seen:
+                    if not verbose:
+                        warnings.simplefilter("always")
+                    module = importlib.import_module(name)
+                    for row in module.run(quick=quick):
+                        row = {"benchmark": name, **row}
+                        rows.append(row)
+                        print(f"   {row['case']}: ratio {_ratio_text(row)} (goal {row['goal']:g})", flush=True)
+                caught += seen or []
+            except Exception as exc:  # a benchmark that breaks is reported, the others still run
+                failed.append(f"{name}: {type(exc).__name__}: {exc}")
+                print(f"   failed: {type(exc).__name__}: {exc}", flush=True)
+                if logs is not None:
+                    _show_worker_output(logs.name)
+        quiet = len(caught) + (_count_warnings(logs.name) if logs is not None else 0)
+    finally:
+        if logs is not None:
+            os.environ.pop("WRAPKIT_BENCH_LOGS", None)
+            logs.cleanup()
+    if quiet:
+        print(f"({quiet} warnings from torch and other libraries were kept out of this report; -v shows them)")
     print()
     if rows:
         print(_format(rows))

@@ -1,0 +1,64 @@
+"""README's Python cannot drift from the code: the quick start is the example file, every Python block
+compiles, and the quick start runs under torchrun with each backend's ``wrap`` from README."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.launch import ROOT, torchrun
+
+README = ROOT / "README.md"
+QUICKSTART = ROOT / "examples" / "quickstart.py"
+BLOCK = re.compile(r"^```python\n(.*?)^```", re.S | re.M)
+STACK = {"ddp": "stack:        ddp > LlamaForCausalLM", "fsdp2": "stack:        fsdp2 > LlamaForCausalLM",
+         "zero3": "stack:        deepspeed > LlamaForCausalLM"}
+WRAP = re.compile(r"^def wrap\(model\):\n.*?(?=^\S)", re.S | re.M)
+
+
+def _blocks() -> list[str]:
+    return BLOCK.findall(README.read_text())
+
+
+def _wraps() -> dict[str, str]:
+    """README's alternative ``wrap`` functions, by backend."""
+    found = {}
+    for block in _blocks():
+        if block.startswith("def wrap(model):"):
+            found["zero3" if "deepspeed" in block else "fsdp2"] = block
+    return found
+
+
+def test_quickstart_block_is_the_example() -> None:
+    assert QUICKSTART.read_text() in _blocks(), "README's quick start differs from examples/quickstart.py"
+
+
+def test_every_python_block_compiles() -> None:
+    blocks = _blocks()
+    assert len(blocks) >= 5
+    for i, block in enumerate(blocks):
+        compile(block, f"README.md python block {i}", "exec")
+
+
+def test_readme_shows_fsdp2_and_zero3_wraps() -> None:
+    assert set(_wraps()) == {"fsdp2", "zero3"}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["ddp", "fsdp2", "zero3"])
+def test_quickstart_runs(backend: str, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    if backend == "zero3":
+        pytest.importorskip("deepspeed")
+    source = QUICKSTART.read_text()
+    if backend != "ddp":
+        source, n = WRAP.subn(lambda _: _wraps()[backend] + "\n\n", source)
+        assert n == 1
+    script = tmp_path / "quickstart.py"
+    script.write_text(source)
+    proc = torchrun(script, cwd=tmp_path)
+    assert "reloaded: same logits" in proc.stdout
+    assert STACK[backend] in proc.stdout
+    assert (tmp_path / "quickstart-model" / "config.json").is_file()
