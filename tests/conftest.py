@@ -54,10 +54,30 @@ def gpu_group() -> Iterator[WorkerGroup]:
     g.close()
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--run-long", action="store_true",
+                     help="also run the tests marked long (the trainers, the example, the soak, ...): CI runs all")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    _deselect_long(config, items)
     if torch.cuda.is_available() and not os.environ.get("WRAPKIT_NO_GPU"):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _deselect_long(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The default selection leaves out the tests marked ``long``, unless ``--run-long`` or ``-m`` is given
+    or the test's file is named on the command line (a test asked for by name runs)."""
+    if config.getoption("--run-long") or config.getoption("markexpr"):
+        return
+    named = {os.path.abspath(arg.split("::")[0]) for arg in config.args if os.path.isfile(arg.split("::")[0])}
+    keep, dropped = [], []
+    for item in items:
+        (dropped if "long" in item.keywords and str(item.path) not in named else keep).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep

@@ -15,6 +15,7 @@ import wrapkit
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.long
 def test_bench_runs_and_writes_json_and_plot(tmp_path: Path) -> None:
     report, plot = tmp_path / "bench.json", tmp_path / "bench.png"
     out = subprocess.run(

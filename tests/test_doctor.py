@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from wrapkit.cli._ops import OPS
 
 EXPECTED_ROWS = ["plain", "dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3"]
@@ -59,6 +61,7 @@ def _doctor(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess[str
     return out, (json.loads(report.read_text()) if report.exists() else {})
 
 
+@pytest.mark.long
 def test_doctor_bf16(tmp_path: Path) -> None:
     out, data = _doctor(tmp_path, "--dtype", "bf16")
     assert out.returncode == 0, out.stdout + out.stderr
@@ -69,6 +72,7 @@ def test_doctor_bf16(tmp_path: Path) -> None:
         assert "generation" in cells and "save/load" in cells
 
 
+@pytest.mark.long
 def test_doctor_four_ranks_hsdp(tmp_path: Path) -> None:
     out, data = _doctor(tmp_path, "--world-size", "4", "--topology", "hsdp", "--backends", "ddp,fsdp,fsdp2")
     assert out.returncode == 0, out.stdout + out.stderr

@@ -16,6 +16,7 @@ SCRIPT = ROOT / "examples" / "online_dpo.py"
 STEPS = 20
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["ddp", "fsdp", "fsdp2", "zero2", "zero3"])
 def test_online_dpo_example(backend: str, tmp_path: Path) -> None:

@@ -47,7 +47,8 @@ def test_readme_shows_fsdp2_and_zero3_wraps() -> None:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("backend", ["ddp", "fsdp2", "zero3"])
+@pytest.mark.parametrize("backend", ["ddp", pytest.param("fsdp2", marks=pytest.mark.long),
+                                     pytest.param("zero3", marks=pytest.mark.long)])
 def test_quickstart_runs(backend: str, tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     if backend == "zero3":

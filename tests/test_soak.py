@@ -15,7 +15,7 @@ CYCLES = int(os.environ.get("WRAPKIT_SOAK_CYCLES", "30"))
 WARMUP = min(10, CYCLES // 3)
 
 
-@pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("spec", ["fsdp", "fsdp2", "zero3"])
 def test_soak(group: Any, spec: str) -> None:
     for rank, obs in enumerate(group.run(scenarios_soak.soak, spec, CYCLES, WARMUP, timeout=30 + 6 * CYCLES)):

@@ -52,6 +52,7 @@ def test_patch_trl_swaps_and_undoes() -> None:
     assert all(getattr(trl.models, n) is originals[n] for n in names)
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("backend", "distributed_type", "ref_backend"), [
     ("zero3", "DEEPSPEED", "deepspeed"),
@@ -86,6 +87,7 @@ def test_dpo_trainer(tiny_model: Path, tmp_path: Path, backend: str, distributed
         assert obs["train_modes"] == [True] * 3
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_dpo_trainer_precomputed_reference(tiny_model: Path, tmp_path: Path) -> None:
     """Without a reference model DPOTrainer passes the policy itself through prepare_deepspeed to
@@ -98,6 +100,7 @@ def test_dpo_trainer_precomputed_reference(tiny_model: Path, tmp_path: Path) -> 
         assert losses[-1] < losses[0] and obs["train_modes"] == [True] * 3
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("backend", "policy_backend"), [("zero3", "deepspeed"), ("fsdp2", "fsdp2")])
 def test_grpo_trainer(tiny_model: Path, tmp_path: Path, backend: str, policy_backend: str) -> None:
