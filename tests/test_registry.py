@@ -149,3 +149,43 @@ def test_fsdp2_over_a_tensor_parallel_mesh_refused_at_adapt(group4: Any) -> None
     for obs in group4.run("tests.scenarios:tensor_parallel_refused", timeout=120):
         _check_tp_refusal(obs["tp"])
         _check_tp_refusal(obs["fsdp2+tp"])
+
+
+def test_a_sharded_adapter_must_define_every_sharded_primitive() -> None:
+    from wrapkit.adapters._primitives import SHARDED_PRIMITIVES
+
+    with pytest.raises(wrapkit.AdapterRegistrationError) as info:
+        class HalfDone(wrapkit.ShardedAdapter):  # gathers, but would count and move shards as whole
+            name = "halfdone"
+
+            def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
+                yield from ()
+
+    message = str(info.value)
+    assert "HalfDone" in message and "gather_each" not in message
+    for primitive in SHARDED_PRIMITIVES:
+        if primitive != "gather_each":
+            assert primitive in message, primitive
+
+    class Intermediate(wrapkit.ShardedAdapter, abstract=True):  # a shared base may leave them to its subclasses
+        pass
+
+    with pytest.raises(wrapkit.AdapterRegistrationError, match="Leaf derives"):
+        class Leaf(Intermediate):
+            pass
+
+
+def test_built_in_sharded_backends_define_the_sharded_primitives() -> None:
+    from wrapkit.adapters import BUILTIN_ADAPTERS
+    from wrapkit.adapters._base import _defined_by
+    from wrapkit.adapters._primitives import SHARDED_PRIMITIVES, BackendPrimitives
+
+    sharded = {cls.name for cls in BUILTIN_ADAPTERS if issubclass(cls, wrapkit.ShardedAdapter)}
+    assert sharded == {"fsdp", "fsdp2", "deepspeed"}
+    for cls in BUILTIN_ADAPTERS:
+        if issubclass(cls, wrapkit.ShardedAdapter):
+            assert all(_defined_by(cls, n) not in (wrapkit.Adapter, wrapkit.ShardedAdapter) for n in SHARDED_PRIMITIVES)
+    # Every sharded primitive is part of the documented interface, and the interface lists layout_tensors.
+    documented = {n for n in vars(BackendPrimitives) if not n.startswith("_")}
+    assert set(SHARDED_PRIMITIVES) - {"is_sharded", "resident_parameter_bytes"} <= documented
+    assert "layout_tensors" in documented

@@ -16,7 +16,7 @@ from ._names import canonical_name
 from ._protocol import WrappedModel
 from ._registry import register_adapter, registered_adapters
 from ._wrapped import adapt, prepare_reference
-from .adapters import Adapter
+from .adapters import Adapter, ShardedAdapter
 from .checkpoint import read_checkpoint
 from .shutdown import shutdown
 from .sleeping import SleepReport
@@ -33,6 +33,7 @@ __all__ = [
     "prepare_reference",
     "WrappedModel",
     "Adapter",
+    "ShardedAdapter",
     "WrapkitError",
     "UnsupportedModelError",
     "MissingConfigError",

@@ -2,10 +2,11 @@
 
 The fast path rests on one idea: once every parameter is full, the model can run
 as a plain module, provided nothing sharded stays in the call path. ``bypassed``
-takes FSDP1 wrappers out of the module tree, removes the forward hooks FSDP2 and
-ZeRO-3 put on each module, gives every module a plain parameter dict (ZeRO-3
-installs one that checks each access) and clears the flag that makes transformers'
-``generate()`` all-reduce at every step. Everything is put back, object for
+takes what the backend says stands in the way (its ``Bypass``: FSDP1's wrappers in
+the module tree, the forward hooks FSDP2 and ZeRO-3 put on each module) out of it,
+gives every module a plain parameter dict (ZeRO-3 installs one that checks each
+access) and clears the flag that makes transformers' ``generate()`` all-reduce at
+every step. Everything is put back, object for
 object, on exit: the backend's own state (ZeRO-3's parameter coordinator, FSDP's
 reshard settings) is never touched, so nothing needs to be re-registered.
 """
@@ -14,17 +15,16 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ._agree import is_distributed
-from ._imports import lookup
 
 __all__ = [
     "all_gather_into",
-    "bypassed", "broadcast_", "Replace",
+    "bypassed", "Bypass", "broadcast_", "Replace",
     "set_modes", "restore_modes", "set_checkpointing", "restore_checkpointing", "generation_modes",
     "synced_generate", "submodules",
 ]
@@ -32,8 +32,17 @@ __all__ = [
 # Returns the tensor to put in place of ``module._parameters[name]``, or None to keep it.
 Replace = Callable[[torch.nn.Module, str, torch.Tensor], "torch.Tensor | None"]
 
-# Hooks whose code lives here belong to a sharding backend and are taken out of the call path.
-_FOREIGN_HOOK_MODULES = ("deepspeed.", "torch.distributed.fsdp.")
+
+
+class Bypass(NamedTuple):
+    """What a backend puts between a module holding full parameters and a plain forward, which
+    ``bypassed`` takes out of the call path; each backend's adapter gives its own (``gather_bypass``)."""
+
+    # Forward hooks, and bound method wrappers in a module's instance dict, whose code lives under
+    # these module prefixes.
+    hook_modules: tuple[str, ...]
+    # The module a child stands for, where the child is a wrapper of the backend's (else the child).
+    peel: Callable[[torch.nn.Module], torch.nn.Module] | None = None
 
 
 def submodules(root: torch.nn.Module) -> list[torch.nn.Module]:
@@ -67,27 +76,18 @@ def broadcast_(tensors: Sequence[torch.Tensor], src: int, group: Any, world_size
             dist.broadcast(t.data, global_src, group=group)
 
 
-def _is_foreign_hook(hook: Any) -> bool:
+def _defined_under(hook: Any, prefixes: tuple[str, ...]) -> bool:
     for obj in (hook, getattr(hook, "func", None), getattr(hook, "__wrapped__", None),
                 getattr(hook, "__func__", None)):
         mod = getattr(obj, "__module__", None) or ""
-        if mod.startswith(_FOREIGN_HOOK_MODULES):
+        if mod.startswith(prefixes):
             return True
     return False
 
 
-def _unwrap_fsdp1(child: torch.nn.Module) -> torch.nn.Module:
-    fsdp_cls = lookup("torch.distributed.fsdp", "FullyShardedDataParallel")
-    while fsdp_cls is not None and isinstance(child, fsdp_cls):
-        inner = child._fsdp_wrapped_module
-        assert isinstance(inner, torch.nn.Module)
-        child = inner
-    return child
-
-
 @contextlib.contextmanager
-def bypassed(root: torch.nn.Module, replace: Replace | None = None) -> Iterator[torch.nn.Module]:
-    """Run ``root`` as a plain module: no FSDP1 wrappers, no FSDP2/ZeRO-3 hooks, plain parameter dicts.
+def bypassed(root: torch.nn.Module, bypass: Bypass, replace: Replace | None = None) -> Iterator[torch.nn.Module]:
+    """Run ``root`` as a plain module: without what ``bypass`` names, with plain parameter dicts.
 
     ``replace`` may substitute a full tensor for a parameter (FSDP2's DTensors).
     The parameters must already be full. Restores every object exactly on exit.
@@ -107,7 +107,7 @@ def bypassed(root: torch.nn.Module, replace: Replace | None = None) -> Iterator[
             for name, child in list(mod._modules.items()):
                 if child is None:
                     continue
-                inner = _unwrap_fsdp1(child)
+                inner = bypass.peel(child) if bypass.peel is not None else child
                 if inner is not child:
                     children.append((mod, name, child))
                     mod._modules[name] = inner
@@ -125,7 +125,7 @@ def bypassed(root: torch.nn.Module, replace: Replace | None = None) -> Iterator[
                 managed.append(mod)
                 mod.__dict__["_is_fsdp_managed_module"] = False
             for hooks in (mod._forward_pre_hooks, mod._forward_hooks):
-                foreign = [k for k, h in hooks.items() if _is_foreign_hook(h)]
+                foreign = [k for k, h in hooks.items() if _defined_under(h, bypass.hook_modules)]
                 if foreign:
                     hook_dicts.append((hooks, list(hooks.items())))
                     for k in foreign:
@@ -134,7 +134,7 @@ def bypassed(root: torch.nn.Module, replace: Replace | None = None) -> Iterator[
             # ``generate``) puts a bound wrapper in the instance dict that runs the sharding
             # hooks around the method; the class's own method is what a plain module calls.
             for name, value in list(mod.__dict__.items()):
-                if _is_fsdp_method_wrapper(mod, value):
+                if _is_method_wrapper(mod, value, bypass.hook_modules):
                     methods.append((mod, name, value))
                     del mod.__dict__[name]
         yield root
@@ -153,12 +153,12 @@ def bypassed(root: torch.nn.Module, replace: Replace | None = None) -> Iterator[
             mod.__dict__["_is_fsdp_managed_module"] = True
 
 
-def _is_fsdp_method_wrapper(mod: torch.nn.Module, value: Any) -> bool:
+def _is_method_wrapper(mod: torch.nn.Module, value: Any, prefixes: tuple[str, ...]) -> bool:
     if getattr(value, "__self__", None) is not mod:
         return False
     # functools.wraps copies the wrapped method's __module__; the globals tell where it was defined.
     defined_in = getattr(getattr(value, "__func__", None), "__globals__", {}).get("__name__", "")
-    return str(defined_in).startswith("torch.distributed.fsdp")
+    return (str(defined_in) + ".").startswith(prefixes)
 
 
 def set_modes(root: torch.nn.Module, training: bool) -> list[tuple[torch.nn.Module, bool]]:

@@ -1,8 +1,8 @@
 """Full parameters on every rank: ``gathered()`` and ``generation()``, on every backend.
 
 Written against the backend primitives: ``gather_full`` makes every parameter full (and
-writes back from ``modifier_rank``), ``gather_bypass`` says whether the module must be taken
-out of the backend's hooks to run on them (``_gather.bypassed``), and ``gather_layerwise``
+writes back from ``modifier_rank``), ``gather_bypass`` says what of the backend must be taken
+out of the call path to run on them (its hooks and wrappers: ``_gather.bypassed``), and ``gather_layerwise``
 sets up the backend's own per-unit gathering, for models too big to gather whole. Both
 contexts put every submodule's ``training`` flag back on exit, and ``generation()`` also
 gradient checkpointing, whatever the body did, exception or not. Both run with torch's own
@@ -69,8 +69,9 @@ def _gathered(wm: Adapter, modifier_rank: int | None) -> Iterator[torch.nn.Modul
     modes = [(m, m.training) for m in wm.module.modules()]
     try:
         with wm.gather_full(modifier_rank) as replace, torch_ops():
-            if wm.gather_bypass():
-                with bypassed(wm.unwrap(), replace) as inner:
+            bypass = wm.gather_bypass()
+            if bypass is not None:
+                with bypassed(wm.unwrap(), bypass, replace) as inner:
                     yield inner
             else:
                 yield wm.unwrap()

@@ -1,6 +1,7 @@
 """One adapter per backend; file name == backend name."""
 
-from ._base import Adapter
+from .._gather import Bypass
+from ._base import Adapter, ShardedAdapter
 from .ddp import DDPAdapter
 from .deepspeed import DeepSpeedAdapter
 from .dp import DataParallelAdapter
@@ -10,6 +11,8 @@ from .plain import PlainAdapter
 
 __all__ = [
     "Adapter",
+    "ShardedAdapter",
+    "Bypass",
     "PlainAdapter",
     "DataParallelAdapter",
     "DDPAdapter",

@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 from .._agree import agree_any, settle
-from .._errors import DistributedStateError, MissingConfigError, UnsupportedModelError
-from .._gather import broadcast_
+from .._errors import AdapterRegistrationError, DistributedStateError, MissingConfigError, UnsupportedModelError
+from .._gather import Bypass, broadcast_
 from .._imports import lookup
 from .._names import canonical_name
-from ._primitives import BackendPrimitives, Piece
+from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives, Piece
 
-__all__ = ["Adapter", "ReplicatedAdapter", "Entry", "model_class_name", "move_buffers"]
+__all__ = ["Adapter", "ReplicatedAdapter", "ShardedAdapter", "Entry", "model_class_name", "move_buffers"]
 
 # One peeled layer: (layer or backend name, the object at that level).
 Entry = tuple[str, torch.nn.Module]
@@ -290,9 +290,9 @@ class Adapter:
         yield
 
     # Backend hooks for the three above; the base serves every unsharded backend.
-    def gather_bypass(self) -> bool:
-        """Whether the module must be taken out of the backend's hooks to run on full parameters."""
-        return False
+    def gather_bypass(self) -> Bypass | None:
+        """What must leave the call path for the module to run on full parameters: nothing here."""
+        return None
 
     def gather_one(self, p: torch.Tensor) -> torch.Tensor:
         return p.detach()
@@ -471,6 +471,32 @@ def move_buffers(root: torch.nn.Module, target: torch.device, copy: bool) -> Non
         for key, buf in module._buffers.items():
             if buf is not None:
                 module._buffers[key] = buf.to(target, copy=copy)
+
+
+class ShardedAdapter(Adapter):
+    """Base of the backends that hold a part of each parameter per rank (FSDP1, FSDP2, ZeRO-3).
+
+    A subclass defines every one of ``SHARDED_PRIMITIVES`` itself, or the class statement raises
+    ``AdapterRegistrationError`` naming those it lacks: inheriting the unsharded default would
+    read a shard as the full parameter. An intermediate base passes ``abstract=True``.
+    """
+
+    def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if abstract:
+            return
+        missing = [name for name in SHARDED_PRIMITIVES if _defined_by(cls, name) in (Adapter, ShardedAdapter)]
+        if missing:
+            raise AdapterRegistrationError(
+                f"{cls.__name__} derives from ShardedAdapter but does not define {', '.join(missing)}: a sharded "
+                "backend must define each of these itself (adapters/_primitives.py says what each returns), "
+                "since the unsharded defaults would read this rank's shard as the whole parameter."
+            )
+
+
+def _defined_by(cls: type, name: str) -> type | None:
+    """The class in ``cls``'s method resolution order whose own namespace defines ``name``."""
+    return next((k for k in cls.__mro__ if name in vars(k)), None)
 
 
 class ReplicatedAdapter(Adapter):

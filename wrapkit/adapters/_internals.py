@@ -1,4 +1,5 @@
-"""The private attributes of FSDP1, FSDP2/DTensor and ZeRO-3 that wrapkit reads, checked in one
+"""The private fields of other libraries that wrapkit touches: all of them listed here, by the object
+that carries them (``PRIVATE_FIELDS``), and those of FSDP1, FSDP2/DTensor and ZeRO-3 checked in one
 place when a model is adapted.
 
 These backends have no public API for what wrapkit needs (per-parameter shard ranges, the
@@ -6,6 +7,8 @@ partition of a ZeRO-3 parameter, FSDP2's input and output casts). Their private 
 stable across the versions wrapkit is tested with; a version that renamed one would otherwise
 fail deep inside an operation with an ``AttributeError``. Checking on ``adapt()`` turns that
 into an ``UnsupportedModelError`` that names the version and what to install.
+``tests/test_private_reads.py`` fails on a private field read anywhere in the package and not
+listed here.
 """
 
 from __future__ import annotations
@@ -16,16 +19,49 @@ from typing import Any
 from .._errors import UnsupportedModelError
 from .._imports import version_of
 
-__all__ = ["require_internals", "FSDP1_UNIT", "FSDP1_HANDLE", "FSDP1_FLAT", "FSDP2_STATE", "DTENSOR", "ZERO3_PARAM"]
+__all__ = ["require_internals", "FSDP1_UNIT", "FSDP1_HANDLE", "FSDP1_FLAT", "FSDP2_STATE", "DTENSOR", "ZERO3_PARAM",
+           "FSDP2_MODULE", "PRIVATE_FIELDS"]
 
-# What each backend's objects must have, by the object that carries it.
+# What each backend's objects must have, by the object that carries it: checked on adapt().
 FSDP1_UNIT = ("_handle", "_fsdp_wrapped_module")
-FSDP1_HANDLE = ("flat_param", "uses_sharded_strategy")
+FSDP1_HANDLE = ("flat_param", "uses_sharded_strategy", "_training_state", "_use_orig_params", "_use_sharded_views",
+                "_use_sharded_grad_views", "_fwd_bwd_param_dtype", "_prefetched")
 FSDP1_FLAT = ("_fqns", "_params", "_shapes", "_numels", "_numels_with_padding", "_is_padding_mask",
-              "_param_infos", "_shared_param_infos", "_shard_param_infos")
-FSDP2_STATE = ("_mp_policy", "_cast_forward_inputs")
+              "_param_infos", "_shared_param_infos", "_shard_param_infos", "_unpadded_unsharded_size")
+FSDP2_MODULE = ("_get_fsdp_state",)
+FSDP2_STATE = ("_mp_policy", "_cast_forward_inputs", "_cast_output_dtype", "_fsdp_param_groups", "_device")
 DTENSOR = ("_local_tensor",)
 ZERO3_PARAM = ("ds_tensor", "ds_shape", "ds_numel", "ds_status")
+
+# Every private field of another library that wrapkit reads or writes, by the object that carries it.
+# tests/test_architecture.py finds each one in the package and fails on a name missing here.
+PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
+    # Checked on adapt() (above).
+    "FSDP1 unit": FSDP1_UNIT,
+    "FSDP1 flat-parameter handle": FSDP1_HANDLE,
+    "FSDP1 flat parameter": FSDP1_FLAT,
+    "FSDP2 module": FSDP2_MODULE,
+    "FSDP2 state": FSDP2_STATE,
+    "DTensor": DTENSOR,
+    # Read where present, with a fallback that is right where they are absent: set only under some
+    # configurations (sharded strategies, HYBRID_SHARD, a device mesh, bf16 optimizers).
+    "FSDP1 root (optional)": ("_inter_node_pg", "_use_full_prec_in_eval", "_device_mesh"),
+    "FSDP1 flat parameter (sharded strategies)": ("_local_shard", "_full_param_padded"),
+    "DeepSpeed parameter under a bf16 optimizer": ("_hp_mapping",),
+    # Read on objects that do not exist when a model is adapted, or outside the backends.
+    "DeepSpeed engine config": ("_config", "_param_dict"),
+    "DeepSpeed GatheredParameters": ("_param_versions",),
+    "DeepSpeed ZeRO-3 optimizer": ("_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",),
+    "FSDP1 ShardingStrategy": ("_HYBRID_SHARD_ZERO2",),
+    # torch's own module internals and namespaces, stable across every torch release wrapkit supports.
+    "torch.nn.Module": ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks",
+                        "_non_persistent_buffers_set"),
+    "torch": ("_C", "_nn", "_foreach_add_", "_foreach_mul_"),
+    "torch.compile OptimizedModule": ("_orig_mod",),
+    "transformers PreTrainedModel": ("_init_weights", "_no_split_modules"),
+    "ms-swift lazy module": ("_class_to_module",),
+    "Python's atexit": ("_run_exitfuncs",),
+}
 
 # The oldest releases the test-suite runs against (.ci/oldest.txt), for the error message.
 _TESTED = {"torch": "2.13", "deepspeed": "0.16"}

@@ -1,8 +1,11 @@
 """The backend primitives: what an adapter knows of its wrapper, and all that the operation
 modules (placement, full parameters, state, reference, views) may use of it.
 
-Every adapter implements this interface; ``Adapter`` gives the defaults of an unsharded
-module, and a backend overrides only what its wrapper does differently. Each member's
+Every adapter implements this interface. ``Adapter`` gives the defaults of an unsharded module,
+right for a wrapper that keeps whole parameters (DDP, DataParallel), which overrides only what it
+does differently. A sharded backend derives from ``ShardedAdapter`` instead and must define each
+of ``SHARDED_PRIMITIVES`` itself: there the unsharded default would be a silent wrong answer (local
+shards taken for full tensors), so a missing one fails when the class is defined. Each member's
 contract is its one-line docstring. Operations written against these work on every backend,
 including third-party ones registered with ``register_adapter``.
 """
@@ -15,9 +18,19 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-__all__ = ["BackendPrimitives", "Piece"]
+from .._gather import Bypass
+
+__all__ = ["BackendPrimitives", "Piece", "SHARDED_PRIMITIVES"]
 
 Shape = tuple[int, ...]
+
+# What a sharded adapter defines itself (``ShardedAdapter``): whatever reads, counts, gathers, writes
+# or moves weights, where the unsharded default would treat this rank's shard as the whole parameter.
+SHARDED_PRIMITIVES = (
+    "is_sharded", "global_numel", "full_shapes", "local_shards", "layout_tensors",
+    "gather_each", "gather_units", "gather_many", "gather_full", "gather_layerwise", "gather_bypass",
+    "full_parameter_bytes", "resident_parameter_bytes", "load_pieces", "move", "placement_tensors",
+)
 
 
 class Piece(NamedTuple):
@@ -77,11 +90,11 @@ class BackendPrimitives(Protocol):
         """Canonical name -> (this rank's shard, a layout key); None without one shard per parameter."""
         ...
 
-    # -- gathering and writing back ----------------------------------------------------------
-    def gather_one(self, p: torch.Tensor) -> torch.Tensor:
-        """The full value of parameter ``p``, detached (collective on sharded backends)."""
+    def layout_tensors(self) -> list[torch.Tensor] | None:
+        """This rank's shard of every parameter, then every buffer, in one walk; None where ``local_shards`` is."""
         ...
 
+    # -- gathering and writing back ----------------------------------------------------------
     def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(canonical name, full tensor)`` for every parameter, gathered one (or one unit) at a time."""
         ...
@@ -107,8 +120,8 @@ class BackendPrimitives(Protocol):
         """Bytes of every parameter gathered, in the dtype the backend gathers and computes in."""
         ...
 
-    def gather_bypass(self) -> bool:
-        """Whether running on full parameters needs the backend's hooks taken out of the call path."""
+    def gather_bypass(self) -> Bypass | None:
+        """What must leave the call path for the module to run on full parameters (its hooks, wrappers), or None."""
         ...
 
     def load_pieces(self) -> list[Piece]:

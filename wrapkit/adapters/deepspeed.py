@@ -15,17 +15,17 @@ import torch
 import torch.distributed as dist
 
 from .._agree import agree_any
-from .._gather import submodules
+from .._gather import Bypass, submodules
 from .._imports import is_instance, require
 from .._names import canonical_name
-from ._base import Adapter, move_buffers
+from ._base import Adapter, ShardedAdapter, move_buffers
 from ._internals import ZERO3_PARAM, require_internals
 from ._primitives import Piece
 from ._zero_partitions import each_full, full_writer, partition_writer, settle_gathers
 from ._zero_states import offload_engine_states, sleep_way
 
 
-class DeepSpeedAdapter(Adapter):
+class DeepSpeedAdapter(ShardedAdapter):
     name = "deepspeed"
     distributed = True
 
@@ -220,8 +220,26 @@ class DeepSpeedAdapter(Adapter):
         return out
 
     # -- full parameters (gathered / generation / named_full_parameters) --------------
-    def gather_bypass(self) -> bool:
-        return self.zero_stage == 3
+    def gather_units(self) -> list[list[torch.nn.Parameter]] | None:
+        # ZeRO-3 partitions every parameter on its own, and any set of them goes in one all-gather
+        # (``gather_many``): each parameter is a unit.
+        return Adapter.gather_units(self)
+
+    def full_parameter_bytes(self) -> int:
+        # The engine's parameters are in its compute dtype (16-bit under bf16/fp16; the fp32 masters
+        # live in the optimizer), so their own element size is what a gather moves.
+        return Adapter.full_parameter_bytes(self)
+
+    @contextlib.contextmanager
+    def gather_layerwise(self) -> Iterator[None]:
+        # ZeRO-3's own forward hooks gather each submodule's partitions before it runs and release
+        # them after (with prefetch); ZeRO-0/1/2 hold whole parameters: nothing to set up.
+        yield
+
+    def gather_bypass(self) -> Bypass | None:
+        # ZeRO-3 puts fetch/release hooks on every submodule (deepspeed.runtime.zero); below stage 3
+        # the parameters are whole and the engine adds nothing to the module's own forward.
+        return Bypass(("deepspeed.",)) if self.zero_stage == 3 else None
 
     def _gather_16bit(self, p: torch.Tensor) -> torch.Tensor:
         shard = getattr(p, "ds_tensor", None)

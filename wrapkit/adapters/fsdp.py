@@ -4,22 +4,23 @@ per wrapped unit, each rank holding a slice of it."""
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from .._agree import settle
-from .._gather import broadcast_, bypassed
+from .._gather import Bypass, broadcast_, bypassed
 from .._imports import is_instance, lookup
 from .._names import canonical_name
-from ._base import Adapter, move_buffers
+from ._base import ShardedAdapter, move_buffers
 from ._fsdp_flat import flat_pieces, full_from_shards, gather_in, local_shard
 from ._internals import FSDP1_FLAT, FSDP1_HANDLE, FSDP1_UNIT, require_internals
 from ._primitives import Piece
 
 
-class FSDPAdapter(Adapter):
+class FSDPAdapter(ShardedAdapter):
     name = "fsdp"
     distributed = True
 
@@ -125,6 +126,23 @@ class FSDPAdapter(Adapter):
                     shapes[id(p)] = tuple(shape)
         return shapes
 
+    def global_numel(self, p: torch.Tensor) -> int:
+        # An original parameter is a view of this rank's slice; a FlatParameter (use_orig_params=False)
+        # holds the whole unit, whose parameters' sizes it records.
+        shape = self.full_shapes().get(id(p))
+        if shape is not None:
+            return math.prod(shape)
+        numels = getattr(p, "_numels", None)
+        return int(sum(numels)) if numels is not None else p.numel()
+
+    def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
+        # A rank's slice of a FlatParameter runs across parameter boundaries: there is no shard of
+        # each parameter to sync shard to shard, so copy_to gathers (each unit once).
+        return None
+
+    def layout_tensors(self) -> list[torch.Tensor] | None:
+        return None
+
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         # use_orig_params=False: only FlatParameters are registered (``<module>._flat_param``);
         # the originals' names and shapes are recorded in each of them.
@@ -148,8 +166,10 @@ class FSDPAdapter(Adapter):
         return out
 
     # -- full parameters (gathered / generation / named_full_parameters) --------------
-    def gather_bypass(self) -> bool:
-        return True
+    def gather_bypass(self) -> Bypass:
+        # FSDP1 stands in the module tree itself (a wrapper per unit), and its hooks and method
+        # wrappers live in torch.distributed.fsdp.
+        return Bypass(("torch.distributed.fsdp.",), peel=_unit_inside)
 
     @contextlib.contextmanager
     def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
@@ -308,7 +328,7 @@ class FSDPAdapter(Adapter):
         units = [u for u in self._units() if getattr(u, "_handle", None) is not None]
         if any(getattr(u._handle.flat_param, "_params", None) is None for u in units):
             # use_orig_params=False: the originals are not Parameters; gather the whole model.
-            with self.gather_full(None) as replace, bypassed(self.unwrap(), replace) as inner:
+            with self.gather_full(None) as replace, bypassed(self.unwrap(), self.gather_bypass(), replace) as inner:
                 batch = [(canonical_name(n), p.detach().clone())
                          for n, p in inner.named_parameters(remove_duplicate=False)]
             yield from batch
@@ -363,3 +383,13 @@ class FSDPAdapter(Adapter):
         # The FlatParameter too: with use_orig_params=True forward runs through it.
         yield from super().frozen_parameters()
         yield from self._flat_params()
+
+
+def _unit_inside(child: torch.nn.Module) -> torch.nn.Module:
+    """The module an FSDP unit wraps (through nested units); any other module itself."""
+    fsdp_cls = lookup("torch.distributed.fsdp", "FullyShardedDataParallel")
+    while fsdp_cls is not None and isinstance(child, fsdp_cls):
+        inner = child._fsdp_wrapped_module
+        assert isinstance(inner, torch.nn.Module)
+        child = inner
+    return child

@@ -12,15 +12,15 @@ import torch
 import torch.distributed as dist
 
 from .._agree import settle
-from .._gather import all_gather_into, submodules
+from .._gather import Bypass, all_gather_into, submodules
 from .._imports import is_instance, lookup
 from .._names import canonical_name
-from ._base import Adapter, copy_into
-from ._internals import DTENSOR, FSDP2_STATE, require_internals
+from ._base import Adapter, ShardedAdapter, copy_into
+from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, require_internals
 from ._primitives import Piece
 
 
-class FSDP2Adapter(Adapter):
+class FSDP2Adapter(ShardedAdapter):
     name = "fsdp2"
     peels = False
     distributed = True
@@ -61,7 +61,7 @@ class FSDP2Adapter(Adapter):
     def _check_internals(self) -> None:
         fsdp_module = lookup("torch.distributed.fsdp", "FSDPModule")
         modules = [m for m in self.module.modules() if fsdp_module is not None and isinstance(m, fsdp_module)]
-        require_internals(modules, ("_get_fsdp_state",), "fully_shard modules", "torch")
+        require_internals(modules, FSDP2_MODULE, "fully_shard modules", "torch")
         require_internals([state for _, state in self._fsdp_states()], FSDP2_STATE, "FSDP states", "torch")
         dtensor = lookup("torch.distributed.tensor", "DTensor")
         shards = [p for p in self._innermost.parameters() if dtensor is not None and isinstance(p, dtensor)]
@@ -135,6 +135,15 @@ class FSDP2Adapter(Adapter):
             total += local.numel() * local.element_size()
         return total
 
+    def full_shapes(self) -> dict[int, tuple[int, ...]]:
+        # A DTensor parameter reports its full shape itself.
+        return {}
+
+    def move(self, target: torch.device, copy: bool) -> None:
+        # A DTensor's ``to()`` moves its local shard and keeps its placements; FSDP2 reads the
+        # sharded parameters afresh at its next all-gather.
+        Adapter.move(self, target, copy)
+
     def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
         self._reshard()
         out: dict[str, tuple[torch.Tensor, tuple[Any, ...]]] = {}
@@ -168,8 +177,10 @@ class FSDP2Adapter(Adapter):
         return out
 
     # -- full parameters (gathered / generation / named_full_parameters) --------------
-    def gather_bypass(self) -> bool:
-        return True
+    def gather_bypass(self) -> Bypass:
+        # FSDP2's pre/post-forward hooks on every fully_shard module, and the method wrappers of
+        # register_fsdp_forward_method, live in torch.distributed.fsdp.
+        return Bypass(("torch.distributed.fsdp.",))
 
     def gather_one(self, p: torch.Tensor) -> torch.Tensor:
         dtensor = lookup("torch.distributed.tensor", "DTensor")
