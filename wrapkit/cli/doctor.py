@@ -229,7 +229,8 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
     versions = {name: version_of(name) for name in ("torch", "deepspeed", "accelerate", "transformers", "peft")}
     use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     device = "cuda" if use_nccl else "cpu"
-    print("wrapkit doctor: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in versions.items()))
+    print(textwrap.fill("wrapkit doctor: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in versions.items()),
+                        _WIDTH, subsequent_indent="    "))
     print(f"model: {'transformers Llama (tiny, from a config)' if use_llama else 'toy MLP (transformers missing)'}; "
           f"{world_size} ranks, {'nccl' if use_nccl else 'gloo'} on {device}; dtype {dtype}; topology {topology}")
     op_names = [name for name, _ in OPS]
