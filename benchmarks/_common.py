@@ -47,18 +47,19 @@ def interleaved(a: Callable[[], float], b: Callable[[], float], reps: int) -> tu
     return times_a, times_b
 
 
-def relative_stderr(wrapkit_samples: Sequence[float], baseline_samples: Sequence[float]) -> float | None:
+def relative_stderr(wrapkit_samples: Sequence[float], baseline_samples: Sequence[float], *,
+                    paired: bool = True) -> float | None:
     """The standard error of a ratio of the two, relative to the ratio (None: too few samples).
 
-    Samples of equal length are taken as pairs measured back to back (``interleaved``): the error
-    is that of the mean log-ratio, so drift of the machine cancels within a pair. Otherwise the two
+    ``paired``: sample i of each side was measured back to back (``interleaved``), so the error is
+    that of the mean log-ratio and drift of the machine cancels within a pair. Otherwise the two
     means' relative errors add in quadrature.
     """
     a = [float(x) for x in wrapkit_samples]
     b = [float(x) for x in baseline_samples]
     if min(len(a), len(b)) < 2 or min(a + b) <= 0:
         return None
-    if len(a) == len(b):
+    if paired:
         logs = [math.log(x / y) for x, y in zip(a, b, strict=True)]
         return statistics.stdev(logs) / math.sqrt(len(logs))
     return math.sqrt(sum(statistics.variance(xs) / (len(xs) * statistics.fmean(xs) ** 2) for xs in (a, b)))
@@ -66,15 +67,16 @@ def relative_stderr(wrapkit_samples: Sequence[float], baseline_samples: Sequence
 
 def row(case: str, wrapkit_value: float, baseline: float, goal: float, *, better: str = "lower",
         unit: str = "s", note: str = "",
-        samples: tuple[Sequence[float], Sequence[float]] | None = None) -> dict[str, Any]:
+        samples: tuple[Sequence[float], Sequence[float]] | None = None, paired: bool = True) -> dict[str, Any]:
     """One result. ``samples``: every measurement of each side, for the ratio's standard error
-    (``stderr``, in ratio units; None for a value measured once or without noise, such as bytes)."""
+    (``stderr``, in ratio units; None for a value measured once or without noise, such as bytes);
+    ``paired``: whether they were measured in back-to-back pairs (``relative_stderr``)."""
     # "lower": wrapkit's cost relative to the baseline's; "higher": wrapkit's speed-up over it.
     if better == "higher":
         ratio = baseline / wrapkit_value if wrapkit_value else float("inf")
     else:
         ratio = wrapkit_value / baseline if baseline else float("inf")
-    rel = relative_stderr(*samples) if samples is not None else None
+    rel = relative_stderr(*samples, paired=paired) if samples is not None else None
     return {"case": case, "wrapkit": wrapkit_value, "baseline": baseline, "unit": unit, "ratio": ratio,
             "stderr": ratio * rel if rel is not None and math.isfinite(ratio) else None,
             "goal": goal, "better": better, "note": note}

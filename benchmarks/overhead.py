@@ -80,7 +80,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     with two_ranks() as group:
         for backend in BACKENDS:
             raw, through = group.run(_steps, backend, reps, timeout=600)[0]
-            r = row(backend, median(through), median(raw), GOAL, samples=(through, raw),
+            r = row(backend, median(through), median(raw), GOAL,
                     note=f"geometric mean over {reps} pairs of {BLOCK}-step blocks")
             # The mean of log-ratios: each pair ran back to back, so slow phases of the machine cancel.
             r["ratio"] = math.exp(sum(math.log(t / b) for t, b in zip(through, raw, strict=True)) / reps)

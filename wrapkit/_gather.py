@@ -33,7 +33,6 @@ __all__ = [
 Replace = Callable[[torch.nn.Module, str, torch.Tensor], "torch.Tensor | None"]
 
 
-
 class Bypass(NamedTuple):
     """What a backend puts between a module holding full parameters and a plain forward, which
     ``bypassed`` takes out of the call path; each backend's adapter gives its own (``gather_bypass``)."""

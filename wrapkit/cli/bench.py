@@ -150,7 +150,7 @@ def _format(rows: list[dict[str, Any]]) -> str:
         goal = ("<= " if r.get("better") != "higher" else ">= ") + f"{r['goal']:g}"
         table.append([
             r["benchmark"], str(r["case"]), f"{r['wrapkit']:.4g} {unit}", f"{r['baseline']:.4g} {unit}",
-            _ratio_text(r), goal, {"yes": "yes", "noise": "noise", "NO": "NO"}[verdict(r)],
+            _ratio_text(r), goal, verdict(r),
         ])
     widths = [max(len(x[i]) for x in [header, *table]) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
