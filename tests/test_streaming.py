@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from tests import scenarios_streaming as ss
 
 SHARDED = ("fsdp", "fsdp2", "zero3")
@@ -139,8 +141,12 @@ def check_sleep(results: list[dict[str, Any]], cases: list[dict[str, Any]]) -> N
                 assert obs["grads_after_sleep"] == [0] * len(obs["grads_after_sleep"]), f"{where}: gradients kept"
 
 
-def test_sleep_wake_keeps_training_exact(group: Any) -> None:
-    check_sleep(group.run(ss.sleep_cases, SLEEP_CASES, timeout=400), SLEEP_CASES)
+@pytest.mark.parametrize("family", ["torch", "deepspeed"])
+def test_sleep_wake_keeps_training_exact(group: Any, family: str) -> None:
+    # Split by family so that the oldest releases' CI run, whose DeepSpeed moves states differently, can
+    # take the DeepSpeed half alone.
+    cases = [c for c in SLEEP_CASES if c["spec"].startswith("zero") == (family == "deepspeed")]
+    check_sleep(group.run(ss.sleep_cases, cases, timeout=300), cases)
 
 
 def test_sleep_wake_on_multi_node_layouts(group4: Any) -> None:
