@@ -43,14 +43,14 @@ def _peak_during_forward(per_block: bool) -> dict[str, int]:
     from torch.distributed.fsdp import fully_shard
 
     import wrapkit
+    from wrapkit.adapters.fsdp2 import shard_fsdp2
     from wrapkit.cli._models import tiny_llama
-    from wrapkit.wrapping import shard_fsdp2
 
     model = tiny_llama(0, layers=8, hidden=256, vocab=1024).eval()
     full = sum(p.numel() * p.element_size() for p in model.parameters())
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     if per_block:
-        ref = shard_fsdp2(model, mesh)
+        ref = wrapkit.adapt(shard_fsdp2(model, mesh))
     else:
         ref = wrapkit.adapt(fully_shard(model, mesh=mesh))
     peak = [0]

@@ -126,3 +126,53 @@ def test_no_import_runs_up_the_layers() -> None:
         if layer_of(target) > layer_of(module)
     ]
     assert not upward, "imports that run up the layers:\n" + "\n".join(upward)
+
+
+# The operations, and the machinery they share, hold no backend knowledge: what differs per backend
+# is an adapter's primitive (adapters/_primitives.py), never a branch on which backend is below.
+BACKEND_FREE = LAYERS[3][1] | {"_gather"}
+BACKEND_LIBRARIES = ("deepspeed", "torch.distributed.fsdp", "torch.distributed.tensor")
+
+
+def _docstrings(tree: ast.Module) -> set[int]:
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def backend_knowledge() -> list[str]:
+    """Backend names as strings, imports of a backend's adapter file or library, in ``BACKEND_FREE``."""
+    from wrapkit.adapters import BUILTIN_ADAPTERS
+
+    names = {a.name for a in BUILTIN_ADAPTERS}
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path)
+        if module.split(".")[0] not in BACKEND_FREE:
+            continue
+        tree = ast.parse(path.read_text())
+        docs = _docstrings(tree)
+        for node in ast.walk(tree):
+            where = f"{path.relative_to(PACKAGE)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Constant) and node.value in names and id(node) not in docs:
+                found.append(f"{where}: the backend name {node.value!r}")
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.split(".")[-1] in names and "adapters" in node.module:
+                    found.append(f"{where}: imports the adapter file {node.module}")
+                if node.module.startswith(BACKEND_LIBRARIES):
+                    found.append(f"{where}: imports {node.module}")
+            elif isinstance(node, ast.Import):
+                found += [f"{where}: imports {a.name}" for a in node.names if a.name.startswith(BACKEND_LIBRARIES)]
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "require"
+                  and node.args and isinstance(node.args[0], ast.Constant) and node.args[0].value == "deepspeed"):
+                found.append(f"{where}: requires deepspeed")
+    return found
+
+
+def test_operations_hold_no_backend_knowledge() -> None:
+    found = backend_knowledge()
+    assert not found, "backend knowledge outside adapters/ (give the adapters a primitive for it):\n" + "\n".join(found)

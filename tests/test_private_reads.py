@@ -29,21 +29,12 @@ OUTSIDE_ADAPTERS = {
     ("reading.py", "_buffers"),
     ("reading.py", "_init_weights"),
     ("reading.py", "_non_persistent_buffers_set"),
-    ("reference.py", "_get_fsdp_state"),
-    ("reference.py", "_local_tensor"),
     ("shutdown.py", "_run_exitfuncs"),
-    ("sleeping.py", "_local_tensor"),
     ("state_dict.py", "_buffers"),
     ("state_dict.py", "_non_persistent_buffers_set"),
     ("state_dict.py", "_parameters"),
     ("sync.py", "_foreach_add_"),
     ("sync.py", "_foreach_mul_"),
-    ("wrapping.py", "_config"),
-    ("wrapping.py", "_device_mesh"),
-    ("wrapping.py", "_get_fsdp_state"),
-    ("wrapping.py", "_mp_policy"),
-    ("wrapping.py", "_no_split_modules"),
-    ("wrapping.py", "_param_dict"),
 }
 
 

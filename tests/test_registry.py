@@ -189,3 +189,19 @@ def test_built_in_sharded_backends_define_the_sharded_primitives() -> None:
     documented = {n for n in vars(BackendPrimitives) if not n.startswith("_")}
     assert set(SHARDED_PRIMITIVES) - {"is_sharded", "resident_parameter_bytes"} <= documented
     assert "layout_tensors" in documented
+
+
+def test_a_sharded_backend_that_cannot_build_a_likeness_says_so() -> None:
+    from wrapkit._registry import as_adapter
+    from wrapkit.wrapping import wrap_like
+
+    class NoLikeness(wrapkit.ShardedAdapter, abstract=True):  # every other primitive is beside the point here
+        name = "nolikeness"
+
+    module = torch.nn.Linear(2, 2)
+    policy = NoLikeness(module, [("nolikeness", module)], None, module)
+    assert policy.bare_frozen() is None  # a sharded wrapper is never peeled into a reference's start
+    with pytest.raises(wrapkit.UnsupportedModelError, match="nolikeness backend cannot build a frozen copy"):
+        policy.fresh_copy(None)
+    with pytest.raises(wrapkit.UnsupportedModelError, match="nolikeness backend cannot wrap a reference"):
+        wrap_like(policy, as_adapter(torch.nn.Linear(2, 2)), None)  # a plain reference, to be wrapped the policy's way

@@ -6,7 +6,7 @@ import functools
 
 from ._errors import ArgumentError
 
-__all__ = ["canonical_name", "WRAPPER_PREFIXES"]
+__all__ = ["canonical_name", "model_class_name", "WRAPPER_PREFIXES"]
 
 # Path components that wrappers insert anywhere in a name.
 _INFIX_COMPONENTS = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
@@ -40,3 +40,11 @@ def canonical_name(name: str) -> str:
         leading = False
         out.append(part)
     return ".".join(out)
+
+
+def model_class_name(obj: object) -> str:
+    """The model's own class name, seeing through the classes FSDP2 generates (``FSDPLlama...``)."""
+    for cls in type(obj).__mro__:
+        if not cls.__module__.startswith("torch.distributed.fsdp"):
+            return cls.__name__
+    return type(obj).__name__

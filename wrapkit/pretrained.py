@@ -30,8 +30,9 @@ from ._dtypes import safetensors_name
 from ._errors import ArgumentError, StateDictError, WrapkitError
 from ._memory import parse_size
 from .checkpoint import _fsync_dir
+from .layers.peft import lora_fold_stream
 from .reading import INDEX_NAME
-from .state_dict import live_buffers, lora_fold_plan, lora_fold_stream
+from .state_dict import live_buffers, lora_fold_plan
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter

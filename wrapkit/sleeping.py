@@ -21,6 +21,7 @@ import torch
 
 from ._agree import Call, enter
 from ._errors import ArgumentError, DistributedStateError, PlacementError, UnsupportedModelError
+from .adapters._dtensor import local_tensor
 from .placement import home_device, move_verified, remember_home
 
 if TYPE_CHECKING:
@@ -58,7 +59,7 @@ def training_state(wm: Adapter, optimizer: Any) -> list[tuple[str, torch.Tensor]
     """``(what, tensor)`` for this rank's parameters (shards), gradients and optimizer state, each
     storage once."""
     out = list(wm.placement_tensors())
-    out += [("grad", _local(p.grad)) for p in wm.frozen_parameters() if p.grad is not None]
+    out += [("grad", local_tensor(p.grad)) for p in wm.frozen_parameters() if p.grad is not None]
     if optimizer is not None:
         out += list(wm.optimizer_tensors(optimizer))
     seen: set[int] = set()
@@ -69,11 +70,6 @@ def training_state(wm: Adapter, optimizer: Any) -> list[tuple[str, torch.Tensor]
             seen.add(key)
             unique.append((what, t))
     return unique
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
 
 
 def _bytes_on(state: list[tuple[str, torch.Tensor]], device: torch.device) -> int:
@@ -114,7 +110,7 @@ def sleep(wm: Adapter, optimizer: Any = None, level: int = 1) -> SleepReport:
     dropped = 0
     if level == 2:
         # Each storage once: FSDP1's gradients of the original parameters are views into its flat one.
-        dropped = _bytes_on([("grad", _local(g)) for p in grads if (g := p.grad) is not None], home)
+        dropped = _bytes_on([("grad", local_tensor(g)) for p in grads if (g := p.grad) is not None], home)
         if opt is not None:
             opt.zero_grad(set_to_none=True)
         for p in grads:

@@ -13,24 +13,21 @@ written (``_agree``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._agree import Call, enter, raise_agreed
-from ._errors import UnsupportedModelError
-from ._imports import is_instance
 from ._names import canonical_name
 from .full_parameters import gathered
-from .layers.peft import base_key_map
+from .layers.peft import LoraFoldPlan, fold_plan, fold_state_dict
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
 
 __all__ = ["full_state_dict", "gather_state_dict", "load_full_state_dict", "expected_shapes", "check_entries",
-           "write", "assign", "live_buffers", "Shape", "LoraFoldPlan", "lora_fold_plan", "lora_fold_stream",
-           "lora_layer_keys"]
+           "write", "assign", "live_buffers", "Shape", "lora_fold_plan"]
 
 Shape = tuple[int, ...]
 
@@ -133,7 +130,7 @@ def gather_state_dict(wm: Adapter, rank0_only: bool, merge_adapters: bool = Fals
     """``full_state_dict`` without the operation's entry, for operations that entered already."""
     if merge_adapters:
         # Validate before any gather: an unsupported PEFT layer must fail on every rank alike.
-        plan = _lora_fold_plan(wm)
+        plan = lora_fold_plan(wm)
     keep = not rank0_only or wm.rank == 0
     out: dict[str, torch.Tensor] = {}
     # Tied parameters come once per name; they stay one tensor, as in state_dict().
@@ -160,120 +157,18 @@ def gather_state_dict(wm: Adapter, rank0_only: bool, merge_adapters: bool = Fals
     order = dict.fromkeys(name for name, _ in _live_entries(wm.unwrap()))
     out = {k: out[k] for k in order if k in out} | {k: v for k, v in out.items() if k not in order}
     if merge_adapters and plan is not None:
-        out = _fold_lora(out, plan)
+        out = fold_state_dict(out, plan)
     return out
 
 
-# -- PEFT merge ------------------------------------------------------------------------
-class LoraFoldPlan:
-    """What ``merge_adapters`` needs to know of the live PEFT model, read without touching it:
-    how its keys map to the base model's, and the LoRA layers to fold."""
-
-    def __init__(self, rename: Callable[[str], str | None], layers: list[tuple[str, Any]]) -> None:
-        self.rename = rename
-        self.layers = layers
-
-
-def _lora_fold_plan(wm: Adapter) -> LoraFoldPlan | None:
-    peft_root = wm.unwrap(keep_peft=True)
-    if peft_root is wm.unwrap(keep_peft=False):
-        return None  # no PEFT layer: nothing to merge
-    layers: list[tuple[str, Any]] = []
-    problems: list[str] = []
-    for mod_name, mod in peft_root.named_modules():
-        if not is_instance(mod, "peft.tuners.tuners_utils", "BaseTunerLayer"):
-            if is_instance(mod, "peft.utils.other", "ModulesToSaveWrapper"):
-                problems.append(f"{canonical_name(mod_name)}: modules_to_save copies")
-            continue
-        name = canonical_name(mod_name)
-        if not is_instance(mod, "peft.tuners.lora.layer", "Linear"):
-            problems.append(f"{name}: {type(mod).__module__}.{type(mod).__name__}")
-            continue
-        for adapter in mod.active_adapters:
-            # lora_bias appeared in PEFT 0.14; older layers have none.
-            if mod.use_dora.get(adapter) or getattr(mod, "lora_bias", {}).get(adapter):
-                problems.append(f"{name}: adapter {adapter!r} uses DoRA or a LoRA bias")
-        layers.append((name, mod))
-    if problems:
-        raise UnsupportedModelError(
-            "full_state_dict(merge_adapters=True) folds in LoRA adapters of Linear layers only; this model has "
-            + "; ".join(problems)
-            + ". Export with merge_adapters=False, or merge with PEFT's merge_and_unload() on an unsharded copy."
-        )
-    return LoraFoldPlan(base_key_map(peft_root), layers)
-
-
-def _fold_keys(name: str, mod: Any) -> list[str]:
-    """The entries a LoRA layer's merged weight is computed from: its base weight first."""
-    keys = [f"{name}.base_layer.weight"]
-    if not mod.merged and not mod.disable_adapters:
-        for adapter in mod.active_adapters:
-            if adapter in mod.lora_A:
-                keys += [f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight"]
-    return keys
-
-
-def _folded(mod: Any, keys: list[str], sd: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """``W + sum(scale * B @ A)`` over the active adapters, in float32, back in W's dtype."""
-    weight = sd[keys[0]]
-    if len(keys) == 1:
-        return weight.contiguous()
-    acc = weight.float()
-    for a_key, b_key in zip(keys[1::2], keys[2::2], strict=True):
-        adapter = a_key.rsplit(".", 2)[-2]
-        delta = sd[b_key].float() @ sd[a_key].float()
-        if mod.fan_in_fan_out:
-            delta = delta.T
-        acc = acc + delta * mod.scaling[adapter]
-    return acc.to(weight.dtype).contiguous()
-
-
-def _fold_lora(sd: dict[str, torch.Tensor], plan: LoraFoldPlan) -> dict[str, torch.Tensor]:
-    """``sd`` of the PEFT model -> the base model's state dict with the adapters folded in."""
-    folded = {f"{name}.base_layer.weight": _folded(mod, _fold_keys(name, mod), sd) for name, mod in plan.layers}
-    return {new: folded.get(key, value) for key, value in sd.items() if (new := plan.rename(key)) is not None}
-
-
+# -- PEFT merge (the folding itself is layers/peft.py's) ------------------------------------------
 def lora_fold_plan(wm: Adapter) -> LoraFoldPlan | None:
     """What merging ``wm``'s LoRA adapters needs (None without PEFT); ``UnsupportedModelError``,
     raised alike on every rank, for layers that cannot be merged."""
-    return _lora_fold_plan(wm)
-
-
-def lora_layer_keys(plan: LoraFoldPlan | None) -> dict[str, str]:
-    """Each entry a LoRA layer's merge reads (base weight, adapters) -> that layer's name."""
-    if plan is None:
-        return {}
-    return {key: name for name, mod in plan.layers for key in _fold_keys(name, mod)}
-
-
-def lora_fold_stream(plan: LoraFoldPlan | None,
-                     entries: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """``entries`` of the PEFT model -> the base model's, each LoRA layer merged as soon as its
-    pieces have come by: no more than one layer's pieces are held at a time."""
-    if plan is None:
-        yield from entries
-        return
-    layer_of: dict[str, tuple[Any, list[str]]] = {}
-    for name, mod in plan.layers:
-        keys = _fold_keys(name, mod)
-        for key in keys:
-            layer_of[key] = (mod, keys)
-    pieces: dict[str, torch.Tensor] = {}
-    for key, value in entries:
-        hit = layer_of.get(key)
-        if hit is None:
-            if (new := plan.rename(key)) is not None:
-                yield new, value
-            continue
-        mod, keys = hit
-        pieces[key] = value
-        if all(k in pieces for k in keys):
-            weight = _folded(mod, keys, pieces)
-            for k in keys:
-                del pieces[k]
-            if (new := plan.rename(keys[0])) is not None:
-                yield new, weight
+    peft_root = wm.unwrap(keep_peft=True)
+    if peft_root is wm.unwrap(keep_peft=False):
+        return None  # no PEFT layer: nothing to merge
+    return fold_plan(peft_root)
 
 
 # -- writing ---------------------------------------------------------------------------

@@ -25,7 +25,8 @@ import torch.distributed as dist
 from ._agree import Call, enter
 from ._errors import ArgumentError, WrapkitError
 from ._names import canonical_name
-from .state_dict import LoraFoldPlan, lora_fold_plan, lora_fold_stream, lora_layer_keys
+from .layers.peft import LoraFoldPlan, lora_fold_stream, lora_layer_keys
+from .state_dict import lora_fold_plan
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter

@@ -9,30 +9,31 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping
+from copy import deepcopy
 from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
 
 from .._agree import agree_any, settle
-from .._errors import AdapterRegistrationError, DistributedStateError, MissingConfigError, UnsupportedModelError
+from .._errors import (
+    AdapterRegistrationError,
+    DistributedStateError,
+    MissingConfigError,
+    ReferenceModelError,
+    UnsupportedModelError,
+)
 from .._gather import Bypass, broadcast_
 from .._imports import lookup
-from .._names import canonical_name
-from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives, Piece
+from .._names import canonical_name, model_class_name
+from ._dtensor import local_tensor
+from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives, Piece, copy_into
 
-__all__ = ["Adapter", "ReplicatedAdapter", "ShardedAdapter", "Entry", "model_class_name", "move_buffers"]
+__all__ = ["Adapter", "ReplicatedAdapter", "ShardedAdapter", "Entry", "model_class_name", "move_buffers",
+           "local_tensor", "replicated_copy"]
 
 # One peeled layer: (layer or backend name, the object at that level).
 Entry = tuple[str, torch.nn.Module]
-
-
-def model_class_name(obj: object) -> str:
-    """The model's own class name, seeing through the classes FSDP2 generates (``FSDPLlama...``)."""
-    for cls in type(obj).__mro__:
-        if not cls.__module__.startswith("torch.distributed.fsdp"):
-            return cls.__name__
-    return type(obj).__name__
 
 
 class Adapter:
@@ -49,6 +50,10 @@ class Adapter:
     peels: ClassVar[bool] = True
     # Whether this adapter needs an initialised process group.
     distributed: ClassVar[bool] = False
+    # Whether prepare_reference's ds_config applies (the reference is built from the backend's config).
+    takes_ds_config: ClassVar[bool] = False
+    # Whether the backend's modules run on torch functions it replaced process-wide (ZeRO-3).
+    patches_torch_ops: ClassVar[bool] = False
 
     # -- detection -----------------------------------------------------------------
     @classmethod
@@ -433,7 +438,7 @@ class Adapter:
         for state in getattr(optimizer, "state", {}).values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
-                    yield "optimizer state", _local(value)
+                    yield "optimizer state", local_tensor(value)
 
     def sleep_refusal(self) -> str | None:
         """Why this model's training state cannot be moved off the device and back, or None."""
@@ -445,24 +450,36 @@ class Adapter:
         own: parameters then go through ``move`` and the torch optimizer's state is moved by the caller."""
         return None
 
+    # -- likeness: references and frozen copies -------------------------------------------------
+    def bare_frozen(self) -> torch.nn.Module | None:
+        """The module a frozen copy wrapped another way starts from: a replicated wrapper adds nothing
+        to a frozen model, so the module inside it (PEFT kept); None where the wrapper shards it."""
+        return self.unwrap(keep_peft=True)
+
+    def wrap_like(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        """``module`` (bare, whole, frozen) wrapped the way this model is; a replicated model's frozen copy
+        needs no wrapper, only its device."""
+        return module.to(self.device)
+
+    def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        """A frozen copy of this model's weights, wrapped like it."""
+        return replicated_copy(self, ds_config)
+
     def agree_any(self, flag: bool) -> bool:
         """``flag`` or-ed over the group, so that every rank takes the same branch."""
         # Non-distributed adapters may live in a distributed process: they never vote.
         return agree_any(flag, self.process_group(), self.world_size) if self.distributed else flag
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank; any other tensor itself."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) else t
-
-
-def copy_into(dst: torch.Tensor) -> Any:
-    """A ``Piece.write`` that copies 1-D values into ``dst`` (any shape), cast to its dtype."""
-    def write(values: torch.Tensor) -> None:
-        with torch.no_grad():
-            dst.copy_(values.reshape(dst.shape))
-    return write
+def replicated_copy(adapter: Adapter, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+    """A frozen copy of a model whose every rank holds the full weights, wrapped like it."""
+    source = adapter.unwrap(keep_peft=True)
+    if any(p.numel() == 0 for p in source.parameters()):
+        raise ReferenceModelError(
+            f"the {adapter.backend} policy's parameters are not all present on this rank (offloaded or sharded); "
+            "call policy.place() first or pass ref_model."
+        )
+    return adapter.wrap_like(deepcopy(source), ds_config)
 
 
 def move_buffers(root: torch.nn.Module, target: torch.device, copy: bool) -> None:
@@ -492,6 +509,23 @@ class ShardedAdapter(Adapter):
                 "backend must define each of these itself (adapters/_primitives.py says what each returns), "
                 "since the unsharded defaults would read this rank's shard as the whole parameter."
             )
+
+    def bare_frozen(self) -> torch.nn.Module | None:
+        return None
+
+    # A sharded backend builds its likeness itself: a whole-module copy would hold every weight on
+    # every rank. One that cannot says so, by name.
+    def wrap_like(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        raise UnsupportedModelError(
+            f"the {self.name} backend cannot wrap a reference model the way its policy is wrapped; wrap ref_model "
+            f"in {self.name} yourself and pass it to prepare_reference."
+        )
+
+    def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        raise UnsupportedModelError(
+            f"the {self.name} backend cannot build a frozen copy of its model; pass ref_model to prepare_reference "
+            f"(the model loaded again from its checkpoint, wrapped in {self.name})."
+        )
 
 
 def _defined_by(cls: type, name: str) -> type | None:

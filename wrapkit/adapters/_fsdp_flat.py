@@ -15,8 +15,7 @@ import torch.distributed as dist
 
 from .._gather import all_gather_into
 from .._names import canonical_name
-from ._base import copy_into
-from ._primitives import Piece
+from ._primitives import Piece, copy_into
 
 __all__ = ["local_shard", "flat_pieces", "gather_in", "full_from_shards"]
 

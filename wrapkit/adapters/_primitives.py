@@ -20,7 +20,7 @@ import torch
 
 from .._gather import Bypass
 
-__all__ = ["BackendPrimitives", "Piece", "SHARDED_PRIMITIVES"]
+__all__ = ["BackendPrimitives", "Piece", "SHARDED_PRIMITIVES", "copy_into"]
 
 Shape = tuple[int, ...]
 
@@ -43,6 +43,14 @@ class Piece(NamedTuple):
     numel: int
     full_shape: Shape
     write: Callable[[torch.Tensor], None]
+
+
+def copy_into(dst: torch.Tensor) -> Any:
+    """A ``Piece.write`` that copies 1-D values into ``dst`` (any shape), cast to its dtype."""
+    def write(values: torch.Tensor) -> None:
+        with torch.no_grad():
+            dst.copy_(values.reshape(dst.shape))
+    return write
 
 
 class BackendPrimitives(Protocol):
@@ -172,6 +180,29 @@ class BackendPrimitives(Protocol):
 
     def offload_states(self, home: torch.device) -> Callable[[], None] | None:
         """The backend's own state to the CPU; returns what brings it back (None: nothing of its own)."""
+        ...
+
+    # -- likeness: references and frozen copies ---------------------------------------------------
+    @property
+    def takes_ds_config(self) -> bool:
+        """Whether ``prepare_reference``'s ``ds_config`` applies: the reference is built from the backend's config."""
+        ...
+
+    @property
+    def patches_torch_ops(self) -> bool:
+        """Whether the backend's modules run on torch functions it replaced process-wide (ZeRO-3's)."""
+        ...
+
+    def bare_frozen(self) -> torch.nn.Module | None:
+        """The module a frozen copy wrapped another way starts from, or None where this wrapper shards it."""
+        ...
+
+    def wrap_like(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        """``module`` (bare, whole, frozen) wrapped as this model is: its group or mesh, mixed precision, dtype."""
+        ...
+
+    def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        """A frozen copy of this model wrapped like it; a sharded one filled shard to shard, never whole on a rank."""
         ...
 
     def frozen_form(self) -> Any:

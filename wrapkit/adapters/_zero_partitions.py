@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .._gather import all_gather_into
-from ._base import copy_into
+from ._primitives import copy_into
 
 __all__ = ["each_full", "full_writer", "partition_writer", "settle_gathers"]
 

@@ -18,16 +18,19 @@ from .._agree import agree_any
 from .._gather import Bypass, submodules
 from .._imports import is_instance, require
 from .._names import canonical_name
-from ._base import Adapter, ShardedAdapter, move_buffers
+from ._base import Adapter, ShardedAdapter, move_buffers, replicated_copy
 from ._internals import ZERO3_PARAM, require_internals
 from ._primitives import Piece
 from ._zero_partitions import each_full, full_writer, partition_writer, settle_gathers
+from ._zero_reference import engine_dtype, reference_config, reference_engine, zero3_copy
 from ._zero_states import offload_engine_states, sleep_way
 
 
 class DeepSpeedAdapter(ShardedAdapter):
     name = "deepspeed"
     distributed = True
+    takes_ds_config = True
+    patches_torch_ops = True
 
     @classmethod
     def matches(cls, obj: object) -> bool:
@@ -406,6 +409,16 @@ class DeepSpeedAdapter(ShardedAdapter):
 
     def offload_states(self, home: torch.device) -> Callable[[], None] | None:
         return offload_engine_states(self._engine(), self.zero_stage or 0, home)
+
+    # -- likeness (_zero_reference.py) ------------------------------------------------------------
+    def wrap_like(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        if self.zero_stage == 3:
+            return reference_engine(self, module, reference_config(self._engine(), ds_config))
+        # ZeRO-0/1/2 replicate the weights: the module alone, in the engine's compute dtype.
+        return module.to(device=self.device, dtype=engine_dtype(self._engine(), ds_config))
+
+    def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        return zero3_copy(self, ds_config) if self.zero_stage == 3 else replicated_copy(self, ds_config)
 
     def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.zero_stage != 3:

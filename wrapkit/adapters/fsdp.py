@@ -17,6 +17,7 @@ from .._names import canonical_name
 from ._base import ShardedAdapter, move_buffers
 from ._fsdp_flat import flat_pieces, full_from_shards, gather_in, local_shard
 from ._internals import FSDP1_FLAT, FSDP1_HANDLE, FSDP1_UNIT, require_internals
+from ._likeness import block_classes, copy_buffers, skeleton
 from ._primitives import Piece
 
 
@@ -379,10 +380,89 @@ class FSDPAdapter(ShardedAdapter):
         for name, buf in self._module.named_buffers():
             yield canonical_name(name), buf
 
+    # -- likeness ------------------------------------------------------------------------------------
+    def _like(self, module: torch.nn.Module, init_on: torch.device | None) -> torch.nn.Module:
+        """``module`` wrapped per block with this root's group(s), strategy and mixed precision."""
+        root: Any = self._backend_obj
+        groups: dict[str, Any] = {"process_group": self.process_group()}
+        replicas = self.replica_groups()
+        if replicas:
+            # HYBRID_SHARD takes its two groups together: the mesh it was given, or (shard, replicate).
+            mesh = getattr(root, "_device_mesh", None)
+            groups = {"device_mesh": mesh} if mesh is not None else {"process_group": (groups["process_group"],
+                                                                                       *replicas)}
+        return wrap_fsdp1(module, device=self.device, sharding_strategy=getattr(root, "sharding_strategy", None),
+                          mixed_precision=getattr(root, "mixed_precision", None), init_on=init_on, **groups)
+
+    def wrap_like(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        return self._like(module, init_on=None)
+
+    def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
+
+        with torch.device("meta"):
+            model = skeleton(self)
+        ref = self._like(model, init_on=self.device)
+        src: Any = self._backend_obj
+        # Sharded state dicts move shard to shard, one unit at a time: the full model is never built.
+        with FullyShardedDataParallel.state_dict_type(src, StateDictType.SHARDED_STATE_DICT), \
+                FullyShardedDataParallel.state_dict_type(ref, StateDictType.SHARDED_STATE_DICT):
+            ref.load_state_dict(src.state_dict())
+        copy_buffers(self.unwrap(keep_peft=False), model)
+        return ref
+
     def frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
         # The FlatParameter too: with use_orig_params=True forward runs through it.
         yield from super().frozen_parameters()
         yield from self._flat_params()
+
+
+def wrap_fsdp1(module: torch.nn.Module, *, device: torch.device, init_on: torch.device | None = None,
+               embedding_units: bool = True, **fsdp_kwargs: Any) -> torch.nn.Module:
+    """FSDP1 for a frozen model: one unit per transformer block, on ``device``; with
+    ``embedding_units`` also one per untied input/output embedding (see ``_fsdp1_wrap_policy``).
+    ``init_on``: ``module`` is a meta skeleton to materialise there unit by unit."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if init_on is not None:
+        # Meta skeleton: each unit gets real (uninitialised) storage only as it is sharded.
+        fsdp_kwargs["param_init_fn"] = lambda m: m.to_empty(device=init_on, recurse=False)
+    return FullyShardedDataParallel(
+        module,
+        auto_wrap_policy=_fsdp1_wrap_policy(module, block_classes(module), embedding_units),
+        device_id=device,
+        use_orig_params=True,
+        **fsdp_kwargs,
+    )
+
+
+def _fsdp1_wrap_policy(module: torch.nn.Module, blocks: set[type[torch.nn.Module]], embedding_units: bool) -> Any:
+    """Blocks, and with ``embedding_units`` untied input/output embeddings, each their own unit.
+
+    FSDP1 leaves the root unit's parameters gathered after a forward without backward,
+    which for a reference model is every forward; embeddings and head are the largest
+    parameters outside the blocks, so giving them units keeps the reference sharded.
+    (Tied embeddings must share a unit, so they stay in the root.)"""
+    import functools
+
+    from torch.distributed.fsdp.wrap import lambda_auto_wrap_policy
+
+    get_in = getattr(module, "get_input_embeddings", None)
+    get_out = getattr(module, "get_output_embeddings", None)
+    extra: set[int] = set()
+    emb_in = get_in() if callable(get_in) else None
+    emb_out = get_out() if callable(get_out) else None
+    if embedding_units and isinstance(emb_in, torch.nn.Module) and isinstance(emb_out, torch.nn.Module):
+        if getattr(emb_in, "weight", None) is not getattr(emb_out, "weight", None):
+            extra = {id(emb_in), id(emb_out)}
+    if not blocks and not extra:
+        return None
+    kinds = tuple(blocks)
+
+    def wrap(m: torch.nn.Module) -> bool:
+        return (bool(kinds) and isinstance(m, kinds)) or id(m) in extra
+
+    return functools.partial(lambda_auto_wrap_policy, lambda_fn=wrap)
 
 
 def _unit_inside(child: torch.nn.Module) -> torch.nn.Module:

@@ -4,20 +4,30 @@ subclass and its parameters become ``DTensor`` shards over a device mesh."""
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .._agree import settle
-from .._gather import Bypass, all_gather_into, submodules
+from .._gather import Bypass, submodules
 from .._imports import is_instance, lookup
 from .._names import canonical_name
-from ._base import Adapter, ShardedAdapter, copy_into
+from ._base import Adapter, ShardedAdapter
+from ._dtensor import (
+    Layout,
+    full_value,
+    full_values,
+    is_dtensor,
+    load_piece,
+    local_tensor,
+    mesh_key,
+    shard_key,
+    write_full,
+)
 from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, require_internals
-from ._primitives import Piece
+from ._likeness import block_classes, copy_buffers, skeleton
+from ._primitives import Piece, copy_into
 
 
 class FSDP2Adapter(ShardedAdapter):
@@ -47,16 +57,22 @@ class FSDP2Adapter(ShardedAdapter):
                 return mesh
         return None
 
+    def _layout(self) -> Layout | None:
+        """How the parameters lie on the mesh, read off FSDP2's own sharded parameters (inside
+        ``gathered()`` the module holds plain full copies)."""
+        for _, state in self._fsdp_states():
+            for group in getattr(state, "_fsdp_param_groups", ()):
+                for fsdp_param in group.fsdp_params:
+                    return Layout.of(fsdp_param.sharded_param)
+        return next((Layout.of(p) for p in self._innermost.parameters() if is_dtensor(p)), None)
+
     def process_group(self) -> Any:
-        mesh = self.mesh()
-        if mesh is None:
-            return None
-        # The shard dimension is the last one (HSDP puts replication first).
-        return mesh.get_group(mesh.ndim - 1)
+        layout = self._layout()
+        return None if layout is None else layout.shard_group()
 
     def replica_groups(self) -> list[Any]:
-        mesh = self.mesh()
-        return [] if mesh is None else [mesh.get_group(d) for d in range(mesh.ndim - 1)]
+        layout = self._layout()
+        return [] if layout is None else layout.replica_groups()
 
     def _check_internals(self) -> None:
         fsdp_module = lookup("torch.distributed.fsdp", "FSDPModule")
@@ -73,7 +89,7 @@ class FSDP2Adapter(ShardedAdapter):
         # over the other) or placed otherwise (_StridedShard, Partial) is beyond every read and write here.
         mesh = self.mesh()
         own = p.device_mesh
-        if mesh is None or _mesh_key(own) != _mesh_key(mesh):
+        if mesh is None or mesh_key(own) != mesh_key(mesh):
             return (f"fully_shard was given a {getattr(mesh, 'ndim', 0)}-D mesh, and a parameter on another mesh "
                     "(a tensor-parallel dimension beside the data-parallel ones) is a layout the fsdp2 adapter "
                     "cannot read")
@@ -131,7 +147,7 @@ class FSDP2Adapter(ShardedAdapter):
     def resident_parameter_bytes(self) -> int:
         total = 0
         for p in self._unique_parameters():
-            local = getattr(p, "_local_tensor", p)  # a DTensor's shard; a plain tensor is whole
+            local = local_tensor(p)  # a DTensor's shard; a plain tensor is whole
             total += local.numel() * local.element_size()
         return total
 
@@ -147,22 +163,13 @@ class FSDP2Adapter(ShardedAdapter):
     def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
         self._reshard()
         out: dict[str, tuple[torch.Tensor, tuple[Any, ...]]] = {}
-        meshes: dict[int, tuple[Any, ...]] = {}  # reading a mesh's rank layout is slow: once per mesh
+        meshes: dict[int, tuple[Any, ...]] = {}
         for name, p in self.unwrap().named_parameters():
-            mesh = getattr(p, "device_mesh", None)
-            if mesh is None:  # not sharded by fully_shard: the whole tensor lives on every rank
+            if not is_dtensor(p):  # not sharded by fully_shard: the whole tensor lives on every rank
                 out[canonical_name(name)] = (p.data, ("full", tuple(p.shape)))
                 continue
-            if id(mesh) not in meshes:
-                meshes[id(mesh)] = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.shape))
-            # DTensor keeps its shard in ``_local_tensor``; ``to_local()`` returns the same
-            # storage through an autograd function, ~30 us a call that a frequent sync repeats.
-            local = getattr(p, "_local_tensor", None)
-            if not isinstance(local, torch.Tensor):
-                local = p.to_local()  # type: ignore[attr-defined]
-            key = ("dtensor", meshes[id(mesh)], tuple(str(x) for x in getattr(p, "placements", ())),
-                   tuple(p.shape), tuple(local.shape))
-            out[canonical_name(name)] = (local, key)
+            local = local_tensor(p)
+            out[canonical_name(name)] = (local, shard_key(p, local, meshes))
         return out
 
     def layout_tensors(self) -> list[torch.Tensor] | None:
@@ -171,8 +178,7 @@ class FSDP2Adapter(ShardedAdapter):
         for m in submodules(self.unwrap()):
             for p in m._parameters.values():
                 if p is not None:
-                    local = getattr(p, "_local_tensor", None)
-                    out.append(local if isinstance(local, torch.Tensor) else p)
+                    out.append(local_tensor(p))
             out.extend(b for b in m._buffers.values() if b is not None)
         return out
 
@@ -183,12 +189,7 @@ class FSDP2Adapter(ShardedAdapter):
         return Bypass(("torch.distributed.fsdp.",))
 
     def gather_one(self, p: torch.Tensor) -> torch.Tensor:
-        dtensor = lookup("torch.distributed.tensor", "DTensor")
-        if dtensor is not None and isinstance(p, dtensor):
-            with torch.no_grad():
-                full: torch.Tensor = p.full_tensor()  # type: ignore[attr-defined]
-            return full
-        return p.detach()
+        return full_value(p)
 
     @contextlib.contextmanager
     def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
@@ -204,7 +205,7 @@ class FSDP2Adapter(ShardedAdapter):
         # (modifier_rank), in the parameters' own dtype, so that the writes are kept exactly.
         dtypes = self._compute_dtypes(states) if modifier_rank is None else {}
         copies: dict[int, tuple[Any, torch.nn.Parameter]] = {}
-        for p, full in _all_full(list(self._unique_parameters()), dtypes):
+        for p, full in list(full_values(list(self._unique_parameters()), dtypes)):
             copies[id(p)] = (p, torch.nn.Parameter(full, requires_grad=p.requires_grad))
 
         def replace(mod: torch.nn.Module, name: str, p: torch.Tensor) -> torch.Tensor | None:
@@ -221,7 +222,7 @@ class FSDP2Adapter(ShardedAdapter):
                 return  # the copies are dropped: the shards were never touched
             with torch.no_grad():
                 for p, full in copies.values():
-                    _write_back(p, full.detach(), modifier_rank)
+                    write_full(p, full.detach(), modifier_rank)
             self.weights_written()
 
         # FSDP2's own casts of floating inputs (to param_dtype) and outputs (to output_dtype) are
@@ -254,10 +255,10 @@ class FSDP2Adapter(ShardedAdapter):
     def gather_many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         self._reshard()
         served: set[int] = set()
-        for p, full in _each_full(params, {}):
+        for p, full in full_values(params, {}):
             served.add(id(p))
             yield p, full
-        for p in params:  # not sharded as FSDP2 shards (or another mesh or dtype): one by one
+        for p in params:  # not a DTensor, or placed otherwise than Shard/Replicate: one by one
             if id(p) not in served:
                 yield p, self.gather_one(p)
 
@@ -276,41 +277,74 @@ class FSDP2Adapter(ShardedAdapter):
             self._reshard()
 
     def load_pieces(self) -> list[Piece]:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         self._reshard()  # write where the values come from
         out: list[Piece] = []
         for name, p in self.unwrap().named_parameters():
-            local = getattr(p, "_local_tensor", None)
-            full_shape = tuple(p.shape)
-            if not isinstance(local, torch.Tensor):
-                out.append(Piece(canonical_name(name), 0, p.numel(), full_shape, copy_into(p.data)))
-                continue
-            if local.numel() == 0:
-                continue
-            shape, offset = compute_local_shape_and_global_offset(
-                p.shape, p.device_mesh, p.placements)  # type: ignore[attr-defined]
-            if tuple(shape[1:]) == full_shape[1:] and local.is_contiguous():
-                # Rows ``offset[0]:`` of the full parameter: one contiguous range of it.
-                row = math.prod(full_shape[1:])
-                out.append(Piece(canonical_name(name), offset[0] * row, local.numel(), full_shape, copy_into(local)))
-            else:  # sharded along another dimension: read the whole and take this rank's block
-                block = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-                out.append(Piece(canonical_name(name), 0, p.numel(), full_shape,
-                                 _block_writer(local, full_shape, block)))
+            if not is_dtensor(p):
+                out.append(Piece(canonical_name(name), 0, p.numel(), tuple(p.shape), copy_into(p.data)))
+            elif (piece := load_piece(canonical_name(name), p)) is not None:
+                out.append(piece)
         return out
+
+    # -- likeness ------------------------------------------------------------------------------------
+    def _like(self, module: torch.nn.Module) -> torch.nn.Module:
+        """``module`` sharded per block on this model's mesh, with its root's mixed precision."""
+        root: Any = self._backend_obj
+        state = root._get_fsdp_state() if hasattr(root, "_get_fsdp_state") else None
+        mp = getattr(state, "_mp_policy", None)
+        return shard_fsdp2(module, self.mesh(), **({"mp_policy": mp} if mp is not None else {}))
+
+    def wrap_like(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        module.to(self.device)
+        return self._like(module)
+
+    def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        with torch.device("meta"):
+            model = skeleton(self)
+        ref = self._like(model)
+        model.to_empty(device=self.device)
+        # Every parameter a DTensor to copy from, not the full copies a no-grad forward leaves.
+        self._reshard()
+        inner = self.unwrap(keep_peft=False)
+        theirs = dict(inner.named_parameters())
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                # Same mesh and placements: a local copy of this rank's shard, nothing gathered.
+                p.copy_(theirs[name])
+        copy_buffers(inner, model)
+        return ref
 
     # -- placement and freezing (place / to_eval_frozen) -------------------------------
     # Moving goes through ``nn.Module._apply``, which FSDP2 overrides to re-register
     # the padded local shards; only the check needs to look inside the DTensors.
     def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name, t in super().placement_tensors():
-            local = getattr(t, "_local_tensor", None)
-            yield (f"{name} (local shard)", local) if isinstance(local, torch.Tensor) else (name, t)
+            yield (f"{name} (local shard)", local_tensor(t)) if is_dtensor(t) else (name, t)
 
 
-def _mesh_key(mesh: Any) -> tuple[Any, ...]:
-    return (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+def fully_shard_per_block(module: torch.nn.Module, mesh: Any, **kwargs: Any) -> torch.nn.Module:
+    """FSDP2 the usual way: ``fully_shard`` each transformer block, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    block_types = tuple(block_classes(module))
+    for m in list(module.modules()):
+        if block_types and isinstance(m, block_types):
+            fully_shard(m, mesh=mesh, **kwargs)
+    fully_shard(module, mesh=mesh, **kwargs)
+    return module
+
+
+def shard_fsdp2(module: torch.nn.Module, mesh: Any, **kwargs: Any) -> torch.nn.Module:
+    """FSDP2 for a frozen model: ``fully_shard`` per block, then the root, resharded after every forward."""
+    fully_shard_per_block(module, mesh, **kwargs)
+    # FSDP2 keeps the root's parameters gathered after forward, for the backward that a
+    # frozen reference never runs: give that memory back after every forward.
+    module.register_forward_hook(_reshard_root)
+    return module
+
+
+def _reshard_root(module: Any, args: Any, output: Any) -> None:
+    module.reshard()
 
 
 def _cast_hooks(module: torch.nn.Module, state: Any) -> list[Any]:
@@ -326,86 +360,3 @@ def _cast_hooks(module: torch.nn.Module, state: Any) -> list[Any]:
             return state._cast_output_dtype(output)
         handles.append(module.register_forward_hook(cast_output))
     return handles
-
-
-def _write_back(p: Any, full: torch.Tensor, modifier_rank: int) -> None:
-    """Put ``full``, as held by ``modifier_rank`` of the shard dimension, into DTensor ``p``'s shard
-    on every rank. Over a 2-D mesh (HSDP) the first replica's values go to every replica, so
-    the copies of the model stay equal whatever each replica's writer wrote."""
-    from torch.distributed.tensor import distribute_tensor
-
-    mesh = p.device_mesh
-    shard_dim = mesh.ndim - 1
-    group = mesh.get_group(shard_dim)
-    full = full.contiguous()
-    dist.broadcast(full, dist.get_global_rank(group, modifier_rank), group=group)
-    # Every rank now holds the same full tensor: each cuts out its own shard, no communication.
-    local = distribute_tensor(full, mesh, p.placements, src_data_rank=None).to_local().contiguous()
-    for dim in range(shard_dim):
-        replicas = mesh.get_group(dim)
-        dist.broadcast(local, dist.get_global_rank(replicas, 0), group=replicas)
-    p.to_local().copy_(local)
-
-
-def _all_full(params: list[Any], dtypes: dict[int, torch.dtype]) -> list[tuple[Any, torch.Tensor]]:
-    """``_each_full`` of ``params``, every value built."""
-    return list(_each_full(params, dtypes))
-
-
-def _each_full(params: list[Any], dtypes: dict[int, torch.dtype]) -> Iterator[tuple[Any, torch.Tensor]]:
-    """Full copies of every DTensor sharded as FSDP2 does (``Shard(0)`` on the last mesh dimension,
-    replicated on the others), in one all-gather over the shard dimension, each in
-    ``dtypes[id(p)]`` (default: its own dtype). Casting before the gather, as FSDP2 does,
-    makes the copies exactly the parameters its forward computes with, and bf16 halves the bytes.
-
-    One collective instead of one per parameter: on small models the per-call latency,
-    not the bytes, dominates. Other layouts are left to ``full_tensor()`` one by one.
-    """
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    def fsdp_layout(p: Any) -> bool:
-        places = tuple(p.placements)
-        return places[-1] == Shard(0) and all(x == Replicate() for x in places[:-1]) and p.dim() > 0
-
-    todo = [p for p in params if isinstance(p, DTensor) and fsdp_layout(p)]
-    if not todo:
-        return
-
-    def gather_dtype(p: Any) -> torch.dtype:
-        own: torch.dtype = p.dtype
-        return dtypes.get(id(p), own)
-
-    mesh, dtype, device = todo[0].device_mesh, gather_dtype(todo[0]), todo[0].to_local().device
-    todo = [p for p in todo if p.device_mesh == mesh and gather_dtype(p) == dtype and p.to_local().device == device]
-    shard_dim = mesh.ndim - 1
-    world, me = mesh.size(shard_dim), mesh.get_local_rank(shard_dim)
-    # torch.chunk semantics: every rank holds ceil(rows / world) rows but the last ones, maybe fewer or none.
-    layout = []
-    for p in todo:
-        rows, per_row = p.shape[0], p.numel() // max(p.shape[0], 1)
-        chunk = -(-rows // world)
-        layout.append((chunk * per_row, [max(0, min(chunk, rows - k * chunk)) * per_row for k in range(world)]))
-    total = sum(size for size, _ in layout)
-    with torch.no_grad():
-        send = torch.zeros(total, dtype=dtype, device=device)
-        offset = 0
-        for p, (size, counts) in zip(todo, layout, strict=True):
-            send[offset: offset + counts[me]].copy_(p.to_local().reshape(-1))
-            offset += size
-        recv = torch.empty(world * total, dtype=dtype, device=device)
-        all_gather_into(recv, send, group=mesh.get_group(shard_dim))
-    del send
-    offset = 0
-    for p, (size, counts) in zip(todo, layout, strict=True):
-        # Built as it is reached: a consumer that packs each value away holds one at a time.
-        with torch.no_grad():
-            full = torch.cat([recv[k * total + offset: k * total + offset + counts[k]] for k in range(world)])
-        offset += size
-        yield p, full.view(p.shape)
-
-
-def _block_writer(local: torch.Tensor, full_shape: tuple[int, ...], block: tuple[slice, ...]) -> Any:
-    def write(values: torch.Tensor) -> None:
-        with torch.no_grad():
-            local.copy_(values.reshape(full_shape)[block])
-    return write

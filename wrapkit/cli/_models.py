@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from ..wrapping import block_classes, fully_shard_per_block
+from ..adapters._likeness import block_classes
+from ..adapters.fsdp2 import fully_shard_per_block
 
 __all__ = ["tiny_llama", "toy_model", "build", "parse_stack", "ds_config", "BACKENDS", "block_classes",
            "PRECISIONS", "TOPOLOGIES", "supports"]

@@ -25,7 +25,7 @@ import contextlib
 import importlib
 import sys
 from collections.abc import Iterator, Mapping
-from types import ModuleType, TracebackType
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ import torch
 from .._errors import ReferenceModelError
 from .._imports import require
 from . import trl as _trl
+from ._patch import Patch, swap
 
 __all__ = ["unwrap_model_for_generation", "prepare_deepspeed", "prepare_fsdp", "patch_swift", "SwiftPatch"]
 
@@ -106,31 +107,9 @@ _SOURCES = {
 }
 
 
-class SwiftPatch:
-    """What ``patch_swift`` replaced; ``undo()`` (or leaving the ``with`` block) puts it all back."""
-
-    def __init__(self, replaced: dict[int, tuple[Any, Any]], swaps: list[tuple[ModuleType, str, Any]],
-                 trl_patch: _trl.TRLPatch) -> None:
-        self.replaced = replaced  # id(original) -> (original, drop-in)
-        self.swaps = swaps  # (module, name, original) replaced when patching
-        self.trl_patch = trl_patch
-
-    def undo(self) -> None:
-        """Restore ms-swift's and TRL's functions everywhere, also where the drop-ins were picked up since."""
-        back = {id(ours): original for original, ours in self.replaced.values()}
-        for module in _swift_modules():
-            for name, value in _bindings(module):
-                if id(value) in back:
-                    setattr(module, name, back[id(value)])
-        self.trl_patch.undo()
-        self.replaced, self.swaps = {}, []
-
-    def __enter__(self) -> SwiftPatch:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.undo()
+# What patch_swift replaced: ``swaps`` (module, name, original); ``undo()`` (or leaving the ``with``
+# block) puts ms-swift's and TRL's functions back, also where the drop-ins were picked up since.
+SwiftPatch = Patch
 
 
 def patch_swift() -> SwiftPatch:
@@ -146,25 +125,12 @@ def patch_swift() -> SwiftPatch:
     """
     require("swift", feature="patch_swift", extra="swift")
     trl_patch = _trl.patch_trl()
-    replaced: dict[int, tuple[Any, Any]] = {}
+    pairs = dict(trl_patch.pairs)
     for name, (module_name, ours) in _SOURCES.items():
         original = getattr(importlib.import_module(module_name), name)
         if original is not ours:
-            replaced[id(original)] = (original, ours)
-    for name, original in trl_patch.originals.items():
-        replaced[id(original)] = (original, _trl.DROP_INS[name])
-    swaps: list[tuple[ModuleType, str, Any]] = []
-    for module in _swift_modules():
-        for name, value in _bindings(module):
-            if id(value) in replaced and replaced[id(value)][0] is value:
-                swaps.append((module, name, value))
-                setattr(module, name, replaced[id(value)][1])
-    return SwiftPatch(replaced, swaps, trl_patch)
-
-
-def _swift_modules() -> list[ModuleType]:
-    return [m for key, m in list(sys.modules.items())
-            if (key == "swift" or key.startswith("swift.")) and isinstance(m, ModuleType)]
+            pairs[id(original)] = (original, ours)
+    return swap("swift", pairs, _bindings, then=trl_patch)
 
 
 def _bindings(module: ModuleType) -> list[tuple[str, Any]]:

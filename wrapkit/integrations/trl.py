@@ -24,9 +24,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
-import sys
 from collections.abc import Callable, Iterator, Mapping
-from types import ModuleType, TracebackType
 from typing import Any
 
 import torch
@@ -37,8 +35,12 @@ from .._imports import require
 from .._registry import as_adapter
 from .._wrapped import adapt
 from ..adapters import Adapter
+from ..adapters._zero_reference import config_dtype, inference_ds_config
+from ..adapters.fsdp import wrap_fsdp1
+from ..adapters.fsdp2 import shard_fsdp2
 from ..placement import place
-from ..wrapping import bare_module, config_dtype, inference_ds_config, shard_fsdp2, wrap_fsdp1
+from ..wrapping import bare_module
+from ._patch import Patch, swap
 
 __all__ = [
     "prepare_deepspeed", "prepare_fsdp", "unwrap_model_for_generation", "patch_trl", "TRLPatch",
@@ -112,9 +114,9 @@ def prepare_fsdp(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
         kwargs: dict[str, Any] = {"mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy()}
         if plugin.cpu_offload is not None and not isinstance(plugin.cpu_offload, bool):
             kwargs["offload_policy"] = plugin.cpu_offload
-        ref = shard_fsdp2(module, _fsdp_mesh(accelerator, device), **kwargs)
+        ref = as_adapter(shard_fsdp2(module, _fsdp_mesh(accelerator, device), **kwargs))
     else:
-        ref = wrap_fsdp1(
+        ref = as_adapter(wrap_fsdp1(
             module,
             device=device,
             sharding_strategy=plugin.sharding_strategy or plugin.reshard_after_forward,
@@ -123,7 +125,7 @@ def prepare_fsdp(model: torch.nn.Module, accelerator: Any) -> torch.nn.Module:
             # TRL's fused LM head reads the head's weight from the model's own forward, outside
             # the head's forward, so the head must be gathered with the root unit.
             embedding_units=False,
-        )
+        ))
     return _for_inference(ref)
 
 
@@ -173,54 +175,24 @@ def _generation_config(model: torch.nn.Module, overrides: Mapping[str, Any] | No
         target.generation_config = original
 
 
-class TRLPatch:
-    """What ``patch_trl`` replaced; ``undo()`` (or leaving the ``with`` block) puts TRL's functions back."""
-
-    def __init__(self, originals: dict[str, Any], swaps: list[tuple[ModuleType, str, Any]]) -> None:
-        self.originals = originals
-        self.swaps = swaps  # (module, name, original) replaced when patching
-
-    def undo(self) -> None:
-        """Restore TRL's functions everywhere, also in trl modules imported since the patch."""
-        for module in _trl_modules():
-            namespace = vars(module)
-            for name, original in self.originals.items():
-                if namespace.get(name) is DROP_INS[name]:
-                    setattr(module, name, original)
-        self.originals, self.swaps = {}, []
-
-    def __enter__(self) -> TRLPatch:
-        return self
-
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
-        self.undo()
+# What patch_trl replaced: ``swaps`` (module, name, original); ``undo()`` (or leaving the ``with``
+# block) puts TRL's functions back, also in trl modules imported since the patch.
+TRLPatch = Patch
 
 
 def patch_trl() -> TRLPatch:
     """Make TRL's trainers call this module's drop-ins instead of TRL's own.
 
     Replaces the three functions in ``trl.models.utils`` and in every loaded ``trl`` module
-    that imported them (matched by identity, so nothing else is touched); trainer modules
+    that holds them (matched by identity, so nothing else is touched); trainer modules
     imported later pick up the replacements from ``trl.models``. Call once in every process,
     before building the trainer. Returns a ``TRLPatch`` to undo it; patching twice is a no-op.
     """
     require("trl", feature="patch_trl", extra="trl")
     source = importlib.import_module("trl.models.utils")
-    originals = {name: getattr(source, name) for name, ours in DROP_INS.items()
-                 if getattr(source, name, None) is not ours}
-    swaps: list[tuple[ModuleType, str, Any]] = []
-    for module in _trl_modules():
-        namespace = vars(module)
-        for name, original in originals.items():
-            if namespace.get(name) is original:
-                swaps.append((module, name, original))
-                setattr(module, name, DROP_INS[name])
-    return TRLPatch(originals, swaps)
-
-
-def _trl_modules() -> list[ModuleType]:
-    return [m for key, m in list(sys.modules.items()) if (key == "trl" or key.startswith("trl.")) and m is not None]
+    pairs = {id(original): (original, ours) for name, ours in DROP_INS.items()
+             if (original := getattr(source, name, None)) is not None and original is not ours}
+    return swap("trl", pairs)
 
 
 DROP_INS: dict[str, Any] = {

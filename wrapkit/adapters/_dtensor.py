@@ -1,0 +1,240 @@
+"""DTensor parameters, whatever placed them (``fully_shard``, ``parallelize_module``, a ``tp_plan``):
+their layout on the mesh, full values gathered with one collective per group of parameters and per
+sharded mesh dimension, full values written back, this rank's pieces for a load, and the keys that
+say two shards hold the same slice.
+
+``Shard(d)`` on any tensor dimension and ``Replicate`` on any mesh dimension are read here directly;
+any other placement (``_StridedShard``, ``Partial``) through DTensor's own ``full_tensor()``, one
+parameter at a time. DTensor splits a dimension as ``torch.chunk`` does, mesh dimension by mesh
+dimension in order; gathering undoes that from the last mesh dimension to the first.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .._gather import all_gather_into
+from .._imports import lookup
+from ._primitives import Piece, copy_into
+
+__all__ = ["Layout", "is_dtensor", "local_tensor", "mesh_key", "shard_key", "full_values", "full_value",
+           "write_full", "load_piece", "readable"]
+
+Shape = tuple[int, ...]
+
+
+class Layout(NamedTuple):
+    """Where a DTensor parameter lies: its ``mesh``, the mesh dimensions that split it
+    (``shard_dims``: ranks along them hold different slices) and those that hold copies of the
+    same values (``replica_dims``). FSDP2 alone: one shard dimension, the last, and under HSDP a
+    replica dimension before it."""
+
+    mesh: Any
+    shard_dims: tuple[int, ...]
+    replica_dims: tuple[int, ...]
+
+    @classmethod
+    def of(cls, p: Any) -> Layout:
+        places = tuple(p.placements)
+        shard = tuple(i for i, x in enumerate(places) if x.is_shard())
+        return cls(p.device_mesh, shard, tuple(i for i in range(len(places)) if i not in shard))
+
+    def shard_group(self) -> Any:
+        """The group across the slices of one copy, where one mesh dimension splits it (else None)."""
+        return self.mesh.get_group(self.shard_dims[0]) if len(self.shard_dims) == 1 else None
+
+    def replica_groups(self) -> list[Any]:
+        """The group of each replica dimension: across the copies."""
+        return [self.mesh.get_group(d) for d in self.replica_dims]
+
+
+def is_dtensor(t: object) -> bool:
+    dtensor = lookup("torch.distributed.tensor", "DTensor")
+    return dtensor is not None and isinstance(t, dtensor)
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor itself. Read from the field: ``to_local()``
+    returns the same storage through an autograd function, ~30 us a call that a frequent sync repeats."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def mesh_key(mesh: Any) -> tuple[Any, ...]:
+    return (mesh.device_type, tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist()))
+
+
+def shard_key(p: Any, local: torch.Tensor, meshes: dict[int, tuple[Any, ...]]) -> tuple[Any, ...]:
+    """What two DTensors must share for their local shards to be the same slice; ``meshes`` caches
+    each mesh's key (reading a mesh's rank layout is slow)."""
+    mesh = p.device_mesh
+    if id(mesh) not in meshes:
+        meshes[id(mesh)] = mesh_key(mesh)
+    return ("dtensor", meshes[id(mesh)], tuple(str(x) for x in p.placements), tuple(p.shape), tuple(local.shape))
+
+
+def readable(p: Any) -> bool:
+    """Whether every placement of ``p`` is a plain ``Shard`` or ``Replicate`` (read here directly)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    return p.dim() > 0 and all(type(x) in (Shard, Replicate) for x in p.placements)
+
+
+def chunk_sizes(size: int, parts: int) -> list[int]:
+    """The sizes ``torch.chunk`` cuts ``size`` into over ``parts`` ranks: ceil(size / parts) each
+    while it lasts, so the last ranks may hold less or nothing."""
+    chunk = -(-size // parts) if parts else 0
+    return [max(0, min(chunk, size - k * chunk)) for k in range(parts)]
+
+
+def _block(p: Any, coords: list[int], upto: int) -> list[int]:
+    """The shape of this rank's block of ``p`` once mesh dimensions ``0..upto-1`` have split it."""
+    shape = list(p.shape)
+    for dim in range(upto):
+        place = p.placements[dim]
+        if place.is_shard():
+            d = place.dim % p.dim()
+            shape[d] = chunk_sizes(shape[d], p.device_mesh.size(dim))[coords[dim]]
+    return shape
+
+
+def _steps(p: Any) -> tuple[tuple[int, int], ...]:
+    """``(mesh dimension, tensor dimension)`` to gather over, last mesh dimension first."""
+    return tuple((i, x.dim % p.dim()) for i, x in reversed(list(enumerate(p.placements))) if x.is_shard())
+
+
+def full_values(params: list[Any], dtypes: dict[int, torch.dtype]) -> Iterator[tuple[Any, torch.Tensor]]:
+    """``(parameter, full value)`` for each DTensor of ``params`` placed only by ``Shard``/``Replicate``,
+    in ``dtypes[id(p)]`` (default: its own dtype); the others are not yielded (``full_value`` serves
+    them). Parameters on one mesh, in one dtype and device, and split the same way are gathered together:
+    one all-gather per sharded mesh dimension for the whole group. Casting before the gather, as FSDP2
+    does, makes the values exactly those its forward computes with, and bf16 halves the bytes.
+    One collective instead of one per parameter: on small models the per-call latency, not the bytes,
+    dominates. The last step builds each value as it is reached: a consumer that packs each away holds
+    one at a time."""
+    groups: dict[tuple[Any, ...], list[Any]] = {}
+    meshes: dict[int, tuple[tuple[Any, ...], list[int]]] = {}
+    for p in params:
+        if not is_dtensor(p) or not readable(p):
+            continue
+        mesh = p.device_mesh
+        if id(mesh) not in meshes:
+            meshes[id(mesh)] = (mesh_key(mesh), [mesh.get_local_rank(i) for i in range(mesh.ndim)])
+        key_of_mesh, coords = meshes[id(mesh)]
+        local = local_tensor(p)
+        if list(local.shape) != _block(p, coords, mesh.ndim):
+            continue  # not split as torch.chunk splits (padded storage): DTensor's own gather
+        key = (key_of_mesh, dtypes.get(id(p), p.dtype), local.device, _steps(p))
+        groups.setdefault(key, []).append(p)
+    for (_, dtype, device, steps), todo in groups.items():
+        yield from _gather_group(todo, steps, dtype, device)
+
+
+def _gather_group(todo: list[Any], steps: tuple[tuple[int, int], ...], dtype: torch.dtype,
+                  device: torch.device) -> Iterator[tuple[Any, torch.Tensor]]:
+    mesh = todo[0].device_mesh
+    coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
+    with torch.no_grad():
+        current = [local_tensor(p).to(dtype) for p in todo]
+    if not steps:  # replicated on every dimension: the local tensor is the whole
+        for p, value in zip(todo, current, strict=True):
+            yield p, value.clone() if value is local_tensor(p) else value
+        return
+    for n, (mesh_dim, d) in enumerate(steps):
+        parts = mesh.size(mesh_dim)
+        # Each rank's block along this mesh dimension: the outer block (earlier dimensions applied)
+        # cut along tensor dimension ``d``. The first is the largest: every rank sends that many.
+        shapes: list[list[list[int]]] = []
+        for p in todo:
+            outer = _block(p, coords, mesh_dim)
+            shapes.append([outer[:d] + [size] + outer[d + 1:] for size in chunk_sizes(outer[d], parts)])
+        slots = [math.prod(s[0]) for s in shapes]
+        total = sum(slots)
+        with torch.no_grad():
+            send = torch.zeros(total, dtype=dtype, device=device)
+            offset = 0
+            for value, slot in zip(current, slots, strict=True):
+                send[offset: offset + value.numel()].copy_(value.reshape(-1))
+                offset += slot
+            recv = torch.empty(parts * total, dtype=dtype, device=device)
+            all_gather_into(recv, send, group=mesh.get_group(mesh_dim))
+        del send
+        offsets = [sum(slots[:i]) for i in range(len(slots))]
+        if n < len(steps) - 1:
+            current = [_assemble(recv, total, offsets[i], shapes[i], d) for i in range(len(todo))]
+            continue
+        for i, p in enumerate(todo):
+            yield p, _assemble(recv, total, offsets[i], shapes[i], d).view(p.shape)
+
+
+def _assemble(recv: torch.Tensor, total: int, offset: int, shapes: list[list[int]], d: int) -> torch.Tensor:
+    """One value from an all-gather of ``total`` elements per rank: rank ``k``'s block, of shape
+    ``shapes[k]``, starts ``offset`` into its part; the blocks joined along tensor dimension ``d``."""
+    with torch.no_grad():
+        return torch.cat([recv[k * total + offset: k * total + offset + math.prod(s)].view(s)
+                          for k, s in enumerate(shapes)], dim=d)
+
+
+def full_value(p: torch.Tensor) -> torch.Tensor:
+    """The full value of one DTensor, any placement (DTensor's own collective), or a plain tensor detached."""
+    if is_dtensor(p):
+        with torch.no_grad():
+            full: torch.Tensor = p.full_tensor()  # type: ignore[attr-defined]
+        return full
+    return p.detach()
+
+
+def write_full(p: Any, full: torch.Tensor, modifier_rank: int) -> None:
+    """Put ``full`` into DTensor ``p``'s shard on every rank, as the rank ``modifier_rank`` of the shard
+    dimensions (row-major over them) holds it in each copy; then the first copy's shards go to every
+    copy, so the copies stay equal whatever each one's writer wrote."""
+    from torch.distributed.tensor import distribute_tensor
+
+    layout = Layout.of(p)
+    mesh = layout.mesh
+    full = full.contiguous()
+    # The writer's coordinate on each shard dimension. Broadcasting along the first shard dimension
+    # gives its slice (the writer's coordinates elsewhere) the value, along the next one every slice.
+    sizes = [mesh.size(d) for d in layout.shard_dims]
+    coords = []
+    for size in reversed(sizes):
+        coords.append(modifier_rank % size)
+        modifier_rank //= size
+    for dim, coord in zip(layout.shard_dims, reversed(coords), strict=True):
+        group = mesh.get_group(dim)
+        dist.broadcast(full, dist.get_global_rank(group, coord), group=group)
+    # Every rank of a copy now holds the same full tensor: each cuts out its own shard, no communication.
+    local = distribute_tensor(full, mesh, p.placements, src_data_rank=None).to_local().contiguous()
+    for dim in layout.replica_dims:
+        group = mesh.get_group(dim)
+        dist.broadcast(local, dist.get_global_rank(group, 0), group=group)
+    p.to_local().copy_(local)
+
+
+def load_piece(name: str, p: Any) -> Piece | None:
+    """This rank's part of DTensor ``p`` for a load (None: it holds nothing): a contiguous range of the
+    flattened full parameter where only its first dimension is split, else its block of the whole."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = local_tensor(p)
+    full_shape = tuple(p.shape)
+    if local.numel() == 0:
+        return None
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if tuple(shape[1:]) == full_shape[1:] and local.is_contiguous():
+        row = math.prod(full_shape[1:])
+        return Piece(name, offset[0] * row, local.numel(), full_shape, copy_into(local))
+    block = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+    return Piece(name, 0, p.numel(), full_shape, _block_writer(local, full_shape, block))
+
+
+def _block_writer(local: torch.Tensor, full_shape: Shape, block: tuple[slice, ...]) -> Any:
+    def write(values: torch.Tensor) -> None:
+        with torch.no_grad():
+            local.copy_(values.reshape(full_shape)[block])
+    return write

@@ -1,0 +1,70 @@
+"""Swapping a library's helpers for wrapkit's drop-ins by identity, and back: what ``patch_trl`` and
+``patch_swift`` share. A binding is replaced only where it holds the very function replaced, so
+nothing else a module defines is touched, and undoing restores every binding that holds a drop-in,
+also in modules imported since."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from types import ModuleType, TracebackType
+from typing import Any
+
+__all__ = ["Patch", "swap", "loaded", "globals_of"]
+
+# A module's bindings to look at: ``(name, value)``.
+Bindings = Callable[[ModuleType], list[tuple[str, Any]]]
+
+
+def loaded(package: str) -> list[ModuleType]:
+    """``package`` and its submodules imported so far."""
+    return [m for key, m in list(sys.modules.items())
+            if (key == package or key.startswith(package + ".")) and isinstance(m, ModuleType)]
+
+
+def globals_of(module: ModuleType) -> list[tuple[str, Any]]:
+    return list(vars(module).items())
+
+
+class Patch:
+    """What a ``patch_*`` replaced: ``swaps`` (module, name, original); ``undo()`` (or leaving the
+    ``with`` block) puts the originals back, then undoes ``then``, the patch this one was built on."""
+
+    def __init__(self, package: str, pairs: dict[int, tuple[Any, Any]], swaps: list[tuple[ModuleType, str, Any]],
+                 bindings: Bindings = globals_of, then: Patch | None = None) -> None:
+        self.package = package
+        self.pairs = pairs  # id(original) -> (original, drop-in)
+        self.swaps = swaps
+        self._bindings = bindings
+        self._then = then
+
+    def undo(self) -> None:
+        back = {id(ours): original for original, ours in self.pairs.values()}
+        for module in loaded(self.package):
+            for name, value in self._bindings(module):
+                if id(value) in back:
+                    setattr(module, name, back[id(value)])
+        if self._then is not None:
+            self._then.undo()
+        self.pairs, self.swaps = {}, []
+
+    def __enter__(self) -> Patch:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.undo()
+
+
+def swap(package: str, pairs: dict[int, tuple[Any, Any]], bindings: Bindings = globals_of,
+         then: Patch | None = None) -> Patch:
+    """Replace, in ``package`` and every loaded submodule, each binding to an original of ``pairs``
+    (``id(original) -> (original, drop-in)``) by its drop-in."""
+    swaps: list[tuple[ModuleType, str, Any]] = []
+    for module in loaded(package):
+        for name, value in bindings(module):
+            pair = pairs.get(id(value))
+            if pair is not None and pair[0] is value:
+                swaps.append((module, name, value))
+                setattr(module, name, pair[1])
+    return Patch(package, pairs, swaps, bindings, then)
