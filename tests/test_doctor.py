@@ -29,6 +29,15 @@ def test_doctor_all_backends_pass(tmp_path: Path) -> None:
         assert {"adapt", "config", "unwrap", "num_parameters", "forward"} <= set(ops), backend
         assert all(cell["ok"] and cell["ms"] >= 0 and cell["error"] == "" for cell in ops.values()), (backend, ops)
     table = out.stdout
+    # sleep/wake is refused (typed, nothing moved) only where DeepSpeed cannot move an engine's states:
+    # shown as n/a, with the reason below the table.
+    refused = {(b, op) for b, cells in data["results"].items() for op, cell in cells.items()
+               if not op.startswith("_") and cell.get("refused")}
+    assert refused <= {(b, "sleep/wake") for b in ("zero1", "zero2", "zero3")}, refused
+    if _deepspeed_moves_states():
+        assert not refused, refused
+    for backend, op in refused:
+        assert f"{backend}/{op}: " in table and "offload_states" in data["results"][backend][op]["refused"], table
     # Backends across, operations down, within 100 columns.
     header = next(line for line in table.splitlines() if line.startswith("(ms)"))
     assert header.split()[1:] == EXPECTED_ROWS, header
@@ -41,6 +50,22 @@ def test_doctor_all_backends_pass(tmp_path: Path) -> None:
     # Third-party warnings and notices from the workers are counted, not shown.
     assert "Warning" not in out.stdout + out.stderr and "accelerator" not in out.stdout + out.stderr, out.stderr
     assert f"{len(data['worker_output'])} lines of third-party output" in table and data["worker_output"]
+
+
+def _deepspeed_moves_states() -> bool:
+    from importlib.metadata import version
+
+    return tuple(int(x) for x in version("deepspeed").split(".")[:2]) >= (0, 17)
+
+
+def test_a_refused_operation_is_shown_as_not_applicable() -> None:
+    from wrapkit.cli.doctor import _format_table
+
+    ok = {"ok": True, "ms": 12.0, "error": "", "traceback": ""}
+    rows = {"zero2": {"adapt": ok, "sleep/wake": {**ok, "refused": "needs DeepSpeed 0.17"}},
+            "fsdp2": {"adapt": ok, "sleep/wake": {**ok, "ok": False, "error": "AssertionError: x"}}}
+    lines = _format_table(rows, ["adapt", "sleep/wake"]).splitlines()
+    assert lines[-1].split() == ["sleep/wake", "n/a", "FAIL"] and lines[-2].split() == ["adapt", "12", "12"], lines
 
 
 def test_doctor_subset_and_exit_code(tmp_path: Path) -> None:

@@ -171,14 +171,14 @@ def test_a_checkpoint_moved_aside_is_put_back(tmp_path: Path) -> None:
     a kill then leaves it there, and the next save puts it back before anything else."""
     from transformers import AutoModelForCausalLM
 
+    from wrapkit._safetensors import sweep
     from wrapkit.cli._models import tiny_llama
-    from wrapkit.pretrained import _sweep
 
     path = tmp_path / "ckpt"
     wrapkit.adapt(tiny_llama(1, layers=ss.LAYERS)).save_pretrained(path, max_shard_size="20KB")
     os.rename(path, tmp_path / ".ckpt.wrapkit-old-1234abcd")
     (tmp_path / ".ckpt.wrapkit-tmp-5678abcd").mkdir()  # the new one, half written
-    _sweep(str(path))
+    sweep(str(path))
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
     old = tiny_llama(1, layers=ss.LAYERS).state_dict()
     loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()

@@ -191,6 +191,30 @@ def test_save_is_atomic_under_kill(tmp_path: Path) -> None:
     assert wrapkit.read_checkpoint(path)["weight"].shape == (2, 4)
 
 
+def test_saved_files_get_the_usual_permissions_and_read_back_in_every_dtype(tmp_path: Path) -> None:
+    """save and save_pretrained write through one writer: files get the mode any new file gets (the
+    umask applied, not safetensors' owner-only), and safetensors itself reads back every dtype bit for bit."""
+    from safetensors.torch import load_file
+
+    model = torch.nn.Module()
+    for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int64]):
+        values = torch.randn(3, 5).to(dtype) if dtype.is_floating_point else torch.arange(15).reshape(3, 5)
+        model.register_buffer(f"b{i}", values)
+    old = os.umask(0o022)
+    try:
+        wm = wrapkit.adapt(model)
+        wm.save(tmp_path / "one.safetensors")
+        wm.save_pretrained(tmp_path / "dir")
+    finally:
+        os.umask(old)
+    files = [tmp_path / "one.safetensors", *sorted((tmp_path / "dir").glob("*.safetensors"))]
+    for file in files:
+        assert file.stat().st_mode & 0o777 == 0o644, file
+        back = load_file(file)
+        for name, t in model.state_dict().items():
+            assert back[name].dtype == t.dtype and torch.equal(back[name].view(torch.uint8), t.view(torch.uint8))
+
+
 def test_save_plain_tied_weights_and_buffers(tmp_path: Path) -> None:
     """Tied parameters and persistent buffers are exported under every state_dict() key."""
 

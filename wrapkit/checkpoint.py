@@ -7,8 +7,7 @@ raises alike and none waits.
 from __future__ import annotations
 
 import os
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -17,61 +16,13 @@ from . import _args
 from ._agree import Call, any_over_models, enter, first_replica, raise_agreed
 from ._errors import StateDictError
 from ._imports import require
+from ._safetensors import write_file_atomic
 from .state_dict import gather_state_dict
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
 
 __all__ = ["save", "read_checkpoint", "write_checkpoint"]
-
-
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # some platforms cannot open a directory; the rename is still atomic
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(sd: Mapping[str, torch.Tensor], path: str) -> None:
-    st = require("safetensors.torch", feature="saving a safetensors checkpoint", extra="transformers")
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    # safetensors refuses tensors that share memory (tied weights): give each key its own.
-    seen: set[int] = set()
-    tensors: dict[str, torch.Tensor] = {}
-    for key, t in sd.items():
-        ptr = t.untyped_storage().data_ptr() if t.numel() else -1
-        tensors[key] = t.clone() if ptr in seen else t
-        if ptr != -1:
-            seen.add(ptr)
-    try:
-        # A file created by open() gets the usual permissions (umask applied); safetensors
-        # leaves its output readable by the owner only, so that mode is put back after.
-        with open(tmp, "xb"):
-            pass
-        mode = os.stat(tmp).st_mode & 0o777
-        st.save_file(tensors, tmp, metadata={"format": "pt"})
-        os.chmod(tmp, mode)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        # The rename is the commit point: ``path`` holds either the old file or the whole new one.
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(directory)
 
 
 def save(wm: Adapter, path: str | os.PathLike[str]) -> None:
@@ -106,7 +57,7 @@ def write_checkpoint(group: Adapter, path: str | os.PathLike[str],
     error: BaseException | None = None
     if writer:
         try:
-            _atomic_write(sd, path)
+            write_file_atomic(sd, path)
         except Exception as exc:
             error = exc
     if any_over_models(error is not None, group):

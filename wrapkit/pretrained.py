@@ -14,22 +14,19 @@ leftovers.
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
 import json
 import logging
 import os
 import shutil
-import uuid
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import _safetensors
 from ._agree import Call, any_over_models, broadcast_object, enter, first_replica, models_group, raise_agreed
-from ._dtypes import safetensors_name
 from ._errors import ArgumentError, StateDictError, WrapkitError
 from ._memory import parse_size
-from .checkpoint import _fsync_dir
 from .layers.peft import lora_fold_stream
 from .reading import INDEX_NAME
 from .state_dict import live_buffers, lora_fold_plan
@@ -40,85 +37,10 @@ if TYPE_CHECKING:
 __all__ = ["save_pretrained", "write_pretrained", "INDEX_NAME"]
 
 _log = logging.getLogger(__name__.rpartition(".")[0] or __name__)
-_TMP, _OLD = ".wrapkit-tmp-", ".wrapkit-old-"
 
 
 def _file_name(k: int, n: int) -> str:
     return f"model-{k + 1:05d}-of-{n:05d}.safetensors"
-
-
-# -- the directory swap ------------------------------------------------------------------
-def _exchange(a: str, b: str) -> bool:
-    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    return int(fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange)) == 0
-
-
-def _sweep(directory: str) -> None:
-    """Remove this package's leftovers of ``directory`` (from killed saves); first put back a
-    previous checkpoint that a killed save had moved aside and not yet replaced."""
-    parent, base = os.path.split(os.path.abspath(directory))
-    leftovers = [n for n in os.listdir(parent) if n.startswith(f".{base}{_TMP}") or n.startswith(f".{base}{_OLD}")]
-    if not os.path.exists(directory):
-        aside = sorted(n for n in leftovers if n.startswith(f".{base}{_OLD}"))
-        if aside:
-            os.replace(os.path.join(parent, aside[-1]), directory)
-            leftovers.remove(aside[-1])
-    for name in leftovers:
-        shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
-
-
-def _commit(tmp: str, directory: str) -> None:
-    """Put the complete ``tmp`` at ``directory``: the previous checkpoint there stays whole until then."""
-    parent, base = os.path.split(os.path.abspath(directory))
-    if not os.path.exists(directory):
-        os.replace(tmp, directory)
-    elif _exchange(tmp, directory):
-        shutil.rmtree(tmp, ignore_errors=True)  # now the previous checkpoint
-    else:
-        # Two renames; a kill between them leaves the previous checkpoint aside, which the
-        # next save (``_sweep``) puts back before anything else.
-        aside = os.path.join(parent, f".{base}{_OLD}{uuid.uuid4().hex[:8]}")
-        os.replace(directory, aside)
-        try:
-            os.replace(tmp, directory)
-        except OSError:
-            os.replace(aside, directory)
-            raise
-        shutil.rmtree(aside, ignore_errors=True)
-    _fsync_dir(parent)
-
-
-# -- writing ------------------------------------------------------------------------------
-def _write_file(tensors: dict[str, torch.Tensor], path: str) -> None:
-    """One safetensors file, written straight from the tensors' memory: safetensors' own
-    ``save_file`` first copies every tensor into one buffer, which would double the memory a
-    writer holds. The format: an 8-byte little-endian header length, a JSON header (dtype,
-    shape and byte range of each tensor), then the tensors' bytes end to end."""
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, t in tensors.items():
-        st_dtype = safetensors_name(t.dtype)
-        if st_dtype is None:
-            raise StateDictError(f"{name!r} has dtype {t.dtype}, which safetensors cannot store")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": st_dtype, "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    with open(path, "wb") as f:
-        f.write(len(encoded).to_bytes(8, "little"))
-        f.write(encoded)
-        for t in tensors.values():
-            if t.numel():
-                f.write(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 class _Writer:
@@ -162,7 +84,7 @@ class _Writer:
         tensors, self.filling = self.filling, {}
         if self.error is None:
             self.written.append(k)
-            self.pending = self.pool.submit(_write_file, tensors, self._part(k))
+            self.pending = self.pool.submit(_safetensors.write_file, tensors, self._part(k))
 
     def _part(self, k: int) -> str:
         return os.path.join(self.tmp, f"part-{k:05d}")
@@ -231,7 +153,7 @@ def write_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_s
     # Every rank cuts the stream into files the same way, so the size and the merge must match; the
     # directory need not (without shared storage, rank 0 writes everything).
     directory = os.path.abspath(os.fspath(directory))
-    parent, base = os.path.split(directory)
+    parent = os.path.dirname(directory)
     rank0 = wm.rank == 0 and first_replica(wm)
     problems: list[str] = list(refused or [])
     limit, size_given = 1, max_shard_size
@@ -246,9 +168,7 @@ def write_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_s
     tmp = ""
     if rank0 and not problems:
         try:
-            _sweep(directory)
-            tmp = os.path.join(parent, f".{base}{_TMP}{uuid.uuid4().hex[:8]}")
-            os.mkdir(tmp)
+            tmp = _safetensors.temporary_dir(directory)
         except OSError as exc:
             problems.append(f"cannot create a temporary directory beside {directory!r}: {exc}")
     call = Call.of("save_pretrained", max_shard_size=size_given, merge_adapters=merge_adapters)
@@ -299,8 +219,7 @@ def write_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_s
                 f.flush()
                 os.fsync(f.fileno())
             _config_files(wm, tmp, base_keys)
-            _fsync_dir(tmp)
-            _commit(tmp, directory)
+            _safetensors.commit_dir(tmp, directory)
         except Exception as exc:
             error = exc
     failed = any_over_models(error is not None, wm)

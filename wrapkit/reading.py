@@ -22,9 +22,9 @@ import torch
 import torch.distributed as dist
 
 from ._agree import Call, broadcast_object, enter, models_group, raise_agreed
-from ._dtypes import SAFETENSORS_DTYPES, torch_dtype
 from ._errors import StateDictError
 from ._imports import require
+from ._safetensors import SAFETENSORS_DTYPES, torch_dtype
 from .state_dict import check_entries, expected_shapes, live_buffers
 
 if TYPE_CHECKING:

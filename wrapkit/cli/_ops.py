@@ -15,9 +15,14 @@ import torch
 
 from .._registry import as_adapter
 
-__all__ = ["OPS", "Op"]
+__all__ = ["OPS", "Op", "Refused"]
 
 Op = Callable[[Any, dict[str, Any]], None]
+
+
+class Refused(Exception):  # noqa: N818 (not an error: a documented refusal)
+    """Raised by an operation that the stack refuses as documented, with the typed error and nothing
+    changed: reported as not applicable, with the reason, neither a pass nor a failure."""
 
 
 def _config(wm: Any, ctx: dict[str, Any]) -> None:
@@ -277,6 +282,33 @@ def _copy_to(wm: Any, ctx: dict[str, Any]) -> None:
     _assert_equal(wm.full_state_dict(rank0_only=False), original, "restoring by copy_to", ctx["weight_tol"])
 
 
+def _sleep_wake(wm: Any, ctx: dict[str, Any]) -> None:
+    """The training state off the device and back: all of it on the CPU while asleep, the same values
+    and modes after ``wake()``. (An engine brings its own optimizer; other backends sleep without one.)"""
+    from .._errors import UnsupportedModelError
+    from ..sleeping import training_state
+
+    original = wm.full_state_dict(rank0_only=False)
+    modes = _modes(wm)
+    try:
+        report = wm.sleep()
+    except UnsupportedModelError as exc:
+        # Older DeepSpeed cannot move some engines' states: refused, with nothing moved.
+        _on_device(wm, "a refused sleep()")
+        _assert_equal(wm.full_state_dict(rank0_only=False), original, "after a refused sleep()")
+        raise Refused(str(exc).split(";")[0]) from exc
+    try:
+        assert report.state_bytes > 0, f"sleep() reported no training state: {report}"
+        off = sorted({what for what, t in training_state(as_adapter(wm), None) if t.device.type != "cpu"})
+        assert not off, f"asleep, yet on the device: {off}"
+    finally:
+        wm.wake()
+    _on_device(wm, "wake()")
+    assert _modes(wm) == modes, "sleep/wake changed training flags"
+    _assert_equal(wm.full_state_dict(rank0_only=False), original, "after sleep/wake")
+    _forward(wm, ctx)
+
+
 OPS: list[tuple[str, Op]] = [
     ("config", _config),
     ("unwrap", _unwrap),
@@ -294,4 +326,5 @@ OPS: list[tuple[str, Op]] = [
     ("save/load", _save_load),
     ("save_pretrained", _save_pretrained),
     ("copy_to", _copy_to),
+    ("sleep/wake", _sleep_wake),
 ]

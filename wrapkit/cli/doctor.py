@@ -18,7 +18,7 @@ import torch
 
 from .._imports import is_available, version_of
 from ._models import BACKENDS, build, supports, tiny_llama, toy_model
-from ._ops import OPS
+from ._ops import OPS, Refused
 from ._workers import WorkerError, WorkerGroup
 
 __all__ = ["run_doctor", "setup_backend", "run_op", "teardown_backend", "cause_of"]
@@ -117,6 +117,8 @@ def run_op(backend: str, name: str) -> dict[str, Any]:
     try:
         op(wm, ctx)
         result = _cell(True, t0)
+    except Refused as refusal:
+        result = {**_cell(True, t0), "refused": str(refusal)}
     except Exception as exc:
         result = _cell(False, t0, exc)
     _barrier()
@@ -195,15 +197,17 @@ def _progress(total: int) -> Iterator[Callable[[str], None]]:
 
 
 def _format_table(rows: dict[str, dict[str, Any]], columns: list[str]) -> str:
-    """Operations down, backends across: milliseconds (the slowest rank's), FAIL, or a dash where the
-    backend did not run (its reason is printed below the table)."""
+    """Operations down, backends across: milliseconds (the slowest rank's), FAIL, n/a where the stack
+    refuses the operation as documented, or a dash where the backend did not run (the reasons for
+    both are printed below the table)."""
     backends = list(rows)
     table = [["(ms)", *backends]]
     for col in columns:
         cells = [col]
         for backend in backends:
             cell = rows[backend].get(col)
-            cells.append("-" if cell is None else f"{cell['ms']:.0f}" if cell["ok"] else "FAIL")
+            cells.append("-" if cell is None else "FAIL" if not cell["ok"] else "n/a" if cell.get("refused")
+                         else f"{cell['ms']:.0f}")
         table.append(cells)
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
@@ -321,10 +325,13 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
                 if verbose and cell["traceback"]:
                     problems.append("    " + cell["traceback"].replace("\n", "\n    "))
     skipped = [f"{backend}: {res['_why']}" for backend, res in rows.items() if "_why" in res]
-    if skipped:
-        print("\nunsupported here (not failures):")
-        for line in skipped:
-            print("  " + line)
+    refused = [f"{backend}/{op}: {cell['refused']}" for backend, res in rows.items() for op, cell in res.items()
+               if not op.startswith("_") and cell.get("refused")]
+    for heading, lines in (("unsupported here", skipped), ("n/a, refused as documented", refused)):
+        if lines:
+            print(f"\n{heading} (not failures):")
+            for line in lines:
+                print(textwrap.fill(line, _WIDTH, initial_indent="  ", subsequent_indent="    "))
     failed = bool(problems)
     if problems:
         print("\nfailures:")
