@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from tests import _matrix as matrix
 from tests import scenarios_loop_states as sl
 from wrapkit.cli._models import BACKENDS
 
@@ -20,28 +21,28 @@ TOPOLOGY_CASES = [
 ]
 
 
-def check(results: list[dict[str, Any]], cases: list[dict[str, Any]]) -> None:
-    for rank, per_case in enumerate(results):
-        for case, key in zip(cases, per_case, strict=True):
-            obs = per_case[key]
-            for state in sl.STATES:
-                where = f"rank {rank}, {case}, {state}"
-                got = obs[state]
-                wrong = {op: r for op, r in got.items() if op in sl.OPS and r != []}
-                assert not wrong, f"{where}: {wrong}"
-                assert got["step_moved_weights"], f"{where}: the step after the operations changed nothing"
-            assert obs["loss_finite"], f"rank {rank}, {case}: the loss is not finite after the steps"
+def check(per_rank: list[dict[str, Any]], case: dict[str, Any]) -> None:
+    for rank, obs in enumerate(per_rank):
+        for state in sl.STATES:
+            where = f"rank {rank}, {case}, {state}"
+            got = obs[state]
+            wrong = {op: r for op, r in got.items() if op in sl.OPS and r != []}
+            assert not wrong, f"{where}: {wrong}"
+            assert got["step_moved_weights"], f"{where}: the step after the operations changed nothing"
+        assert obs["loss_finite"], f"rank {rank}, {case}: the loss is not finite after the steps"
 
 
-def test_operations_from_loop_states(group: Any) -> None:
+@matrix.cases(FLAT_CASES)
+def test_operations_from_loop_states(request: pytest.FixtureRequest, group: Any, case: dict[str, Any]) -> None:
     pytest.importorskip("deepspeed")
-    check(group.run(sl.loop_state_cases, FLAT_CASES, timeout=400), FLAT_CASES)
+    check(matrix.run(request, group, sl.loop_state_cases, timeout=400), case)
 
 
-def test_operations_from_loop_states_on_multi_node_layouts(group4: Any) -> None:
-    check(group4.run(sl.loop_state_cases, TOPOLOGY_CASES, timeout=300), TOPOLOGY_CASES)
+@matrix.cases(TOPOLOGY_CASES)
+def test_operations_from_loop_states_on_multi_node_layouts(request: pytest.FixtureRequest, group4: Any,
+                                                           case: dict[str, Any]) -> None:
+    check(matrix.run(request, group4, sl.loop_state_cases, timeout=300), case)
 
 
 def test_dataparallel_from_loop_states() -> None:
-    obs = sl.loop_states("dp")
-    check([{"dp": obs}], [{"spec": "dp"}])
+    check([sl.loop_states("dp")], {"spec": "dp"})

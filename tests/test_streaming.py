@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from tests import _matrix as matrix
 from tests import scenarios_streaming as ss
 
 SHARDED = ("fsdp", "fsdp2", "zero3")
@@ -35,48 +36,50 @@ TOPOLOGY_CASES = [
 ]
 
 
-def check(results: list[dict[str, Any]], cases: list[dict[str, Any]]) -> None:
-    for rank, per_case in enumerate(results):
-        for case, key in zip(cases, per_case, strict=True):
-            obs = per_case[key]
-            where = f"rank {rank}, {case}"
-            backend = case["spec"].split(">")[0]
-            dst = case.get("dst_rank")
-            if dst is not None and obs["rank"] != dst:
-                assert obs["buckets"] == 0 and obs["loaded"] == [], f"{where}: buckets off dst_rank"
-                continue
-            assert obs["buckets"] > 1, f"{where}: one bucket only: {obs['sizes']}"
-            # Every parameter under the names named_full_parameters() gives (base names when merged).
-            assert sorted(obs["loaded"]) == obs["want_params"], f"{where}: {sorted(obs['loaded'])}"
-            assert obs["views"], f"{where}: named_tensors() copied"
-            bad = [n for n, ok in obs["equal"].items() if not ok]
-            assert not bad, f"{where}: the receiver differs from full_state_dict() on {bad}"
-            dtypes = set(obs["entries"].values())
-            if case.get("keep_norms"):
-                assert {obs["entries"][n] for n in obs["entries"] if "norm" in n} == {"torch.float32"}, where
-                assert {obs["entries"][n] for n in obs["entries"] if "norm" not in n} == {"torch.bfloat16"}, where
-            elif case.get("dtype") == "bf16":
-                assert dtypes == {"torch.bfloat16"}, f"{where}: {dtypes}"
-            # One collective per bucket where the parameters are sharded (the first also holds the
-            # entry: one all-reduce, and one across the replicas of a 2-D layout), none where every
-            # rank holds them whole.
-            first, *rest = obs["collectives"]
-            sharded = backend in SHARDED
-            assert first <= 3 and all(c <= 1 for c in rest) and obs["after_last"] == 0, f"{where}: {obs['collectives']}"
-            if sharded and not case.get("trained"):
-                assert sum(obs["collectives"]) >= obs["buckets"], f"{where}: {obs['collectives']}"
-            if not sharded:
-                assert sum(rest) == 0, f"{where}: {obs['collectives']}"
-            if backend != "fsdp":  # an FSDP1 unit is gathered whole: a bucket holds at least one
-                assert max(obs["sizes"]) <= ss.BUCKET, f"{where}: bucket sizes {obs['sizes']}"
+def check(per_rank: list[dict[str, Any]], case: dict[str, Any]) -> None:
+    for rank, obs in enumerate(per_rank):
+        where = f"rank {rank}, {case}"
+        backend = case["spec"].split(">")[0]
+        dst = case.get("dst_rank")
+        if dst is not None and obs["rank"] != dst:
+            assert obs["buckets"] == 0 and obs["loaded"] == [], f"{where}: buckets off dst_rank"
+            continue
+        assert obs["buckets"] > 1, f"{where}: one bucket only: {obs['sizes']}"
+        # Every parameter under the names named_full_parameters() gives (base names when merged).
+        assert sorted(obs["loaded"]) == obs["want_params"], f"{where}: {sorted(obs['loaded'])}"
+        assert obs["views"], f"{where}: named_tensors() copied"
+        bad = [n for n, ok in obs["equal"].items() if not ok]
+        assert not bad, f"{where}: the receiver differs from full_state_dict() on {bad}"
+        dtypes = set(obs["entries"].values())
+        if case.get("keep_norms"):
+            assert {obs["entries"][n] for n in obs["entries"] if "norm" in n} == {"torch.float32"}, where
+            assert {obs["entries"][n] for n in obs["entries"] if "norm" not in n} == {"torch.bfloat16"}, where
+        elif case.get("dtype") == "bf16":
+            assert dtypes == {"torch.bfloat16"}, f"{where}: {dtypes}"
+        # One collective per bucket where the parameters are sharded (the first also holds the
+        # entry: one all-reduce, and one across the replicas of a 2-D layout), none where every
+        # rank holds them whole.
+        first, *rest = obs["collectives"]
+        sharded = backend in SHARDED
+        assert first <= 3 and all(c <= 1 for c in rest) and obs["after_last"] == 0, f"{where}: {obs['collectives']}"
+        if sharded and not case.get("trained"):
+            assert sum(obs["collectives"]) >= obs["buckets"], f"{where}: {obs['collectives']}"
+        if not sharded:
+            assert sum(rest) == 0, f"{where}: {obs['collectives']}"
+        if backend != "fsdp":  # an FSDP1 unit is gathered whole: a bucket holds at least one
+            assert max(obs["sizes"]) <= ss.BUCKET, f"{where}: bucket sizes {obs['sizes']}"
 
 
-def test_stream_every_backend_into_a_plain_model(group: Any) -> None:
-    check(group.run(ss.stream_cases, FLAT_CASES, timeout=300), FLAT_CASES)
+@matrix.cases(FLAT_CASES)
+def test_stream_full_parameters_into_a_plain_model(request: pytest.FixtureRequest, group: Any,
+                                                   case: dict[str, Any]) -> None:
+    check(matrix.run(request, group, ss.stream_cases, timeout=300), case)
 
 
-def test_stream_on_multi_node_layouts(group4: Any) -> None:
-    check(group4.run(ss.stream_cases, TOPOLOGY_CASES, timeout=300), TOPOLOGY_CASES)
+@matrix.cases(TOPOLOGY_CASES)
+def test_stream_full_parameters_on_multi_node_layouts(request: pytest.FixtureRequest, group4: Any,
+                                                      case: dict[str, Any]) -> None:
+    check(matrix.run(request, group4, ss.stream_cases, timeout=300), case)
 
 
 def test_stream_of_the_peft_reference_view(group: Any) -> None:
@@ -113,41 +116,37 @@ SLEEP_TOPOLOGY_CASES = [{"spec": "fsdp2", "level": 1, "topology": "hsdp"},
                         {"spec": "zero3", "level": 1, "topology": "subgroup"}]
 
 
-def check_sleep(results: list[dict[str, Any]], cases: list[dict[str, Any]]) -> None:
-    for rank, per_case in enumerate(results):
-        for case, key in zip(cases, per_case, strict=True):
-            obs = per_case[key]
-            where = f"rank {rank}, {case}"
-            if "error" in obs:
-                # DeepSpeed before 0.17 cannot move a ZeRO-1/2 engine's states, nor a ZeRO-3 engine's
-                # with another optimizer than its FusedAdam (a GPU build's): refused, with the fix.
-                assert case["spec"] in ("zero1", "zero2", "zero3") and not _deepspeed_moves_zero12(), f"{where}: {obs}"
-                assert obs["error"].startswith("UnsupportedModelError") and "offload_states" in obs["error"], obs
-                continue
-            # Training after sleep/wake cycles gives exactly the losses of a run without them.
-            assert obs["losses"]["True"] == obs["losses"]["False"], f"{where}: {obs['losses']}"
-            assert obs["on_cpu"], f"{where}: something stayed off the CPU while asleep"
-            for report in obs["reports"]:
-                assert report["state_bytes"] > 0 and 0 <= report["freed_bytes"] <= report["state_bytes"], report
-            if case["spec"] in TORCH_WAY:
-                # Moved with fresh storage even from the CPU: every parameter, gradient and optimizer
-                # state storage of the rank was replaced, none left behind.
-                assert all(obs["moved_all"]), f"{where}: kept {obs['kept']}"
-                if case["level"] == 1:
-                    assert all(n > 0 for n in obs["grads_after_sleep"]), f"{where}: gradients lost"
-                elif case["spec"] != "zero0":  # an engine's step() clears its gradients itself
-                    assert all(r["dropped_bytes"] > 0 for r in obs["reports"]), f"{where}: {obs['reports']}"
-            if case["level"] == 2:
-                assert obs["grads_after_sleep"] == [0] * len(obs["grads_after_sleep"]), f"{where}: gradients kept"
+def check_sleep(per_rank: list[dict[str, Any]], case: dict[str, Any]) -> None:
+    for rank, obs in enumerate(per_rank):
+        where = f"rank {rank}, {case}"
+        if "error" in obs:
+            # DeepSpeed before 0.17 cannot move a ZeRO-1/2 engine's states, nor a ZeRO-3 engine's
+            # with another optimizer than its FusedAdam (a GPU build's): refused, with the fix.
+            assert case["spec"] in ("zero1", "zero2", "zero3") and not _deepspeed_moves_zero12(), f"{where}: {obs}"
+            assert obs["error"].startswith("UnsupportedModelError") and "offload_states" in obs["error"], obs
+            continue
+        # Training after sleep/wake cycles gives exactly the losses of a run without them.
+        assert obs["losses"]["True"] == obs["losses"]["False"], f"{where}: {obs['losses']}"
+        assert obs["on_cpu"], f"{where}: something stayed off the CPU while asleep"
+        for report in obs["reports"]:
+            assert report["state_bytes"] > 0 and 0 <= report["freed_bytes"] <= report["state_bytes"], report
+        if case["spec"] in TORCH_WAY:
+            # Moved with fresh storage even from the CPU: every parameter, gradient and optimizer
+            # state storage of the rank was replaced, none left behind.
+            assert all(obs["moved_all"]), f"{where}: kept {obs['kept']}"
+            if case["level"] == 1:
+                assert all(n > 0 for n in obs["grads_after_sleep"]), f"{where}: gradients lost"
+            elif case["spec"] != "zero0":  # an engine's step() clears its gradients itself
+                assert all(r["dropped_bytes"] > 0 for r in obs["reports"]), f"{where}: {obs['reports']}"
+        if case["level"] == 2:
+            assert obs["grads_after_sleep"] == [0] * len(obs["grads_after_sleep"]), f"{where}: gradients kept"
 
 
-@pytest.mark.parametrize("family", ["torch", "deepspeed"])
-def test_sleep_wake_keeps_training_exact(group: Any, family: str) -> None:
-    # Split by family so that the oldest releases' CI run, whose DeepSpeed moves states differently, can
-    # take the DeepSpeed half alone.
-    cases = [c for c in SLEEP_CASES if c["spec"].startswith("zero") == (family == "deepspeed")]
-    check_sleep(group.run(ss.sleep_cases, cases, timeout=300), cases)
+@matrix.cases(SLEEP_CASES)
+def test_sleep_wake_keeps_training_exact(request: pytest.FixtureRequest, group: Any, case: dict[str, Any]) -> None:
+    check_sleep(matrix.run(request, group, ss.sleep_cases, timeout=300), case)
 
 
-def test_sleep_wake_on_multi_node_layouts(group4: Any) -> None:
-    check_sleep(group4.run(ss.sleep_cases, SLEEP_TOPOLOGY_CASES, timeout=300), SLEEP_TOPOLOGY_CASES)
+@matrix.cases(SLEEP_TOPOLOGY_CASES)
+def test_sleep_wake_on_multi_node_layouts(request: pytest.FixtureRequest, group4: Any, case: dict[str, Any]) -> None:
+    check_sleep(matrix.run(request, group4, ss.sleep_cases, timeout=300), case)
