@@ -181,10 +181,14 @@ def generation(spec: str, device: str = "cpu") -> dict[str, Any]:
     assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
     want = _generate(ref)
     before = _state(wm)
+    # FSDP leaves this flag for transformers' generate(), which then syncs every rank at every step.
+    managed = "_is_fsdp_managed_module"
+    managed_outside = any(x.__dict__.get(managed) for x in wm.module.modules())
     with wm.generation() as m:
         inside = {
             "training": sum(x.training for x in m.modules()),
             "checkpointing": any(x.__dict__.get("gradient_checkpointing") for x in m.modules()),
+            "fsdp_managed": any(x.__dict__.get(managed) for x in m.modules()),
         }
         got = _generate(m)
     after = _state(wm)
@@ -207,6 +211,7 @@ def generation(spec: str, device: str = "cpu") -> dict[str, Any]:
     return {
         "same_tokens": bool(torch.equal(got.cpu(), want.cpu())),
         "inside": inside,
+        "managed_outside": managed_outside,
         "after_equal": after == before,
         "after_error_equal": after_error == before,
         "after_gathered_error_equal": after_gathered_error == before,

@@ -64,7 +64,9 @@ def test_modifier_rank(group: Any, spec: str) -> None:
 def test_generation(group: Any, spec: str) -> None:
     for obs in group.run(sg.generation, spec, timeout=180):
         assert obs["same_tokens"], f"{spec}: greedy tokens differ from the unsharded model"
-        assert obs["inside"] == {"training": 0, "checkpointing": False}
+        assert obs["inside"] == {"training": 0, "checkpointing": False, "fsdp_managed": False}, obs["inside"]
+        # The flag is there outside (so the check above means something) wherever FSDP wraps the model.
+        assert obs["managed_outside"] == spec.split(">")[0].startswith("fsdp"), spec
         assert obs["after_equal"], f"{spec}: state changed by generation()"
         assert obs["after_error_equal"], f"{spec}: state changed by a failing generation(): {obs['diff']}"
         assert obs["after_gathered_error_equal"], f"{spec}: state changed by a failing gathered()"

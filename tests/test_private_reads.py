@@ -17,24 +17,23 @@ PACKAGE = Path(wrapkit.__file__).resolve().parent
 
 # Private reads outside adapters/ today, each to move into its backend's adapter; the list only shrinks.
 OUTSIDE_ADAPTERS = {
-    ("_gather.py", "_forward_hooks"),
-    ("_gather.py", "_forward_pre_hooks"),
-    ("_gather.py", "_modules"),
-    ("_gather.py", "_parameters"),
+    # torch.nn.Module's own dicts, torch's fused foreach and transformers' initialiser: where no public
+    # API does the same, in one place that the operations call.
+    ("_module_internals.py", "_buffers"),
+    ("_module_internals.py", "_foreach_add_"),
+    ("_module_internals.py", "_foreach_mul_"),
+    ("_module_internals.py", "_forward_hooks"),
+    ("_module_internals.py", "_forward_pre_hooks"),
+    ("_module_internals.py", "_init_weights"),
+    ("_module_internals.py", "_modules"),
+    ("_module_internals.py", "_non_persistent_buffers_set"),
+    ("_module_internals.py", "_parameters"),
     ("_torch_ops.py", "_C"),
     ("_torch_ops.py", "_nn"),
     ("cli/_models.py", "_HYBRID_SHARD_ZERO2"),
     ("integrations/swift.py", "_class_to_module"),
     ("layers/compile.py", "_orig_mod"),
-    ("reading.py", "_buffers"),
-    ("reading.py", "_init_weights"),
-    ("reading.py", "_non_persistent_buffers_set"),
     ("shutdown.py", "_run_exitfuncs"),
-    ("state_dict.py", "_buffers"),
-    ("state_dict.py", "_non_persistent_buffers_set"),
-    ("state_dict.py", "_parameters"),
-    ("sync.py", "_foreach_add_"),
-    ("sync.py", "_foreach_mul_"),
 }
 
 
@@ -105,3 +104,16 @@ def test_no_new_private_read_outside_the_adapters() -> None:
     assert not new, f"private fields read outside adapters/ (give the adapter a primitive for it instead): {new}"
     gone = sorted(OUTSIDE_ADAPTERS - outside)
     assert not gone, f"no longer read there: take these off OUTSIDE_ADAPTERS in this test: {gone}"
+
+
+def test_operations_read_no_private_field() -> None:
+    """The operation modules and the gathering machinery under them read no other library's private
+    field: what a backend keeps privately is its adapter's, torch's module internals are behind
+    ``_module_internals.py``."""
+    from tests.test_architecture import BACKEND_FREE
+
+    # shutdown() runs Python's own atexit handlers before it ends the process without finalization.
+    python_own = {("shutdown.py", "_run_exitfuncs")}
+    found = sorted((path, name) for path, name in ACCESSES - python_own
+                   if path.removesuffix(".py").split("/")[0] in BACKEND_FREE)
+    assert not found, f"private fields read in operation modules: {found}"

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ._agree import is_distributed
+from ._module_internals import child_slots, forward_hook_dicts, parameter_slots, swap_parameter_slots
 
 __all__ = [
     "all_gather_into",
@@ -29,7 +30,7 @@ __all__ = [
     "synced_generate", "submodules",
 ]
 
-# Returns the tensor to put in place of ``module._parameters[name]``, or None to keep it.
+# Returns the tensor to put in place of the module's parameter ``name``, or None to keep it.
 Replace = Callable[[torch.nn.Module, str, torch.Tensor], "torch.Tensor | None"]
 
 
@@ -42,6 +43,9 @@ class Bypass(NamedTuple):
     hook_modules: tuple[str, ...]
     # The module a child stands for, where the child is a wrapper of the backend's (else the child).
     peel: Callable[[torch.nn.Module], torch.nn.Module] | None = None
+    # Instance flags set to False meanwhile: marks the backend leaves for other libraries, which then
+    # treat the module as still sharded (transformers' generate() syncs every rank at every step on one).
+    flags_off: tuple[str, ...] = ()
 
 
 def submodules(root: torch.nn.Module) -> list[torch.nn.Module]:
@@ -54,7 +58,7 @@ def submodules(root: torch.nn.Module) -> list[torch.nn.Module]:
             continue
         seen.add(id(mod))
         out.append(mod)
-        todo.extend(child for child in reversed(mod._modules.values()) if child is not None)
+        todo.extend(child for child in reversed(child_slots(mod).values()) if child is not None)
     return out
 
 
@@ -94,7 +98,7 @@ def bypassed(root: torch.nn.Module, bypass: Bypass, replace: Replace | None = No
     children: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
     param_dicts: list[tuple[torch.nn.Module, Any]] = []
     hook_dicts: list[tuple[dict[int, Any], list[tuple[int, Any]]]] = []
-    managed: list[torch.nn.Module] = []
+    flags: list[tuple[torch.nn.Module, str]] = []
     methods: list[tuple[torch.nn.Module, str, Any]] = []
     try:
         todo, seen = [root], set()
@@ -103,27 +107,25 @@ def bypassed(root: torch.nn.Module, bypass: Bypass, replace: Replace | None = No
             if id(mod) in seen:
                 continue
             seen.add(id(mod))
-            for name, child in list(mod._modules.items()):
+            slots = child_slots(mod)
+            for name, child in list(slots.items()):
                 if child is None:
                     continue
                 inner = bypass.peel(child) if bypass.peel is not None else child
                 if inner is not child:
                     children.append((mod, name, child))
-                    mod._modules[name] = inner
+                    slots[name] = inner
                 todo.append(inner)
             params: dict[str, Any] = {}
-            for name, p in mod._parameters.items():
+            for name, p in parameter_slots(mod).items():
                 new = replace(mod, name, p) if (replace is not None and p is not None) else None
                 params[name] = p if new is None else new
-            param_dicts.append((mod, mod._parameters))
-            mod.__dict__["_parameters"] = params
-            if mod.__dict__.get("_is_fsdp_managed_module"):
-                # transformers' generate() sees this flag and syncs every rank at every step
-                # (synced_gpus), an all-reduce per token that a plain module does not need.
-                # (transformers/generation/utils.py: is_fsdp_managed_module(self) sets synced_gpus.)
-                managed.append(mod)
-                mod.__dict__["_is_fsdp_managed_module"] = False
-            for hooks in (mod._forward_pre_hooks, mod._forward_hooks):
+            param_dicts.append((mod, swap_parameter_slots(mod, params)))
+            for flag in bypass.flags_off:
+                if mod.__dict__.get(flag):
+                    flags.append((mod, flag))
+                    mod.__dict__[flag] = False
+            for hooks in forward_hook_dicts(mod):
                 foreign = [k for k, h in hooks.items() if _defined_under(h, bypass.hook_modules)]
                 if foreign:
                     hook_dicts.append((hooks, list(hooks.items())))
@@ -145,11 +147,11 @@ def bypassed(root: torch.nn.Module, bypass: Bypass, replace: Replace | None = No
             hooks.clear()
             hooks.update(items)
         for mod, original in reversed(param_dicts):
-            mod.__dict__["_parameters"] = original
+            swap_parameter_slots(mod, original)
         for parent, name, child in reversed(children):
-            parent._modules[name] = child
-        for mod in managed:
-            mod.__dict__["_is_fsdp_managed_module"] = True
+            child_slots(parent)[name] = child
+        for mod, flag in flags:
+            mod.__dict__[flag] = True
 
 
 def _is_method_wrapper(mod: torch.nn.Module, value: Any, prefixes: tuple[str, ...]) -> bool:

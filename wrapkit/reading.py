@@ -24,6 +24,7 @@ import torch.distributed as dist
 from ._agree import Call, broadcast_object, enter, models_group, raise_agreed
 from ._errors import StateDictError
 from ._imports import require
+from ._module_internals import init_weights, own_buffers
 from ._safetensors import SAFETENSORS_DTYPES, torch_dtype
 from .state_dict import check_entries, expected_shapes, live_buffers
 
@@ -243,15 +244,14 @@ def _on_meta(wm: Adapter) -> list[tuple[torch.nn.Module, str]] | None:
     that are (as (module, name)): a checkpoint does not hold them, so they must be rebuilt."""
     if not any(t.is_meta for _, t in wm.placement_tensors()):
         return None
-    return [(m, name) for m in wm.unwrap().modules() for name, b in m._buffers.items()
-            if b is not None and b.is_meta and name in m._non_persistent_buffers_set]
+    return [(m, name) for m in wm.unwrap().modules() for name, b in own_buffers(m, persistent=False) if b.is_meta]
 
 
 def _meta_problems(wm: Adapter, buffers: list[tuple[torch.nn.Module, str]], missing: list[str]) -> list[str]:
     problems = [f"{name!r} is not in the checkpoint, and the model was created on the meta device: it would be "
                 "left uninitialized" for name in missing]
     inner = wm.unwrap(keep_peft=False)
-    if buffers and not callable(getattr(inner, "_init_weights", None)):
+    if buffers and init_weights(inner) is None:
         problems.append(f"the model was created on the meta device with non-persistent buffers "
                         f"({', '.join(n for _, n in buffers[:3])}) that no checkpoint holds and that only a "
                         "transformers model can rebuild; create those on a real device")
@@ -263,7 +263,7 @@ def _materialize(wm: Adapter, buffers: list[tuple[torch.nn.Module, str]]) -> Non
     shards), then the non-persistent buffers rebuilt the way transformers builds them."""
     device = wm.device
     wm.module.to_empty(device=device)
-    init: Any = getattr(wm.unwrap(keep_peft=False), "_init_weights", None)
+    init: Any = init_weights(wm.unwrap(keep_peft=False))
     with torch.no_grad():
         for module in dict.fromkeys(m for m, _ in buffers):
             init(module)  # for rotary embeddings: inv_freq from the config

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._agree import Call, enter, raise_agreed
+from ._module_internals import own_buffers, own_parameters
 from ._names import canonical_name
 from .full_parameters import gathered
 from .layers.peft import LoraFoldPlan, fold_plan, fold_state_dict
@@ -47,13 +48,11 @@ def _live_entries(
     """
     for mod_name, mod in root.named_modules(remove_duplicate=False):
         if parameters:
-            for name, p in mod._parameters.items():
-                if p is not None:
-                    yield canonical_name(_join(mod_name, name)), p
+            for name, p in own_parameters(mod):
+                yield canonical_name(_join(mod_name, name)), p
         if buffers:
-            for name, b in mod._buffers.items():
-                if b is not None and name not in mod._non_persistent_buffers_set:
-                    yield canonical_name(_join(mod_name, name)), b
+            for name, b in own_buffers(mod, persistent=True):
+                yield canonical_name(_join(mod_name, name)), b
 
 
 def _live_parameters(root: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

@@ -19,6 +19,7 @@ import torch
 
 from ._agree import Call, checking, enter, raise_agreed
 from ._errors import ArgumentError
+from ._module_internals import lerp_all_
 from .state_dict import Shape, assign, check_entries, expected_shapes, live_buffers, write
 
 if TYPE_CHECKING:
@@ -114,8 +115,7 @@ def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], alpha: float, ta
     with torch.no_grad():
         if fused:
             dsts, srcs = [d for d, _ in fused], [s for _, s in fused]
-            torch._foreach_mul_(dsts, 1.0 - alpha)
-            torch._foreach_add_(dsts, srcs, alpha=alpha)
+            lerp_all_(dsts, srcs, alpha)
         done = {id(d) for d, _ in fused}
         for dst, src_tensor in pairs:  # the rest: 16-bit targets, copies, integer buffers
             if id(dst) not in done:

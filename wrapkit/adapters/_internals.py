@@ -20,7 +20,7 @@ from .._errors import UnsupportedModelError
 from .._imports import version_of
 
 __all__ = ["require_internals", "FSDP1_UNIT", "FSDP1_HANDLE", "FSDP1_FLAT", "FSDP2_STATE", "DTENSOR", "ZERO3_PARAM",
-           "FSDP2_MODULE", "PRIVATE_FIELDS"]
+           "FSDP2_MODULE", "FSDP_MANAGED", "PRIVATE_FIELDS"]
 
 # What each backend's objects must have, by the object that carries it: checked on adapt().
 FSDP1_UNIT = ("_handle", "_fsdp_wrapped_module")
@@ -29,6 +29,9 @@ FSDP1_HANDLE = ("flat_param", "uses_sharded_strategy", "_training_state", "_use_
 FSDP1_FLAT = ("_fqns", "_params", "_shapes", "_numels", "_numels_with_padding", "_is_padding_mask",
               "_param_infos", "_shared_param_infos", "_shard_param_infos", "_unpadded_unsharded_size")
 FSDP2_MODULE = ("_get_fsdp_state",)
+# The flag FSDP1 and FSDP2 leave on the modules they manage; transformers' generate() syncs every rank at
+# every step (synced_gpus) where it sees it, an all-reduce per token that a bypassed, full module does not need.
+FSDP_MANAGED = ("_is_fsdp_managed_module",)
 FSDP2_STATE = ("_mp_policy", "_cast_forward_inputs", "_cast_output_dtype", "_fsdp_param_groups", "_device")
 DTENSOR = ("_local_tensor",)
 ZERO3_PARAM = ("ds_tensor", "ds_shape", "ds_numel", "ds_status")
@@ -58,6 +61,8 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
                         "_non_persistent_buffers_set"),
     "torch": ("_C", "_nn", "_foreach_add_", "_foreach_mul_"),
     "torch.compile OptimizedModule": ("_orig_mod",),
+    # Set by FSDP1 and FSDP2 on the modules they manage; cleared while a module runs bypassed (Bypass).
+    "FSDP-managed module flag": FSDP_MANAGED,
     "transformers PreTrainedModel": ("_init_weights", "_no_split_modules"),
     "ms-swift lazy module": ("_class_to_module",),
     "Python's atexit": ("_run_exitfuncs",),

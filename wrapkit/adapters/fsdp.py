@@ -16,7 +16,7 @@ from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import ShardedAdapter, move_buffers
 from ._fsdp_flat import flat_pieces, full_from_shards, gather_in, local_shard
-from ._internals import FSDP1_FLAT, FSDP1_HANDLE, FSDP1_UNIT, require_internals
+from ._internals import FSDP1_FLAT, FSDP1_HANDLE, FSDP1_UNIT, FSDP_MANAGED, require_internals
 from ._likeness import block_classes, copy_buffers, skeleton
 from ._primitives import Piece
 
@@ -170,7 +170,7 @@ class FSDPAdapter(ShardedAdapter):
     def gather_bypass(self) -> Bypass:
         # FSDP1 stands in the module tree itself (a wrapper per unit), and its hooks and method
         # wrappers live in torch.distributed.fsdp.
-        return Bypass(("torch.distributed.fsdp.",), peel=_unit_inside)
+        return Bypass(("torch.distributed.fsdp.",), peel=_unit_inside, flags_off=FSDP_MANAGED)
 
     @contextlib.contextmanager
     def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:

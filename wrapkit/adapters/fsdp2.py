@@ -25,7 +25,7 @@ from ._dtensor import (
     shard_key,
     write_full,
 )
-from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, require_internals
+from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, FSDP_MANAGED, require_internals
 from ._likeness import block_classes, copy_buffers, skeleton
 from ._primitives import Piece, copy_into
 
@@ -186,7 +186,7 @@ class FSDP2Adapter(ShardedAdapter):
     def gather_bypass(self) -> Bypass:
         # FSDP2's pre/post-forward hooks on every fully_shard module, and the method wrappers of
         # register_fsdp_forward_method, live in torch.distributed.fsdp.
-        return Bypass(("torch.distributed.fsdp.",))
+        return Bypass(("torch.distributed.fsdp.",), flags_off=FSDP_MANAGED)
 
     def gather_one(self, p: torch.Tensor) -> torch.Tensor:
         return full_value(p)

@@ -1,0 +1,77 @@
+"""The few private fields of ``torch.nn.Module`` (and private functions of torch and transformers)
+that wrapkit needs where no public API does the same thing, in one place.
+
+A module's own parameter, buffer and child dicts are read directly because the public walks
+(``named_parameters``, ``state_dict``) skip ``None`` slots, drop duplicates, run state-dict hooks
+(collectives under FSDP) or cannot tell a persistent buffer from another. Outside ``adapters/``,
+which read their own backend's fields, everything goes through these functions
+(``tests/test_private_reads.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["child_slots", "parameter_slots", "swap_parameter_slots", "forward_hook_dicts", "own_parameters",
+           "own_buffers", "is_persistent", "init_weights", "lerp_all_"]
+
+
+def child_slots(mod: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
+    """``mod``'s own children by name, the live dict: a write replaces a child in place, without
+    ``__setattr__``'s bookkeeping, so putting the original back restores the module exactly."""
+    children: dict[str, torch.nn.Module | None] = mod._modules
+    return children
+
+
+def parameter_slots(mod: torch.nn.Module) -> dict[str, Any]:
+    """``mod``'s own parameters by name, the live dict (``None`` slots included)."""
+    params: dict[str, Any] = mod._parameters
+    return params
+
+
+def swap_parameter_slots(mod: torch.nn.Module, slots: dict[str, Any]) -> dict[str, Any]:
+    """Give ``mod`` the parameter dict ``slots`` (plain tensors allowed); returns the one it had."""
+    old = parameter_slots(mod)
+    mod.__dict__["_parameters"] = slots
+    return old
+
+
+def forward_hook_dicts(mod: torch.nn.Module) -> tuple[dict[int, Any], dict[int, Any]]:
+    """``mod``'s forward pre-hooks and forward hooks, the live dicts keyed by handle id."""
+    return mod._forward_pre_hooks, mod._forward_hooks
+
+
+def own_parameters(mod: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """``mod``'s own parameters, in registration order; a tied one under each module holding it."""
+    for name, p in mod._parameters.items():
+        if p is not None:
+            yield name, p
+
+
+def own_buffers(mod: torch.nn.Module, persistent: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """``mod``'s own buffers, in registration order: all of them, or only the persistent ones (those
+    ``state_dict()`` holds) or only the others."""
+    for name, b in mod._buffers.items():
+        if b is not None and (persistent is None or is_persistent(mod, name) == persistent):
+            yield name, b
+
+
+def is_persistent(mod: torch.nn.Module, name: str) -> bool:
+    """Whether ``mod``'s buffer ``name`` is part of its state dict."""
+    return name not in mod._non_persistent_buffers_set
+
+
+def init_weights(model: torch.nn.Module) -> Callable[[torch.nn.Module], None] | None:
+    """A transformers model's own initialiser of one submodule (it rebuilds non-persistent buffers
+    such as rotary ``inv_freq`` from the config); None for other models."""
+    init = getattr(model, "_init_weights", None)
+    return init if callable(init) else None
+
+
+def lerp_all_(dsts: list[torch.Tensor], srcs: list[torch.Tensor], alpha: float) -> None:
+    """``dst = dst * (1 - alpha) + src * alpha`` for every pair, as two fused passes over the lists."""
+    torch._foreach_mul_(dsts, 1.0 - alpha)
+    torch._foreach_add_(dsts, srcs, alpha=alpha)
