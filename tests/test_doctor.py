@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from tests.test_streaming import deepspeed_moves_states
 from wrapkit.cli._ops import OPS
 
 EXPECTED_ROWS = ["plain", "dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3"]
@@ -34,7 +35,7 @@ def test_doctor_all_backends_pass(tmp_path: Path) -> None:
     refused = {(b, op) for b, cells in data["results"].items() for op, cell in cells.items()
                if not op.startswith("_") and cell.get("refused")}
     assert refused <= {(b, "sleep/wake") for b in ("zero1", "zero2", "zero3")}, refused
-    if _deepspeed_moves_states():
+    if deepspeed_moves_states():
         assert not refused, refused
     for backend, op in refused:
         assert f"{backend}/{op}: " in table and "offload_states" in data["results"][backend][op]["refused"], table
@@ -50,12 +51,6 @@ def test_doctor_all_backends_pass(tmp_path: Path) -> None:
     # Third-party warnings and notices from the workers are counted, not shown.
     assert "Warning" not in out.stdout + out.stderr and "accelerator" not in out.stdout + out.stderr, out.stderr
     assert f"{len(data['worker_output'])} lines of third-party output" in table and data["worker_output"]
-
-
-def _deepspeed_moves_states() -> bool:
-    from importlib.metadata import version
-
-    return tuple(int(x) for x in version("deepspeed").split(".")[:2]) >= (0, 17)
 
 
 def test_a_refused_operation_is_shown_as_not_applicable() -> None:

@@ -99,7 +99,7 @@ def test_stream_refuses_bad_arguments_on_every_rank(group: Any) -> None:
 
 
 # -- sleep / wake ----------------------------------------------------------------------------
-def _deepspeed_moves_zero12() -> bool:
+def deepspeed_moves_states() -> bool:
     """DeepSpeed 0.17 gave ZeRO-1/2 engines ``offload_states``, and ZeRO-3's one for any optimizer."""
     from importlib.metadata import version
 
@@ -122,7 +122,7 @@ def check_sleep(per_rank: list[dict[str, Any]], case: dict[str, Any]) -> None:
         if "error" in obs:
             # DeepSpeed before 0.17 cannot move a ZeRO-1/2 engine's states, nor a ZeRO-3 engine's
             # with another optimizer than its FusedAdam (a GPU build's): refused, with the fix.
-            assert case["spec"] in ("zero1", "zero2", "zero3") and not _deepspeed_moves_zero12(), f"{where}: {obs}"
+            assert case["spec"] in ("zero1", "zero2", "zero3") and not deepspeed_moves_states(), f"{where}: {obs}"
             assert obs["error"].startswith("UnsupportedModelError") and "offload_states" in obs["error"], obs
             continue
         # Training after sleep/wake cycles gives exactly the losses of a run without them.

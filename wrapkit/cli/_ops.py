@@ -20,7 +20,7 @@ __all__ = ["OPS", "Op", "Refused"]
 Op = Callable[[Any, dict[str, Any]], None]
 
 
-class Refused(Exception):  # noqa: N818 (not an error: a documented refusal)
+class Refused(Exception):
     """Raised by an operation that the stack refuses as documented, with the typed error and nothing
     changed: reported as not applicable, with the reason, neither a pass nor a failure."""
 
