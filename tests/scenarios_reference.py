@@ -10,9 +10,9 @@ import torch
 
 import wrapkit
 from wrapkit._registry import as_adapter
+from wrapkit._wrapped import AdapterDisabledView
 from wrapkit.cli._models import build, ds_config, parse_stack, tiny_llama
 from wrapkit.placement import move_verified
-from wrapkit.view import AdapterDisabledView
 
 TOKENS = torch.arange(16).reshape(2, 8) % 128
 
@@ -99,7 +99,8 @@ def placement_error() -> str:
 
 
 def _frozen_facts(wm: Any) -> dict[str, Any]:
-    holder = wm._policy if isinstance(wm, AdapterDisabledView) else as_adapter(wm)  # a view's tensors are the policy's
+    # A view's tensors are the policy's.
+    holder = wm._below.policy if isinstance(wm, AdapterDisabledView) else as_adapter(wm)
     return {
         "training_modules": sum(1 for m in wm.module.modules() if m.training),
         "trainable_parameters": wm.num_parameters(trainable_only=True),

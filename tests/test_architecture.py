@@ -105,7 +105,7 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
 def test_graph_sees_relative_imports() -> None:
     graph = import_graph()
     assert "_registry" in graph[""]  # the package itself and "adapters._base" in graph["adapters.ddp"]
-    assert "sync" in graph["view"] and "integrations.trl" in graph["integrations.swift"]
+    assert "placement" in graph["view"] and "integrations.trl" in graph["integrations.swift"]
 
 
 def test_no_cycle() -> None:

@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from ._names import canonical_name
+
 __all__ = ["child_slots", "parameter_slots", "swap_parameter_slots", "forward_hook_dicts", "own_parameters",
-           "own_buffers", "is_persistent", "init_weights", "lerp_all_"]
+           "own_buffers", "is_persistent", "live_entries", "init_weights", "lerp_all_"]
 
 
 def child_slots(mod: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
@@ -62,6 +64,20 @@ def own_buffers(mod: torch.nn.Module, persistent: bool | None = None) -> Iterato
 def is_persistent(mod: torch.nn.Module, name: str) -> bool:
     """Whether ``mod``'s buffer ``name`` is part of its state dict."""
     return name not in mod._non_persistent_buffers_set
+
+
+def live_entries(root: torch.nn.Module, *, parameters: bool = True,
+                 buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical name, tensor) for every key ``root.state_dict()`` has, in its order: module by
+    module, its parameters (a tied one under each of its names), then its persistent buffers;
+    ``parameters`` / ``buffers`` select which. Walked directly, so no state-dict hook runs."""
+    for mod_name, mod in root.named_modules(remove_duplicate=False):
+        if parameters:
+            for name, p in own_parameters(mod):
+                yield canonical_name(f"{mod_name}.{name}" if mod_name else name), p
+        if buffers:
+            for name, b in own_buffers(mod, persistent=True):
+                yield canonical_name(f"{mod_name}.{name}" if mod_name else name), b
 
 
 def init_weights(model: torch.nn.Module) -> Callable[[torch.nn.Module], None] | None:

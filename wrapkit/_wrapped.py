@@ -27,12 +27,14 @@ from . import (
     state_dict,
     streaming,
     sync,
+    view,
 )
+from ._agree import Call
 from ._protocol import Handle, WrappedModel
 from ._registry import as_adapter, copy_target
 from .adapters import Adapter
 
-__all__ = ["Wrapped", "adapt", "prepare_reference"]
+__all__ = ["Wrapped", "AdapterDisabledView", "adapt", "prepare_reference"]
 
 
 class Wrapped(Handle):
@@ -241,8 +243,79 @@ class Wrapped(Handle):
         sync.copy_to(self._below, copy_target(target), alpha)
 
 
+class AdapterDisabledView(Wrapped):
+    """A PEFT policy seen with its adapters off: the frozen base model, at no memory cost.
+
+    Every read runs the operation ``Wrapped`` runs, over the policy's adapter decorated by
+    ``view.AdaptersOff``: the adapters disabled, eval mode and no autograd where it runs the
+    model, the policy's modes, adapters and ``requires_grad`` flags restored on exit, and the
+    base model's names. What would write or move the policy's weights is refused with
+    ``ReferenceModelError`` on every rank: ``load``, ``load_full_state_dict``, ``copy_to`` into it,
+    ``gathered(modifier_rank=...)``, ``place`` elsewhere, ``sleep`` and ``wake``."""
+
+    _below: view.AdaptersOff
+
+    def __init__(self, adapter: view.AdaptersOff) -> None:
+        super().__init__(adapter)
+        self._view_module = view.ViewModule(adapter.policy)
+
+    def _as_adapter(self, purpose: str) -> Adapter:
+        raise view.refusal(purpose)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} of {self._below.policy!r}>"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, AdapterDisabledView) and other._below == self._below
+
+    def __hash__(self) -> int:
+        return hash(self._below)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._view_module(*args, **kwargs)
+
+    @property
+    def module(self) -> torch.nn.Module:
+        """A module that runs the policy with its adapters off (it holds no parameters)."""
+        return self._view_module
+
+    def place(self, device: torch.device | str | int | None = None) -> AdapterDisabledView:
+        """Verify that the policy's weights are on ``device`` (default: where the policy computes).
+        A view cannot move them: ``ReferenceModelError`` if they are elsewhere."""
+        view.verify_place(self._below, device, "place")
+        return self
+
+    def to_eval_frozen(self) -> AdapterDisabledView:
+        """The view itself: every call through it already runs frozen, in eval mode."""
+        view.verify_place(self._below, None, "to_eval_frozen")
+        return self
+
+    def sleep(self, optimizer: Any = None, level: int = 1) -> sleeping.SleepReport:
+        """Refused: the view owns no weights; ``sleep()`` the policy."""
+        view.refuse(self._below, Call.of("sleep", level=level), "sleep()")
+
+    def wake(self) -> AdapterDisabledView:
+        """Refused: the view owns no weights; ``wake()`` the policy."""
+        view.refuse(self._below, Call.of("wake"), "wake()")
+
+    def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+        """Refused: it would write the policy's weights."""
+        view.refuse(self._below, Call.of("load_full_state_dict", strict=strict),
+                    "load_full_state_dict() into it")
+
+    def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None) -> None:
+        """Refused: it would write the policy's weights."""
+        view.refuse(self._below, Call.of("load", strict=strict, src_rank=src_rank), "load() into it")
+
+    def copy_to(self, target: Any, alpha: float = 1.0) -> None:
+        """``target = alpha*base + (1-alpha)*target``, into a model of the base architecture."""
+        sync.copy_to(self._below, copy_target(target), alpha, itself=view.ITSELF)
+
+
 def public(handle: Adapter | Handle) -> WrappedModel:
-    """What the public API hands out for ``handle``: a view as it is, an adapter wrapped."""
+    """What the public API hands out for ``handle``: a view's adapter in the view, any other wrapped."""
+    if isinstance(handle, view.AdaptersOff):
+        return cast(WrappedModel, AdapterDisabledView(handle))
     return cast(WrappedModel, Wrapped(handle) if isinstance(handle, Adapter) else handle)
 
 

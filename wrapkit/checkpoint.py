@@ -7,7 +7,6 @@ raises alike and none waits.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,7 +21,7 @@ from .state_dict import gather_state_dict
 if TYPE_CHECKING:
     from .adapters._base import Adapter
 
-__all__ = ["save", "read_checkpoint", "write_checkpoint"]
+__all__ = ["save", "read_checkpoint"]
 
 
 def save(wm: Adapter, path: str | os.PathLike[str]) -> None:
@@ -32,15 +31,8 @@ def save(wm: Adapter, path: str | os.PathLike[str]) -> None:
     fsyncs it and renames it over ``path``, so an interrupted save never leaves a
     partial file at ``path``. Returns on every rank once the file is in place.
     """
-    write_checkpoint(wm, path, lambda: gather_state_dict(wm, rank0_only=True))
-
-
-def write_checkpoint(group: Adapter, path: str | os.PathLike[str],
-                     state: Callable[[], dict[str, torch.Tensor]]) -> None:
-    """``save`` of the state dict that ``state()`` returns (collective over ``group``'s ranks;
-    full on its rank 0, ``{}`` elsewhere): checked, written and agreed on as ``save`` says."""
     path = os.fspath(path)
-    writer = group.rank == 0 and first_replica(group)  # one file writer, however many replicas
+    writer = wm.rank == 0 and first_replica(wm)  # one file writer, however many replicas
     problems: list[str] = []
     if writer:
         directory = os.path.dirname(os.path.abspath(path))
@@ -50,17 +42,17 @@ def write_checkpoint(group: Adapter, path: str | os.PathLike[str],
             example = os.path.join(path, "model.safetensors")
             problems.append(f"{path!r} is a directory; pass a file path such as {example!r}")
     # The path is not compared across ranks: only rank 0's is written to.
-    [agreed] = enter(Call.of("save"), group, flags=[bool(problems)], invalid=1)
-    raise_agreed(problems, f"save to {path!r}", "Pass the path of a file in an existing directory.", group,
+    [agreed] = enter(Call.of("save"), wm, flags=[bool(problems)], invalid=1)
+    raise_agreed(problems, f"save to {path!r}", "Pass the path of a file in an existing directory.", wm,
                  agreed=agreed)
-    sd = state()
+    sd = gather_state_dict(wm, rank0_only=True)
     error: BaseException | None = None
     if writer:
         try:
             write_file_atomic(sd, path)
         except Exception as exc:
             error = exc
-    if any_over_models(error is not None, group):
+    if any_over_models(error is not None, wm):
         cause = f"{type(error).__name__}: {error}" if error is not None else "see rank 0's error"
         raise StateDictError(
             f"rank 0 could not write {path!r} ({cause}); any earlier file there is untouched and the "

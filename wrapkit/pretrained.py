@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,12 +29,12 @@ from ._errors import ArgumentError, StateDictError, WrapkitError
 from ._memory import parse_size
 from .layers.peft import lora_fold_stream
 from .reading import INDEX_NAME
-from .state_dict import live_buffers, lora_fold_plan
+from .state_dict import lora_fold_plan
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
 
-__all__ = ["save_pretrained", "write_pretrained", "INDEX_NAME"]
+__all__ = ["save_pretrained", "INDEX_NAME"]
 
 _log = logging.getLogger(__name__.rpartition(".")[0] or __name__)
 
@@ -134,28 +134,20 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
         plan = lora_fold_plan(wm) if merge_adapters else None
     except WrapkitError as exc:  # reported after the entry, on every rank alike
         plan, refused = None, [str(exc)]
-    base_keys = plan is not None or wm.unwrap(keep_peft=True) is wm.unwrap(keep_peft=False)
+    # The names are the base model's (and its config files go along) when merged, or without PEFT.
+    base_keys = plan is not None or wm.merge_root() is None
 
     def entries() -> Iterator[tuple[str, torch.Tensor]]:
         # Parameters gathered one at a time, LoRA merged layer by layer with a plan; then buffers.
         yield from lora_fold_stream(plan, wm.gather_each())
-        yield from lora_fold_stream(plan, live_buffers(wm.unwrap()))
+        yield from lora_fold_stream(plan, wm.named_live(parameters=False))
 
-    write_pretrained(wm, directory, max_shard_size, entries, base_keys, merge_adapters, refused)
-
-
-def write_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_size: int | str,
-                     entries: Callable[[], Iterator[tuple[str, torch.Tensor]]], base_keys: bool,
-                     merge_adapters: bool = False, refused: list[str] | None = None) -> None:
-    """``save_pretrained`` of the (name, full tensor) stream that ``entries()`` gives, the same on every
-    rank of ``wm``'s group; ``base_keys``: the names are the base model's (its config files go along).
-    ``refused``: problems found before, reported with the others."""
     # Every rank cuts the stream into files the same way, so the size and the merge must match; the
     # directory need not (without shared storage, rank 0 writes everything).
     directory = os.path.abspath(os.fspath(directory))
     parent = os.path.dirname(directory)
     rank0 = wm.rank == 0 and first_replica(wm)
-    problems: list[str] = list(refused or [])
+    problems: list[str] = list(refused)
     limit, size_given = 1, max_shard_size
     try:
         limit = size_given = parse_size(max_shard_size, "max_shard_size")

@@ -26,7 +26,7 @@ from ._errors import StateDictError
 from ._imports import require
 from ._module_internals import init_weights, own_buffers
 from ._safetensors import SAFETENSORS_DTYPES, torch_dtype
-from .state_dict import check_entries, expected_shapes, live_buffers
+from .state_dict import check_entries, expected_shapes
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
@@ -203,7 +203,7 @@ def _fill(wm: Adapter, catalog: Catalog) -> None:
     for piece in wm.load_pieces():
         if piece.name in catalog.entries:
             piece.write(catalog.read(piece.name, piece.start, piece.numel))
-    for name, b in live_buffers(wm.unwrap()):
+    for name, b in wm.named_live(parameters=False):
         if name in catalog.entries:
             b.copy_(catalog.full(name).reshape(b.shape))
 
@@ -214,7 +214,7 @@ def _fill_broadcast(wm: Adapter, catalog: Catalog | None, entries: dict[str, tup
     pieces: dict[str, list[Any]] = {}
     for piece in wm.load_pieces():
         pieces.setdefault(piece.name, []).append(piece)
-    buffers = dict(live_buffers(wm.unwrap()))
+    buffers = dict(wm.named_live(parameters=False))
     params = wm.param_shapes()
     names = [n for n in entries if n in params or n in buffers]
     device = wm.device if wm.device.type != "meta" else torch.device("cpu")

@@ -28,14 +28,14 @@ from ._torch_ops import keep_torch_ops
 from .adapters import Adapter
 from .adapters._dtensor import local_tensor
 from .placement import to_eval_frozen
-from .view import AdapterDisabledView, view_possible
+from .view import AdaptersOff, view_possible
 from .wrapping import wrap_like
 
-__all__ = ["build_reference", "AdapterDisabledView"]
+__all__ = ["build_reference"]
 
 
 def build_reference(policy: Any, ref_model: Any = None, *,
-                    ds_config: dict[str, Any] | None = None) -> Adapter | AdapterDisabledView:
+                    ds_config: dict[str, Any] | None = None) -> Adapter:
     """The reference ``prepare_reference`` hands out (see its docstring there)."""
     pol = as_adapter(policy, "using it as the policy of another reference")
     misplaced = ds_config is not None and not pol.takes_ds_config
@@ -59,7 +59,7 @@ def build_reference(policy: Any, ref_model: Any = None, *,
             )
         return _torch_forward(to_eval_frozen(wrap_like(pol, ref, ds_config)))
     if view_possible(pol):
-        return AdapterDisabledView(pol)
+        return AdaptersOff(pol)
     return _torch_forward(to_eval_frozen(_fresh_copy(pol, ds_config)))
 
 

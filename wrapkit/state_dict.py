@@ -13,13 +13,13 @@ written (``_agree``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._agree import Call, enter, raise_agreed
-from ._module_internals import own_buffers, own_parameters
+from ._module_internals import live_entries
 from ._names import canonical_name
 from .full_parameters import gathered
 from .layers.peft import LoraFoldPlan, fold_plan, fold_state_dict
@@ -28,45 +28,16 @@ if TYPE_CHECKING:
     from .adapters._base import Adapter
 
 __all__ = ["full_state_dict", "gather_state_dict", "load_full_state_dict", "expected_shapes", "check_entries",
-           "write", "assign", "live_buffers", "Shape", "lora_fold_plan"]
+           "write", "assign", "Shape", "lora_fold_plan"]
 
 Shape = tuple[int, ...]
 
 
 # -- names, shapes and live tensors ----------------------------------------------------
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
-def _live_entries(
-    root: torch.nn.Module, *, parameters: bool = True, buffers: bool = True
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """(canonical name, tensor) for every key ``root.state_dict()`` has, in its order.
-
-    Parameters (tied ones under each of their names) and persistent buffers, module by
-    module; ``parameters`` / ``buffers`` select which.
-    """
-    for mod_name, mod in root.named_modules(remove_duplicate=False):
-        if parameters:
-            for name, p in own_parameters(mod):
-                yield canonical_name(_join(mod_name, name)), p
-        if buffers:
-            for name, b in own_buffers(mod, persistent=True):
-                yield canonical_name(_join(mod_name, name)), b
-
-
-def _live_parameters(root: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    return _live_entries(root, buffers=False)
-
-
-def live_buffers(root: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    return _live_entries(root, parameters=False)
-
-
 def expected_shapes(wm: Adapter) -> dict[str, Shape]:
     """Canonical name -> full shape of every state-dict entry, read without gathering anything."""
     out = wm.param_shapes()
-    out.update((name, tuple(b.shape)) for name, b in live_buffers(wm.unwrap()))
+    out.update((name, tuple(b.shape)) for name, b in wm.named_live(parameters=False))
     return out
 
 
@@ -126,14 +97,14 @@ def full_state_dict(wm: Adapter, rank0_only: bool = True, *, merge_adapters: boo
 
 
 def gather_state_dict(wm: Adapter, rank0_only: bool, merge_adapters: bool = False) -> dict[str, torch.Tensor]:
-    """``full_state_dict`` without the operation's entry, for operations that entered already."""
+    """The body of ``full_state_dict``, shared with ``save`` (which enters as itself)."""
     if merge_adapters:
         # Validate before any gather: an unsupported PEFT layer must fail on every rank alike.
         plan = lora_fold_plan(wm)
     keep = not rank0_only or wm.rank == 0
     out: dict[str, torch.Tensor] = {}
     # Tied parameters come once per name; they stay one tensor, as in state_dict().
-    owner = {name: id(p) for name, p in _live_parameters(wm.unwrap())}
+    owner = {name: id(p) for name, p in wm.named_live(buffers=False)}
     copies: dict[int, torch.Tensor] = {}
     with torch.no_grad():
         for name, full in wm.gather_each():
@@ -148,12 +119,12 @@ def gather_state_dict(wm: Adapter, rank0_only: bool, merge_adapters: bool = Fals
             if key is not None:
                 copies[key] = out[name]
         if keep:
-            for name, b in live_buffers(wm.unwrap()):
+            for name, b in wm.named_live(parameters=False):
                 out[name] = b.detach().to("cpu", copy=True).contiguous()
     if not keep:
         return out
     # Key order of the unwrapped model's own state_dict(): per module, its parameters then its buffers.
-    order = dict.fromkeys(name for name, _ in _live_entries(wm.unwrap()))
+    order = dict.fromkeys(name for name, _ in wm.named_live())
     out = {k: out[k] for k in order if k in out} | {k: v for k, v in out.items() if k not in order}
     if merge_adapters and plan is not None:
         out = fold_state_dict(out, plan)
@@ -164,10 +135,8 @@ def gather_state_dict(wm: Adapter, rank0_only: bool, merge_adapters: bool = Fals
 def lora_fold_plan(wm: Adapter) -> LoraFoldPlan | None:
     """What merging ``wm``'s LoRA adapters needs (None without PEFT); ``UnsupportedModelError``,
     raised alike on every rank, for layers that cannot be merged."""
-    peft_root = wm.unwrap(keep_peft=True)
-    if peft_root is wm.unwrap(keep_peft=False):
-        return None  # no PEFT layer: nothing to merge
-    return fold_plan(peft_root)
+    peft_root = wm.merge_root()
+    return None if peft_root is None else fold_plan(peft_root)
 
 
 # -- writing ---------------------------------------------------------------------------
@@ -182,8 +151,7 @@ def assign(dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
 
 
 def _write_into(root: torch.nn.Module, values: Iterable[tuple[str, torch.Tensor]], alpha: float) -> None:
-    live: dict[str, torch.Tensor] = dict(_live_parameters(root))
-    live.update(live_buffers(root))
+    live: dict[str, torch.Tensor] = dict(live_entries(root))
     done: set[int] = set()
     with torch.no_grad():
         for name, value in values:

@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from ._agree import Call, enter
 from ._errors import ArgumentError, WrapkitError
-from ._names import canonical_name
 from .layers.peft import LoraFoldPlan, lora_fold_stream, lora_layer_keys
 from .state_dict import lora_fold_plan
 
@@ -37,7 +36,6 @@ DEFAULT_BUCKET_BYTES = 512 * 2**20
 # Every tensor starts on a 64-byte boundary of the bucket: any dtype can be viewed there, and
 # device copies out of it are aligned.
 _ALIGN = 64
-Rename = Callable[[str], "str | None"]
 
 
 class BucketEntry(NamedTuple):
@@ -104,9 +102,9 @@ def _problem(bucket_bytes: object, dtype: object, merge_adapters: object, keep_d
 
 def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None,
                            merge_adapters: bool = False, *, keep_dtype: Callable[[str], bool] | None = None,
-                           dst_rank: int | None = None, rename: Rename | None = None) -> Iterator[Bucket]:
-    """Buckets of the full parameters; see ``WrappedModel.stream_full_parameters``. ``rename`` maps
-    each (merged) name to the one streamed, or None to leave the tensor out (the PEFT view's)."""
+                           dst_rank: int | None = None) -> Iterator[Bucket]:
+    """Buckets of the full parameters; see ``WrappedModel.stream_full_parameters``. A parameter that
+    ``named_live`` does not name (the PEFT view's adapters) is gathered with its unit and left out."""
     problem = _problem(bucket_bytes, dtype, merge_adapters, keep_dtype, dst_rank)
     plan, refused = None, None
     if problem is None and merge_adapters:
@@ -127,31 +125,24 @@ def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     mine = dst_rank is None or dst_rank == me
 
     def out_name(name: str) -> str | None:
-        new: str | None = plan.rename(name) if plan is not None else name
-        return rename(new) if rename is not None and new is not None else new
+        return plan.rename(name) if plan is not None else name
 
     def out_dtype(name: str, own: torch.dtype) -> torch.dtype:
         if dtype is None or not own.is_floating_point or (keep_dtype is not None and keep_dtype(name)):
             return own
         return dtype
 
-    def outputs(values: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, value in lora_fold_stream(plan, values):
-            new = rename(name) if rename is not None else name
-            if new is not None:
-                yield new, value
-
     units = wm.gather_units()
     if units is None:
-        yield from _from_each(wm, bucket_bytes, outputs(wm.gather_each()), out_dtype, mine)
+        yield from _from_each(wm, bucket_bytes, lora_fold_stream(plan, wm.gather_each()), out_dtype, mine)
         return
     names: dict[int, list[str]] = {}
-    for n, p in wm.unwrap().named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(canonical_name(n))
+    for n, p in wm.named_live(buffers=False):
+        names.setdefault(id(p), []).append(n)
     shapes = wm.full_shapes()
     for bucket in _plan(units, names, shapes, plan, bucket_bytes, out_name, out_dtype):
         items = [(new, shapes.get(id(p), tuple(p.shape)), out_dtype(new, p.dtype), id(p))
-                 for p in bucket for n in names[id(p)] if (new := out_name(n)) is not None]
+                 for p in bucket for n in names.get(id(p), ()) if (new := out_name(n)) is not None]
         entries, total = _layout(items)
         values = wm.gather_many(bucket)
         if not mine:
@@ -162,7 +153,7 @@ def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES
         slots = {e.name: e for e in entries}
         filled: set[int] = set()
         with torch.no_grad():
-            for name, value in outputs((n, full) for p, full in values for n in names[id(p)]):
+            for name, value in lora_fold_stream(plan, ((n, full) for p, full in values for n in names.get(id(p), ()))):
                 e = slots[name]
                 if e.offset not in filled:
                     _view(flat, e).copy_(value)

@@ -12,7 +12,7 @@ A shard-to-shard pairing, once validated, is cached against a fingerprint of bot
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,12 +20,12 @@ import torch
 from ._agree import Call, checking, enter, raise_agreed
 from ._errors import ArgumentError
 from ._module_internals import lerp_all_
-from .state_dict import Shape, assign, check_entries, expected_shapes, live_buffers, write
+from .state_dict import Shape, assign, check_entries, expected_shapes, write
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
 
-__all__ = ["copy_to", "copy_stream_to", "source_stream"]
+__all__ = ["copy_to"]
 
 
 def _alpha_problem(alpha: object) -> str | None:
@@ -49,15 +49,19 @@ _COPY_FIX = ("copy_to matches weights by canonical name: source and target must 
              "with the same PEFT layers.")
 
 
-def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
+_ITSELF = "the target is the source model itself; pass another model (e.g. the reference)"
+
+
+def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0, *, itself: str = _ITSELF) -> None:
     """``target = alpha * source + (1 - alpha) * target`` for every parameter and persistent buffer.
 
     Matched by canonical name; any backend to any backend. Integer buffers are copied.
-    ``requires_grad`` and training flags of the target are not touched.
+    ``requires_grad`` and training flags of the target are not touched. ``itself``: the refusal
+    when the target is the source's own model.
     """
     same = target is source or target.module is source.module
     bad_alpha = _alpha_problem(alpha)
-    problems = ["the target is the source model itself; pass another model (e.g. the reference)"] if same else []
+    problems = [itself] if same else []
     cached = None if problems or bad_alpha else _cached_pairs(source, target)
     if cached is not None:
         # The pairing validated by an earlier call still holds on this rank: no names, shapes or
@@ -72,7 +76,7 @@ def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
         raise_agreed([], f"copy_to from {' > '.join(source.stack)} to {' > '.join(target.stack)}", _COPY_FIX,
                      source, target, agreed=any_problem)
         if any_slow:
-            write(target, source_stream(source), float(alpha))
+            write(target, _source_stream(source), float(alpha))
             return
         _copy_pairs(cached, float(alpha), target)
         return
@@ -84,8 +88,8 @@ def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
             src: dict[str, Shape | None] = dict(expected_shapes(source))
             problems = check_entries(src, expected_shapes(target), True, ("the source", "the target"))
         else:
-            src_buffers = dict(live_buffers(source.unwrap()))
-            tgt_buffers = dict(live_buffers(target.unwrap()))
+            src_buffers = dict(source.named_live(parameters=False))
+            tgt_buffers = dict(target.named_live(parameters=False))
             problems = check_entries({n: tuple(b.shape) for n, b in src_buffers.items()},
                               {n: tuple(b.shape) for n, b in tgt_buffers.items()}, True, ("the source", "the target"))
             pairs += [(tgt_buffers[n], b) for n, b in src_buffers.items() if n in tgt_buffers]
@@ -103,7 +107,7 @@ def copy_to(source: Adapter, target: Adapter, alpha: float = 1.0) -> None:
         _copy_pairs(pairs, float(alpha), target)
         _remember(source, target, pairs)
         return
-    write(target, source_stream(source), float(alpha))
+    write(target, _source_stream(source), float(alpha))
 
 
 def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], alpha: float, target: Adapter) -> None:
@@ -160,24 +164,6 @@ def _remember(source: Adapter, target: Adapter, pairs: list[tuple[torch.Tensor, 
     mine[tid] = (weakref.ref(target.module, forget), key, pairs)
 
 
-def copy_stream_to(group: Adapter, source: str, shapes: Mapping[str, Shape], stream: Iterable[tuple[str, torch.Tensor]],
-                   target: Adapter, alpha: float = 1.0, same: str | None = None) -> None:
-    """``copy_to`` from a source that is not an adapter of its own (a view over ``group``'s
-    model): ``shapes`` are its full shapes by name, ``stream`` its full tensors, gathered
-    lazily. ``same``: set when the target is the model the source is a view of."""
-    bad_alpha = _alpha_problem(alpha)
-    problems = [same] if same is not None else []
-    if not problems and not bad_alpha:
-        problems = check_entries(dict(shapes), expected_shapes(target), True, ("the source", "the target"))
-    agreed, any_bad = enter(_copy_call(target, alpha), group, target,
-                            flags=[bool(problems) or bad_alpha is not None, bad_alpha is not None], invalid=1)
-    if any_bad:
-        _raise_bad_alpha(bad_alpha)
-    raise_agreed(problems, f"copy_to from {source} to {' > '.join(target.stack)}", _COPY_FIX, group, target,
-                 agreed=agreed)
-    write(target, stream, float(alpha))
-
-
 def _shard_pairs(source: Adapter, target: Adapter) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
     """(target shard, source shard) for every parameter when both models hold the same slice of
     each parameter on this rank (ZeRO-3 to ZeRO-3, FSDP2 to FSDP2 over the same ranks): a sync is
@@ -194,8 +180,8 @@ def _shard_pairs(source: Adapter, target: Adapter) -> list[tuple[torch.Tensor, t
     return pairs
 
 
-def source_stream(source: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
+def _source_stream(source: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
     yield from source.gather_each()
-    yield from live_buffers(source.unwrap())
+    yield from source.named_live(parameters=False)
 
 

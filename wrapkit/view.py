@@ -1,117 +1,140 @@
 """The reference a PEFT policy already contains: the policy with its adapters off.
 
 ``prepare_reference(policy, None)`` on a PEFT policy whose only trainable weights are its
-adapters returns an ``AdapterDisabledView``. It is composed over the policy's adapter and
-owns no parameters: every operation is the policy's own, run with every adapter disabled
-(``adapters_off``), and everything it reports is named as the base model names it (no
-``base_layer``, no LoRA keys). What would write the policy's weights or move them
-(``load``, ``copy_to`` into the view, ``place`` elsewhere) is refused with
+adapters returns a view: ``AdaptersOff``, a decorator over the policy's adapter, inside the
+public ``AdapterDisabledView``. It owns no parameters. Its primitives are the policy's, renamed
+to the base model's names (no ``base_layer``, no LoRA keys; the adapters' own parameters are
+gathered with their units and left unnamed) and run with every adapter disabled
+(``adapters_off``), so every read operation (gathering, generation, export, ``copy_to`` from it)
+is the one ``Wrapped`` runs for any model. What would write the policy's weights or move them
+(``load``, ``copy_to`` into the view, ``place`` elsewhere, ``sleep``) is refused with
 ``ReferenceModelError``: those belong to the policy, or to a reference of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
+import inspect
 import math
-import os
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar, NoReturn
 
 import torch
 
-from . import _args
-from ._agree import Call, check_modifier_rank, enter
+from ._agree import Call, enter
 from ._errors import PlacementError, ReferenceModelError, WrapkitError
 from ._gather import restore_modes, set_modes
-from ._protocol import Handle
-from ._registry import copy_target
 from .adapters import Adapter
-from .checkpoint import write_checkpoint
-from .full_parameters import gathered, generation, named_full_parameters
 from .layers.peft import adapters_off, base_key_map, merged_layers
 from .placement import resolve_device
-from .pretrained import write_pretrained
-from .sleeping import SleepReport
-from .state_dict import expected_shapes, gather_state_dict, live_buffers
-from .streaming import DEFAULT_BUCKET_BYTES, Bucket, stream_full_parameters
-from .sync import copy_stream_to, source_stream
 
-__all__ = ["AdapterDisabledView", "view_possible"]
+__all__ = ["AdaptersOff", "ViewModule", "view_possible", "verify_place", "refuse", "refusal", "ITSELF"]
 
 _OWN_REFERENCE = "prepare_reference(policy, ref_model) for a reference with weights of its own"
+ITSELF = f"the target is the policy this reference is a view of; use {_OWN_REFERENCE}"
 
 
-class AdapterDisabledView(Handle):
-    """A PEFT policy seen with its adapters off: the frozen base model, at no memory cost.
+class AdaptersOff(Adapter):
+    """The policy's adapter seen with its adapters off: the frozen base model's primitives.
 
-    Forward, ``gathered()``, ``generation()``, ``named_full_parameters()``,
-    ``full_state_dict()``, ``save()`` and ``copy_to()`` run the policy's own operation with
-    every adapter disabled, set eval mode and no autograd where they run the model, and
-    restore the policy's modes, adapters and ``requires_grad`` flags on exit. Names are
-    the base model's."""
+    Names come from the base model (``base_key_map``); gathering and per-unit gathering run with
+    every adapter disabled; nothing is sharded shard-to-shard (``local_shards`` is None), so a
+    ``copy_to`` from it streams renamed full values. Every other public member is the policy's
+    own, forwarded (below the class), so no unsharded default of ``Adapter`` is ever taken for
+    the policy's; what would write or move the policy's weights raises ``ReferenceModelError``."""
 
     name: ClassVar[str] = "adapters-off"
 
-    def __init__(self, policy: Adapter) -> None:
-        self._policy = policy
-        self._below = policy
-        self._view_module = _ViewModule(policy)
+    def __init__(self, policy: Adapter) -> None:  # nothing of its own to detect or check
+        self.policy = policy
 
-    def _as_adapter(self, purpose: str) -> Adapter:
-        raise _refusal(purpose)
-
-    # -- identity ------------------------------------------------------------------
     def __repr__(self) -> str:
-        return f"<{type(self).__name__} of {self._policy!r}>"
+        return f"<{type(self).__name__} of {self.policy!r}>"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, AdapterDisabledView) and other._policy == self._policy
+        return isinstance(other, AdaptersOff) and other.policy == self.policy
 
     def __hash__(self) -> int:
-        return hash((type(self), self._policy))
+        return hash((type(self), self.policy))
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._view_module(*args, **kwargs)
-
-    # -- read-only protocol: the policy's, as a frozen base model -------------------
     @property
     def stack(self) -> tuple[str, ...]:
-        return (self.name, *self._policy.stack)
+        return (self.name, *self.policy.stack)
 
-    @property
-    def module(self) -> torch.nn.Module:
-        return self._view_module
+    # -- names: the base model's -------------------------------------------------------------
+    def _rename(self) -> Callable[[str], str | None]:
+        # Built per call: cheap (one walk of the modules) and never stale if adapters change.
+        check_unmerged(self.policy)
+        return base_key_map(self.policy.unwrap(keep_peft=True))
 
-    def unwrap(self, keep_peft: bool = True, keep_compile: bool = False) -> torch.nn.Module:
-        """The policy's module (the adapters are off only inside this view's calls)."""
-        return self._policy.unwrap(_args.flag(keep_peft, "keep_peft", "unwrap"),
-                                   _args.flag(keep_compile, "keep_compile", "unwrap"))
+    def named_live(self, parameters: bool = True, buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        rename = self._rename()
+        for name, t in self.policy.named_live(parameters, buffers):
+            if (new := rename(name)) is not None:
+                yield new, t
 
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        rename = self._rename()
+        return {new: s for name, s in self.policy.param_shapes().items() if (new := rename(name)) is not None}
+
+    def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
+        rename = self._rename()
+        for name, t in self.policy.gather_each():
+            if (new := rename(name)) is not None:
+                yield new, t
+
+    def merge_root(self) -> torch.nn.Module | None:
+        return None  # the adapters are off: there is nothing to merge
+
+    def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
+        return None  # the policy's shards carry the policy's names: a copy from the view streams
+
+    def layout_tensors(self) -> list[torch.Tensor] | None:
+        return None
+
+    # -- gathering, with the adapters off --------------------------------------------------
+    @contextlib.contextmanager
+    def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
+        check_unmerged(self.policy)
+        if modifier_rank is not None:  # agreed on by the caller: refused on every rank alike
+            raise ReferenceModelError(
+                f"gathered(modifier_rank={modifier_rank}) on a view would write the policy's base weights; "
+                f"gather the policy to change them, or use {_OWN_REFERENCE}."
+            )
+        with self.policy.gather_full(None) as replace, adapters_off(self.policy.unwrap(keep_peft=True)):
+            yield replace
+
+    @contextlib.contextmanager
+    def gather_layerwise(self) -> Iterator[None]:
+        check_unmerged(self.policy)
+        with self.policy.gather_layerwise(), adapters_off(self.policy.unwrap(keep_peft=True)):
+            yield
+
+    # -- counts and summary ----------------------------------------------------------------
     def num_parameters(self, trainable_only: bool = False) -> int:
         """The base model's global count; nothing is trainable through a view."""
-        if _args.flag(trainable_only, "trainable_only", "num_parameters"):
+        if trainable_only:
             return 0
         # The policy's count less its adapters' (which are never tied, so counted once each).
         rename = self._rename()
-        adapters = sum(math.prod(shape) for name, shape in self._policy.param_shapes().items()
+        adapters = sum(math.prod(shape) for name, shape in self.policy.param_shapes().items()
                        if rename(name) is None)
-        return self._policy.num_parameters() - adapters
+        return self.policy.num_parameters() - adapters
 
     def resident_parameter_bytes(self) -> int:
         """0: the weights belong to the policy and are counted there."""
         return 0
 
     def describe(self) -> str:
-        p = self._policy
+        p = self.policy
         peft: Any = p.unwrap(keep_peft=True)
         lines = [
             "view:         the policy with its adapters off; owns no parameters",
             f"backend:      {p.backend}" + (f" (ZeRO stage {p.zero_stage})" if p.zero_stage is not None else ""),
             f"stack:        {' > '.join(self.stack)}",
-            f"device:       {self.device}",
-            f"group:        rank {self.rank} of {self.world_size}",
-            f"sharded:      {'yes' if self.is_sharded else 'no'}",
+            f"device:       {p.device}",
+            f"group:        rank {p.rank} of {p.world_size}",
+            f"sharded:      {'yes' if p.is_sharded else 'no'}",
             f"parameters:   {self.num_parameters():,} (0 trainable), the base model's",
             f"adapters:     {', '.join(map(str, getattr(peft, 'peft_config', {}))) or '-'} (off in every call)",
             "mode:         eval and no autograd in every call; the policy's modes are left as they are",
@@ -119,147 +142,77 @@ class AdapterDisabledView(Handle):
         ]
         return "\n".join(lines)
 
-    # -- placement: the policy's ------------------------------------------------------
-    def place(self, device: torch.device | str | int | None = None) -> AdapterDisabledView:
-        """Verify that the policy's weights are on ``device`` (default: where the policy computes).
-        A view cannot move them: ``ReferenceModelError`` if they are elsewhere."""
-        return self._verify_place(device, "place")
-
-    def sleep(self, optimizer: Any = None, level: int = 1) -> SleepReport:
-        """Refused: the view owns no weights; ``sleep()`` the policy."""
-        enter(Call.of("sleep", level=level), self._policy)
-        raise _refusal("sleep()")
-
-    def wake(self) -> AdapterDisabledView:
-        """Refused: the view owns no weights; ``wake()`` the policy."""
-        enter(Call.of("wake"), self._policy)
-        raise _refusal("wake()")
-
-    def _verify_place(self, device: torch.device | str | int | None, op: str) -> AdapterDisabledView:
-        problem: str | None = None
-        try:
-            target = self._policy.device if device is None else resolve_device(device)
-        except WrapkitError as exc:
-            problem, target = str(exc), self._policy.device
-        off = [] if problem else [name for name, t in self._policy.placement_tensors() if t.device != target]
-        bad, elsewhere = enter(Call.of(op), self._policy,
-                               flags=[problem is not None, bool(off)], invalid=1)
-        if bad:
-            raise PlacementError(problem or f"place({device!r}) names a device another rank cannot use; see its error")
-        if elsewhere:
-            raise ReferenceModelError(
-                f"this reference is a view of the policy's weights, which are not all on {target} "
-                f"({', '.join(off[:4]) or 'on another rank'}); a view cannot move them. Place the policy, or use "
-                f"{_OWN_REFERENCE}."
-            )
-        return self
-
-    def to_eval_frozen(self) -> AdapterDisabledView:
-        """The view itself: every call through it already runs frozen, in eval mode."""
-        return self._verify_place(None, "to_eval_frozen")
-
-    # -- full parameters ----------------------------------------------------------------
-    @contextlib.contextmanager
-    def gathered(self, modifier_rank: int | None = None) -> Iterator[torch.nn.Module]:
-        """The policy's ``gathered()`` with the adapters off. Read-only: a ``modifier_rank``
-        would write the policy's base weights and is refused (on every rank alike)."""
-        p = self._policy
-        _check_unmerged(p)
-        check_modifier_rank("gathered", modifier_rank, p)  # agreed before refusing
-        if modifier_rank is not None:
-            raise ReferenceModelError(
-                f"gathered(modifier_rank={modifier_rank}) on a view would write the policy's base weights; "
-                f"gather the policy to change them, or use {_OWN_REFERENCE}."
-            )
-        with gathered(p) as inner, adapters_off(p.unwrap(keep_peft=True)):
-            yield inner
-
-    @contextlib.contextmanager
-    def generation(self, gather: str = "auto") -> Iterator[torch.nn.Module]:
-        """The policy's ``generation(gather)`` with the adapters off: the base model generates, and
-        the policy's modes, checkpointing, adapters and ``requires_grad`` flags come back on exit."""
-        p = self._policy
-        _check_unmerged(p)
-        with generation(p, gather) as inner, adapters_off(p.unwrap(keep_peft=True)):
-            yield inner
-
-    def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The base model's parameters under its own names (the adapters' are gathered and skipped)."""
-        rename = self._rename()
-        for name, t in named_full_parameters(self._policy):
-            new = rename(name)
-            if new is not None:
-                yield new, t
-
-    def stream_full_parameters(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None,
-                               merge_adapters: bool = False, *, keep_dtype: Callable[[str], bool] | None = None,
-                               dst_rank: int | None = None) -> Iterator[Bucket]:
-        """The base model's parameters in buckets, under its own names (the adapters' are gathered and
-        left out). ``merge_adapters`` changes nothing: the adapters are off."""
-        _args.flag(merge_adapters, "merge_adapters", "stream_full_parameters")
-        return stream_full_parameters(self._policy, bucket_bytes, dtype, False, keep_dtype=keep_dtype,
-                                      dst_rank=dst_rank, rename=self._rename())
-
-    # -- weights out (and refused in) ----------------------------------------------------
-    def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:
-        """The base model's state dict. ``merge_adapters`` changes nothing: the adapters are off."""
-        _args.flag(merge_adapters, "merge_adapters", "full_state_dict")
-        _args.flag(rank0_only, "rank0_only", "full_state_dict")
-        enter(Call.of("full_state_dict", rank0_only=rank0_only, merge_adapters=merge_adapters), self._policy)
-        return self._base_state(rank0_only)
-
-    def _base_state(self, rank0_only: bool) -> dict[str, torch.Tensor]:
-        rename = self._rename()
-        out: dict[str, torch.Tensor] = {}
-        for name, t in gather_state_dict(self._policy, rank0_only).items():
-            new = rename(name)
-            if new is not None:
-                out[new] = t
-        return out
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """The base model's weights in one safetensors file, written atomically by rank 0."""
-        write_checkpoint(self._policy, _args.path(path, "path", "save"), lambda: self._base_state(rank0_only=True))
-
-    def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
-                        merge_adapters: bool = False) -> None:
-        """The base model's weights as a Hugging Face layout checkpoint (``from_pretrained`` of the
-        base class loads it). ``merge_adapters`` changes nothing: the adapters are off."""
-        rename = self._rename()
-
-        def entries() -> Iterator[tuple[str, torch.Tensor]]:
-            for name, t in itertools.chain(self._policy.gather_each(), live_buffers(self._policy.unwrap())):
-                if (new := rename(name)) is not None:
-                    yield new, t
-
-        write_pretrained(self._policy, _args.path(directory, "directory", "save_pretrained"), max_shard_size, entries,
-                         True, _args.flag(merge_adapters, "merge_adapters", "save_pretrained"))
-
-    def copy_to(self, target: Any, alpha: float = 1.0) -> None:
-        """``target = alpha*base + (1-alpha)*target``, into a model of the base architecture."""
-        tgt = copy_target(target)
-        rename = self._rename()
-        shapes = {new: s for n, s in expected_shapes(self._policy).items() if (new := rename(n)) is not None}
-        stream = ((new, t) for n, t in source_stream(self._policy) if (new := rename(n)) is not None)
-        same = (f"the target is the policy this reference is a view of; use {_OWN_REFERENCE}"
-                if tgt.module is self._policy.module else None)
-        copy_stream_to(self._policy, " > ".join(self.stack), shapes, stream, tgt, alpha, same)
-
-    def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        enter(Call.of("load_full_state_dict", strict=strict), self._policy)  # refused together
-        raise _refusal("load_full_state_dict() into it")
-
-    def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None) -> None:
-        enter(Call.of("load", strict=strict, src_rank=src_rank), self._policy)
-        raise _refusal("load() into it")
-
-    def _rename(self) -> Callable[[str], str | None]:
-        # Built per call: cheap (one walk of the modules) and never stale if adapters change.
-        _check_unmerged(self._policy)
-        return base_key_map(self._policy.unwrap(keep_peft=True))
+    def sleep_refusal(self) -> str | None:
+        return "the view owns no weights; sleep() the policy"
 
 
-def _check_unmerged(policy: Adapter) -> None:
+# What would write, move or copy the policy's weights: never reached through the public view
+# (which refuses first, on every rank), and loud if an operation ever reaches for it.
+_REFUSED = ("load_pieces", "pieces_written", "shards_written", "masters_written", "weights_written", "move",
+            "frozen_parameters", "offload_states", "bare_frozen", "wrap_like", "fresh_copy", "frozen_form")
+
+
+def _refused(name: str) -> Callable[..., NoReturn]:
+    def method(self: AdaptersOff, *args: Any, **kwargs: Any) -> NoReturn:
+        raise refusal(f"{name}()")
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+def _forwarded(name: str, member: Any) -> Any:
+    if isinstance(member, property) or not callable(member):
+        return property(lambda self: getattr(self.policy, name), doc=f"The policy's ``{name}``.")
+
+    def method(self: AdaptersOff, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.policy, name)(*args, **kwargs)
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"The policy's ``{name}``."
+    return method
+
+
+for _name in dir(Adapter):
+    _member = inspect.getattr_static(Adapter, _name)
+    if _name.startswith("_") or _name in vars(AdaptersOff) or isinstance(_member, classmethod):
+        continue
+    setattr(AdaptersOff, _name, _refused(_name) if _name in _REFUSED else _forwarded(_name, _member))
+
+
+# -- the public view's own calls (``AdapterDisabledView`` in ``_wrapped.py``) ------------------
+def verify_place(view: AdaptersOff, device: torch.device | str | int | None, op: str) -> None:
+    """Verify that the policy's weights are on ``device`` (default: where the policy computes);
+    a view cannot move them: ``ReferenceModelError`` where they are elsewhere."""
+    policy = view.policy
+    problem: str | None = None
+    try:
+        target = policy.device if device is None else resolve_device(device)
+    except WrapkitError as exc:
+        problem, target = str(exc), policy.device
+    off = [] if problem else [name for name, t in policy.placement_tensors() if t.device != target]
+    bad, elsewhere = enter(Call.of(op), policy, flags=[problem is not None, bool(off)], invalid=1)
+    if bad:
+        raise PlacementError(problem or f"{op}({device!r}) names a device another rank cannot use; see its error")
+    if elsewhere:
+        raise ReferenceModelError(
+            f"this reference is a view of the policy's weights, which are not all on {target} "
+            f"({', '.join(off[:4]) or 'on another rank'}); a view cannot move them. Place the policy, or use "
+            f"{_OWN_REFERENCE}."
+        )
+
+
+def refuse(view: AdaptersOff, call: Call, purpose: str) -> NoReturn:
+    """Refuse ``purpose`` on every rank alike, after the call's entry (so a mismatch is still named)."""
+    enter(call, view.policy)
+    raise refusal(purpose)
+
+
+def refusal(purpose: str) -> ReferenceModelError:
+    return ReferenceModelError(
+        f"this reference is the policy itself with its adapters switched off, so {purpose} would act on the "
+        f"policy's weights; act on the policy, or use {_OWN_REFERENCE}."
+    )
+
+
+def check_unmerged(policy: Adapter) -> None:
     """Refuse a policy whose adapters are merged into its weights (the same on every rank)."""
     merged = merged_layers(policy.unwrap(keep_peft=True))
     if merged:
@@ -270,16 +223,9 @@ def _check_unmerged(policy: Adapter) -> None:
         )
 
 
-def _refusal(purpose: str) -> ReferenceModelError:
-    return ReferenceModelError(
-        f"this reference is the policy itself with its adapters switched off, so {purpose} would act on the "
-        f"policy's weights; act on the policy, or use {_OWN_REFERENCE}."
-    )
-
-
-class _ViewModule(torch.nn.Module):
-    """The callable behind ``AdapterDisabledView.module``. The policy is held, not registered,
-    so that nothing walking this module's parameters can freeze or move the policy."""
+class ViewModule(torch.nn.Module):
+    """The callable behind the view's ``module``. The policy is held, not registered, so that
+    nothing walking this module's parameters can freeze or move the policy."""
 
     def __init__(self, policy: Adapter) -> None:
         super().__init__()
@@ -293,7 +239,7 @@ class _ViewModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         policy: Adapter = self.__dict__["_policy"]
-        _check_unmerged(policy)
+        check_unmerged(policy)
         modes = set_modes(policy.module, False)
         try:
             with adapters_off(policy.unwrap(keep_peft=True)), torch.no_grad():
@@ -316,4 +262,3 @@ def view_possible(pol: Adapter) -> bool:
         if p.requires_grad and not any(n in parts for n in names):
             return False
     return True
-

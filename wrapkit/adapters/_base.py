@@ -25,6 +25,7 @@ from .._errors import (
 )
 from .._gather import Bypass, broadcast_
 from .._imports import lookup
+from .._module_internals import live_entries
 from .._names import canonical_name, model_class_name
 from ._dtensor import local_tensor
 from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives, Piece, copy_into
@@ -229,6 +230,15 @@ class Adapter:
             canonical_name(name): full.get(id(p), tuple(p.shape))
             for name, p in self.unwrap().named_parameters(remove_duplicate=False)
         }
+
+    def named_live(self, parameters: bool = True, buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """(canonical name, this rank's live tensor) for every key of ``unwrap().state_dict()``, in its order."""
+        return live_entries(self.unwrap(), parameters=parameters, buffers=buffers)
+
+    def merge_root(self) -> torch.nn.Module | None:
+        """The PEFT model whose LoRA layers ``merge_adapters`` folds in, or None without one."""
+        peft = self.unwrap(keep_peft=True)
+        return None if peft is self.unwrap(keep_peft=False) else peft
 
     def weights_written(self) -> None:
         """Called after weights were written in place (load, copy_to): refresh any private copies."""

@@ -94,6 +94,16 @@ class BackendPrimitives(Protocol):
         """Canonical name -> full shape of every parameter (tied ones under each name); nothing gathered."""
         ...
 
+    def named_live(self, parameters: bool = True, buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        """(canonical name, this rank's live tensor) for every key of ``unwrap().state_dict()``, in its order:
+        per module its parameters (tied ones under each name, shards where sharded), then its persistent
+        buffers; ``parameters`` / ``buffers`` select which. The names every operation uses."""
+        ...
+
+    def merge_root(self) -> torch.nn.Module | None:
+        """The PEFT model whose LoRA layers ``merge_adapters`` folds in, or None without one."""
+        ...
+
     def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
         """Canonical name -> (this rank's shard, a layout key); None without one shard per parameter."""
         ...
