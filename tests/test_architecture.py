@@ -176,3 +176,39 @@ def backend_knowledge() -> list[str]:
 def test_operations_hold_no_backend_knowledge() -> None:
     found = backend_knowledge()
     assert not found, "backend knowledge outside adapters/ (give the adapters a primitive for it):\n" + "\n".join(found)
+
+
+# Walks that name a model's tensors. Operations get names from the primitives instead (``named_live``,
+# ``gather_each``, ``param_shapes``), which the PEFT view renames to the base model's.
+NAME_WALKS = {"named_parameters", "named_buffers", "state_dict", "live_entries", "named_modules"}
+
+
+def names_from_unwrap() -> list[str]:
+    """Calls in the operation modules that walk ``something.unwrap()`` for names."""
+    operations = LAYERS[[name for name, _ in LAYERS].index("operations")][1] - {"view"}
+
+    def is_unwrap(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "unwrap")
+
+    found = []
+    for path in sorted(PACKAGE.glob("*.py")):
+        if _module_name(path) not in operations:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            func = node.func
+            walk = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if walk not in NAME_WALKS:
+                continue
+            on = [func.value] if isinstance(func, ast.Attribute) else []
+            if any(is_unwrap(n) for n in on + list(node.args)):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_operations_take_names_from_primitives() -> None:
+    found = names_from_unwrap()
+    assert not found, "operations naming tensors by walking unwrap() (use the named_live primitive):\n" + "\n".join(
+        found)

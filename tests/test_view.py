@@ -55,3 +55,17 @@ def test_view_of_a_merged_policy_is_refused() -> None:
         assert "unmerge_adapter()" in msg
     assert obs["unchanged"], "the refused calls unmerged the policy's weights"
     assert obs["works_again"]
+
+
+def test_view_adapter_takes_nothing_from_the_unsharded_defaults() -> None:
+    """Every public member of ``Adapter`` is the view's own, forwarded to the policy or refused: none
+    is the base class's unsharded default, which would be a silent wrong answer over a sharded policy."""
+    import inspect
+
+    from wrapkit.adapters import Adapter
+    from wrapkit.view import AdaptersOff
+
+    inherited = [name for name in dir(Adapter) if not name.startswith("_")
+                 and not isinstance(inspect.getattr_static(Adapter, name), classmethod)
+                 and name not in vars(AdaptersOff)]
+    assert inherited == []
