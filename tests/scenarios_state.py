@@ -17,6 +17,8 @@ from wrapkit.cli._models import build, tiny_llama
 
 TOKENS = torch.arange(16).reshape(2, 8) % 128
 MATRIX = ("plain", "ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3")
+# What ``matrix`` observes of each backend's own export (beside the pairs).
+EXPORT_FACTS = ("fsd_equal", "rank0_only_empty", "rank_of", "file_equal", "plain_loads_file", "forward")
 
 
 def _plain_sd(seed: int) -> dict[str, torch.Tensor]:
@@ -50,27 +52,31 @@ def _flags(wm: Any) -> tuple[list[bool], list[bool]]:
 
 
 # -- the save x load matrix --------------------------------------------------------------
-def matrix(tmpdir: str, device: str = "cpu", backends: tuple[str, ...] = MATRIX) -> dict[str, Any]:
-    """Save on each backend, load on each: 49 pairs (for MATRIX) compared bitwise.
+def matrix(tmpdir: str, device: str = "cpu", pairs: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+    """Save on each backend, load on each: ``(source, target)`` pairs (all 49 of MATRIX by default)
+    compared bitwise.
 
-    Backend ``b`` is built once from seed ``i + 1`` (its index), so every file holds
-    different weights; a target loads the files starting with the next backend's, so
-    every load changes every weight.
+    Backend ``b`` is built once from seed ``MATRIX.index(b) + 1``, so every file holds different
+    weights; a target loads its sources starting with the next backend's and its own file last,
+    so every load changes every weight, and the forward after its own file checks the shards that
+    forward really uses.
     """
     import torch.distributed as dist
 
+    pairs = [(s, t) for t in MATRIX for s in MATRIX] if pairs is None else pairs
+    backends = [b for b in MATRIX if any(b in pair for pair in pairs)]
     dev = _dev(device)
-    seeds = {b: i + 1 for i, b in enumerate(backends)}
+    seeds = {b: MATRIX.index(b) + 1 for b in backends}
     wms = {b: wrapkit.adapt(build(b, seed=seeds[b], device=dev)) for b in backends}
     truth = {b: _plain_sd(seeds[b]) for b in backends}
     obs: dict[str, Any] = {"rank": dist.get_rank(), "fsd_equal": {}, "rank0_only_empty": {}, "pairs": {},
-                           "forward": {}, "file_equal": {}, "plain_loads_file": {}}
+                           "forward": {}, "file_equal": {}, "plain_loads_file": {}, "rank_of": {}}
     for b, wm in wms.items():
         obs["fsd_equal"][b] = _bitwise(wm.full_state_dict(rank0_only=False), truth[b])
         sd0 = wm.full_state_dict()
         # A plain model is not distributed: each process holds all of it and is its rank 0.
         obs["rank0_only_empty"][b] = _bitwise(sd0, truth[b]) if wm.rank == 0 else sd0 == {}
-        obs.setdefault("rank_of", {})[b] = wm.rank
+        obs["rank_of"][b] = wm.rank
         wm.save(os.path.join(tmpdir, f"{b}.safetensors"))
     from safetensors.torch import load_file
 
@@ -81,15 +87,41 @@ def matrix(tmpdir: str, device: str = "cpu", backends: tuple[str, ...] = MATRIX)
         plain = tiny_llama(99)
         plain.load_state_dict(on_disk, strict=True)
         obs["plain_loads_file"][b] = _bitwise(dict(plain.state_dict()), truth[b])
-    for t_i, t in enumerate(backends):
-        order = backends[t_i + 1:] + backends[: t_i + 1]
-        for s in order:
+    for t in backends:
+        rotation = MATRIX[MATRIX.index(t) + 1:] + MATRIX[: MATRIX.index(t) + 1]
+        for s in (s for s in rotation if (s, t) in pairs):
             wms[t].load(os.path.join(tmpdir, f"{s}.safetensors"))
             obs["pairs"][f"{s}->{t}"] = _bitwise(wms[t].full_state_dict(rank0_only=False), truth[s])
-        # The shards really used by forward hold the loaded weights (last one: t's own file).
-        want = tiny_llama(seeds[t]).to(dev)
-        obs["forward"][t] = float((_logits(wms[t]) - _logits(wrapkit.adapt(want))).abs().max())
+        if (t, t) in pairs:
+            want = tiny_llama(seeds[t]).to(dev)
+            obs["forward"][t] = float((_logits(wms[t]) - _logits(wrapkit.adapt(want))).abs().max())
     return obs
+
+
+def matrix_cases(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """``matrix`` for the selected cases ``{"spec": target, "load": source}``, one observation each:
+    the pair's result, and for a backend loading its own file the export facts of that backend."""
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    try:
+        obs = matrix(str(box[0]), pairs=[(c["load"], c["spec"]) for c in cases])
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(str(box[0]), ignore_errors=True)
+    out = {}
+    for c in cases:
+        t, s = c["spec"], c["load"]
+        one = {"rank": obs["rank"], "pair": obs["pairs"][f"{s}->{t}"]}
+        if s == t:
+            one.update({k: obs[k][t] for k in EXPORT_FACTS})
+        out[repr(sorted(c.items()))] = one
+    return out
 
 
 # -- copy_to / EMA -----------------------------------------------------------------------

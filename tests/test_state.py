@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import wrapkit
+from tests import _matrix as matrix
 from tests import scenarios_state as sc
 
 
@@ -23,22 +24,36 @@ def shared_dir(tmp_path: Path) -> str:
     return str(tmp_path)
 
 
+def check_export(facts: dict[str, Any], b: str, rank: int, tol: float = 1e-5) -> None:
+    """What backend ``b`` exports and saves is the plain model's state dict, and loading its own file
+    back leaves a model whose forward is the plain model's."""
+    assert facts["fsd_equal"], f"rank {rank}: {b}.full_state_dict() != the plain model's state_dict()"
+    assert facts["rank0_only_empty"], f"rank {rank}: {b}.full_state_dict(rank0_only=True) wrong"
+    assert facts["rank_of"] == (0 if b == "plain" else rank)
+    assert facts["file_equal"], f"{b}.save() file differs from the weights"
+    assert facts["plain_loads_file"], f"{b}.save() file not loadable by the plain model"
+    assert facts["forward"] < tol, f"{b}: forward after load differs by {facts['forward']}"
+
+
 def check_matrix(results: list[dict[str, Any]], tol: float = 1e-5) -> None:
     for obs in results:
-        rank = obs["rank"]
         for b in sc.MATRIX:
-            assert obs["fsd_equal"][b], f"rank {rank}: {b}.full_state_dict() != the plain model's state_dict()"
-            assert obs["rank0_only_empty"][b], f"rank {rank}: {b}.full_state_dict(rank0_only=True) wrong"
-            assert obs["rank_of"][b] == (0 if b == "plain" else rank)
-            assert obs["file_equal"][b], f"{b}.save() file differs from the weights"
-            assert obs["plain_loads_file"][b], f"{b}.save() file not loadable by the plain model"
-            assert obs["forward"][b] < tol, f"{b}: forward after load differs by {obs['forward'][b]}"
+            check_export({k: obs[k][b] for k in sc.EXPORT_FACTS}, b, obs["rank"], tol)
         failed = [pair for pair, ok in obs["pairs"].items() if not ok]
-        assert len(obs["pairs"]) == 49 and not failed, f"rank {rank}: pairs not bitwise equal: {failed}"
+        assert len(obs["pairs"]) == 49 and not failed, f"rank {obs['rank']}: pairs not bitwise equal: {failed}"
 
 
-def test_matrix_49_pairs_bitwise(group: Any, shared_dir: str) -> None:
-    check_matrix(group.run(sc.matrix, shared_dir, timeout=400))
+# Save on one backend, load on another: 49 cases, one id each (``test_save_then_load_bitwise[zero3-load=fsdp]``),
+# run together.
+SAVE_LOAD_CASES = [{"spec": t, "load": s} for t in sc.MATRIX for s in sc.MATRIX]
+
+
+@matrix.cases(SAVE_LOAD_CASES)
+def test_save_then_load_bitwise(request: pytest.FixtureRequest, group: Any, case: dict[str, Any]) -> None:
+    for obs in matrix.run(request, group, sc.matrix_cases, timeout=400):
+        assert obs["pair"], f"rank {obs['rank']}: {case['load']}.save() loaded into {case['spec']} is not bitwise equal"
+        if case["load"] == case["spec"]:
+            check_export(obs, case["spec"], obs["rank"])
 
 
 @pytest.mark.gpu
