@@ -196,3 +196,27 @@ def tensor_parallel_refused() -> dict[str, str]:
         fully_shard(model, mesh=mesh["dp"])
         attempt("fsdp2+tp", model)
     return out
+
+
+def topologies() -> dict[str, Any]:
+    """What ``topology()`` says of each four-rank layout: group sizes, replica groups, and the mesh."""
+    import torch.distributed as dist
+
+    import wrapkit
+    from wrapkit._registry import as_adapter
+    from wrapkit.cli._models import build
+
+    out: dict[str, Any] = {}
+    for spec, topology in [("fsdp", "hsdp"), ("fsdp", "hybrid-groups"), ("fsdp2", "hsdp"), ("fsdp2", "submesh"),
+                           ("ddp", "subgroup"), ("zero3", "flat"), ("fsdp", "flat")]:
+        wm = as_adapter(wrapkit.adapt(build(spec, topology=topology)))
+        group, replicas, mesh = wm.topology()
+        out[f"{spec}/{topology}"] = {
+            "group": dist.get_world_size(group), "rank": dist.get_rank(group) if group is not None else dist.get_rank(),
+            "replicas": [dist.get_world_size(g) for g in replicas],
+            "mesh": None if mesh is None else tuple(mesh.mesh.shape),
+            "parts_agree": (wm.process_group() is group and wm.replica_groups() == list(replicas)
+                            and wm.mesh() is mesh),
+            "world_size": wm.world_size,
+        }
+    return out

@@ -191,6 +191,17 @@ def test_built_in_sharded_backends_define_the_sharded_primitives() -> None:
     assert "layout_tensors" in documented
 
 
+def test_backends_describe_their_groups_once() -> None:
+    """``process_group()``, ``replica_groups()`` and ``mesh()`` are parts of ``topology()``: no backend
+    defines them beside it, so the three can never disagree."""
+    from wrapkit.adapters import BUILTIN_ADAPTERS
+    from wrapkit.adapters._base import _defined_by
+
+    for cls in BUILTIN_ADAPTERS:
+        for name in ("process_group", "replica_groups", "mesh"):
+            assert _defined_by(cls, name) is wrapkit.Adapter, f"{cls.__name__} defines {name} beside topology()"
+
+
 def test_a_sharded_backend_that_cannot_build_a_likeness_says_so() -> None:
     from wrapkit._registry import as_adapter
     from wrapkit.wrapping import wrap_like
@@ -205,3 +216,18 @@ def test_a_sharded_backend_that_cannot_build_a_likeness_says_so() -> None:
         policy.fresh_copy(None)
     with pytest.raises(wrapkit.UnsupportedModelError, match="nolikeness backend cannot wrap a reference"):
         wrap_like(policy, as_adapter(torch.nn.Linear(2, 2)), None)  # a plain reference, to be wrapped the policy's way
+
+
+def test_topology_of_every_four_rank_layout(group4: Any) -> None:
+    """One ``topology()`` per backend describes the group, the replicas and the mesh; the readings
+    of its parts agree with it, and ``world_size`` is the group's."""
+    for obs in group4.run("tests.scenarios:topologies", timeout=180):
+        for layout, t in obs.items():
+            assert t["parts_agree"], layout
+            assert t["world_size"] == t["group"], layout
+        want = {"fsdp/hsdp": (2, [2]), "fsdp/hybrid-groups": (2, [2]), "fsdp2/hsdp": (2, [2]),
+                "fsdp2/submesh": (2, []), "ddp/subgroup": (2, []), "zero3/flat": (4, []), "fsdp/flat": (4, [])}
+        assert {k: (t["group"], t["replicas"]) for k, t in obs.items()} == want
+        assert obs["fsdp2/hsdp"]["mesh"] == (2, 2) and obs["fsdp2/submesh"]["mesh"] == (2,)
+        assert obs["fsdp/hsdp"]["mesh"] == (2, 2)  # the mesh FSDP1 was given
+        assert obs["ddp/subgroup"]["mesh"] is None and obs["zero3/flat"]["mesh"] is None

@@ -80,7 +80,7 @@ class Wrapped(Handle):
         return self._below.module
 
     def mesh(self) -> Any:
-        """The device mesh the model is sharded over (FSDP2), else None."""
+        """The device mesh the model is sharded over (FSDP2; FSDP1 where it was given one), else None."""
         return self._below.mesh()
 
     def unwrap(self, keep_peft: bool = True, keep_compile: bool = False) -> torch.nn.Module:

@@ -2,6 +2,7 @@
 
 from .._gather import Bypass
 from ._base import Adapter, ShardedAdapter
+from ._primitives import Topology
 from .ddp import DDPAdapter
 from .deepspeed import DeepSpeedAdapter
 from .dp import DataParallelAdapter
@@ -13,6 +14,7 @@ __all__ = [
     "Adapter",
     "ShardedAdapter",
     "Bypass",
+    "Topology",
     "PlainAdapter",
     "DataParallelAdapter",
     "DDPAdapter",

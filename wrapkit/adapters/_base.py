@@ -28,7 +28,7 @@ from .._imports import lookup
 from .._module_internals import live_entries
 from .._names import canonical_name, model_class_name
 from ._dtensor import local_tensor
-from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives, Piece, copy_into
+from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives, Piece, Topology, copy_into
 
 __all__ = ["Adapter", "ReplicatedAdapter", "ShardedAdapter", "Entry", "model_class_name", "move_buffers",
            "local_tensor", "replicated_copy"]
@@ -107,8 +107,8 @@ class Adapter:
         return self._backend_obj
 
     def mesh(self) -> Any:
-        """The device mesh the model is sharded over (FSDP2), else None."""
-        return None
+        """The device mesh the model is sharded over, where its backend was given one, else None."""
+        return self.topology().mesh
 
     @property
     def stack(self) -> tuple[str, ...]:
@@ -337,13 +337,19 @@ class Adapter:
             yield None
 
     # -- helpers for subclasses ----------------------------------------------------
+    def topology(self) -> Topology:
+        """The groups the model lies over: DDP keeps its group as ``process_group``, and nothing repeats."""
+        return Topology(getattr(self._backend_obj, "process_group", None), (), None)
+
+    # The parts of ``topology()`` that most code needs alone. A backend describes itself once, in
+    # ``topology``, and never defines these (``tests/test_registry.py``).
     def process_group(self) -> Any:
-        """The group the model is replicated/sharded over, for distributed backends
-        (``None``: the default group). DDP and FSDP1 keep it as ``process_group``."""
-        return getattr(self._backend_obj, "process_group", None)
+        """The group the model is replicated or sharded over (``None``: the default group)."""
+        return self.topology().group
 
     def replica_groups(self) -> list[Any]:
-        return []
+        """The groups across the copies of a model sharded within each copy (HSDP), else empty."""
+        return list(self.topology().replicas)
 
     def _check_group(self) -> None:
         if not self.distributed:

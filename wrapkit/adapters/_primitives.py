@@ -20,17 +20,31 @@ import torch
 
 from .._gather import Bypass
 
-__all__ = ["BackendPrimitives", "Piece", "SHARDED_PRIMITIVES", "copy_into"]
+__all__ = ["BackendPrimitives", "Piece", "Topology", "SHARDED_PRIMITIVES", "copy_into"]
 
 Shape = tuple[int, ...]
 
 # What a sharded adapter defines itself (``ShardedAdapter``): whatever reads, counts, gathers, writes
 # or moves weights, where the unsharded default would treat this rank's shard as the whole parameter.
 SHARDED_PRIMITIVES = (
-    "is_sharded", "global_numel", "full_shapes", "local_shards", "layout_tensors",
+    "is_sharded", "topology", "global_numel", "full_shapes", "local_shards", "layout_tensors",
     "gather_each", "gather_units", "gather_many", "gather_full", "gather_layerwise", "gather_bypass",
     "full_parameter_bytes", "resident_parameter_bytes", "load_pieces", "move", "placement_tensors",
 )
+
+
+class Topology(NamedTuple):
+    """The groups a model lies over, described once by its backend (``topology()``).
+
+    ``group``: the ranks over which one copy of the model is sharded, or (unsharded backends)
+    replicated; None is the default group. ``replicas``: where each copy is sharded within
+    ``group`` and copies repeat across other ranks (HSDP, HYBRID_SHARD), one group per such
+    dimension, across the copies; else empty. ``mesh``: the DeviceMesh these groups are
+    dimensions of, where the backend was given one; else None."""
+
+    group: Any
+    replicas: tuple[Any, ...]
+    mesh: Any
 
 
 class Piece(NamedTuple):
@@ -65,16 +79,9 @@ class BackendPrimitives(Protocol):
         """The native wrapper object (DDP, FSDP root, DeepSpeed engine, FSDP2 root module), or None."""
         ...
 
-    def process_group(self) -> Any:
-        """The group the model is replicated or sharded over (None: the default group)."""
-        ...
-
-    def replica_groups(self) -> list[Any]:
-        """The groups across the copies of a model sharded within each copy (HSDP), else empty."""
-        ...
-
-    def mesh(self) -> Any:
-        """The device mesh the model is sharded over (FSDP2), else None."""
+    def topology(self) -> Topology:
+        """The groups (and mesh) the model lies over; ``process_group()``, ``replica_groups()`` and
+        ``mesh()`` are its parts, read off it by ``Adapter`` and never defined by a backend."""
         ...
 
     def agree_any(self, flag: bool) -> bool:

@@ -20,7 +20,7 @@ from .._imports import is_instance, require
 from .._names import canonical_name
 from ._base import Adapter, ShardedAdapter, move_buffers, replicated_copy
 from ._internals import ZERO3_PARAM, require_internals
-from ._primitives import Piece
+from ._primitives import Piece, Topology
 from ._zero_partitions import each_full, full_writer, partition_writer, settle_gathers
 from ._zero_reference import engine_dtype, reference_config, reference_engine, zero3_copy
 from ._zero_states import offload_engine_states, sleep_way
@@ -39,8 +39,9 @@ class DeepSpeedAdapter(ShardedAdapter):
     def _engine(self) -> Any:
         return self._backend_obj
 
-    def process_group(self) -> Any:
-        return getattr(self._engine(), "data_parallel_group", None)
+    def topology(self) -> Topology:
+        # The engine's data-parallel group: ZeRO partitions over it, or (stage 0) replicates.
+        return Topology(getattr(self._engine(), "data_parallel_group", None), (), None)
 
     def _check_internals(self) -> None:
         if self.zero_stage == 3:

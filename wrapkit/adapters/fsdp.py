@@ -18,7 +18,7 @@ from ._base import ShardedAdapter, move_buffers
 from ._fsdp_flat import flat_pieces, full_from_shards, gather_in, local_shard
 from ._internals import FSDP1_FLAT, FSDP1_HANDLE, FSDP1_UNIT, FSDP_MANAGED, require_internals
 from ._likeness import block_classes, copy_buffers, skeleton
-from ._primitives import Piece
+from ._primitives import Piece, Topology
 
 
 class FSDPAdapter(ShardedAdapter):
@@ -56,12 +56,14 @@ class FSDPAdapter(ShardedAdapter):
         require_internals(handles, FSDP1_HANDLE, "flat parameter handles", "torch")
         require_internals([h.flat_param for h in handles], FSDP1_FLAT, "flat parameters", "torch")
 
-    def replica_groups(self) -> list[Any]:
+    def topology(self) -> Topology:
         # HYBRID_SHARD and _HYBRID_SHARD_ZERO2 shard within ``process_group`` and replicate
-        # across this one (FSDP1 keeps it on the root; other strategies never set it).
-        strategy = getattr(getattr(self._backend_obj, "sharding_strategy", None), "name", "")
-        group = getattr(self._backend_obj, "_inter_node_pg", None)
-        return [group] if "HYBRID" in strategy and group is not None else []
+        # across ``_inter_node_pg`` (FSDP1 keeps it on the root; other strategies never set it).
+        root = self._backend_obj
+        strategy = getattr(getattr(root, "sharding_strategy", None), "name", "")
+        across = getattr(root, "_inter_node_pg", None)
+        replicas = (across,) if "HYBRID" in strategy and across is not None else ()
+        return Topology(getattr(root, "process_group", None), replicas, getattr(root, "_device_mesh", None))
 
     def _compute_dtypes(self) -> dict[int, torch.dtype]:
         """id(module) -> the dtype its FSDP unit computes in (``MixedPrecision.param_dtype``),
@@ -384,13 +386,11 @@ class FSDPAdapter(ShardedAdapter):
     def _like(self, module: torch.nn.Module, init_on: torch.device | None) -> torch.nn.Module:
         """``module`` wrapped per block with this root's group(s), strategy and mixed precision."""
         root: Any = self._backend_obj
-        groups: dict[str, Any] = {"process_group": self.process_group()}
-        replicas = self.replica_groups()
+        group, replicas, mesh = self.topology()
+        groups: dict[str, Any] = {"process_group": group}
         if replicas:
             # HYBRID_SHARD takes its two groups together: the mesh it was given, or (shard, replicate).
-            mesh = getattr(root, "_device_mesh", None)
-            groups = {"device_mesh": mesh} if mesh is not None else {"process_group": (groups["process_group"],
-                                                                                       *replicas)}
+            groups = {"device_mesh": mesh} if mesh is not None else {"process_group": (group, *replicas)}
         return wrap_fsdp1(module, device=self.device, sharding_strategy=getattr(root, "sharding_strategy", None),
                           mixed_precision=getattr(root, "mixed_precision", None), init_on=init_on, **groups)
 

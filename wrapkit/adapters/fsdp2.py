@@ -27,7 +27,7 @@ from ._dtensor import (
 )
 from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, FSDP_MANAGED, require_internals
 from ._likeness import block_classes, copy_buffers, skeleton
-from ._primitives import Piece, copy_into
+from ._primitives import Piece, Topology, copy_into
 
 
 class FSDP2Adapter(ShardedAdapter):
@@ -43,7 +43,7 @@ class FSDP2Adapter(ShardedAdapter):
     def inner(cls, obj: torch.nn.Module) -> torch.nn.Module:
         return obj
 
-    def mesh(self) -> Any:
+    def _own_mesh(self) -> Any:
         # FSDP2's own record first: inside gathered() the module holds plain full copies, and
         # a mesh read off the parameters would be gone (and rank/world_size with it).
         for _, state in self._fsdp_states():
@@ -66,13 +66,11 @@ class FSDP2Adapter(ShardedAdapter):
                     return Layout.of(fsdp_param.sharded_param)
         return next((Layout.of(p) for p in self._innermost.parameters() if is_dtensor(p)), None)
 
-    def process_group(self) -> Any:
+    def topology(self) -> Topology:
         layout = self._layout()
-        return None if layout is None else layout.shard_group()
-
-    def replica_groups(self) -> list[Any]:
-        layout = self._layout()
-        return [] if layout is None else layout.replica_groups()
+        if layout is None:
+            return Topology(None, (), self._own_mesh())
+        return Topology(layout.shard_group(), tuple(layout.replica_groups()), self._own_mesh())
 
     def _check_internals(self) -> None:
         fsdp_module = lookup("torch.distributed.fsdp", "FSDPModule")
@@ -87,7 +85,7 @@ class FSDP2Adapter(ShardedAdapter):
         # fully_shard's own layout: shards and replicas over the mesh it was given. A parameter on
         # a mesh with more dimensions (FSDP2 over one dimension of a (dp, tp) mesh, tensor parallel
         # over the other) or placed otherwise (_StridedShard, Partial) is beyond every read and write here.
-        mesh = self.mesh()
+        mesh = self._own_mesh()
         own = p.device_mesh
         if mesh is None or mesh_key(own) != mesh_key(mesh):
             return (f"fully_shard was given a {getattr(mesh, 'ndim', 0)}-D mesh, and a parameter on another mesh "
@@ -130,7 +128,7 @@ class FSDP2Adapter(ShardedAdapter):
         dev = getattr(state, "_device", None)
         if isinstance(dev, torch.device):
             return dev
-        mesh = self.mesh()
+        mesh = self._own_mesh()
         if mesh is not None and mesh.device_type != "cpu":
             mod = getattr(torch, mesh.device_type)
             return torch.device(mesh.device_type, mod.current_device())
@@ -292,7 +290,7 @@ class FSDP2Adapter(ShardedAdapter):
         root: Any = self._backend_obj
         state = root._get_fsdp_state() if hasattr(root, "_get_fsdp_state") else None
         mp = getattr(state, "_mp_policy", None)
-        return shard_fsdp2(module, self.mesh(), **({"mp_policy": mp} if mp is not None else {}))
+        return shard_fsdp2(module, self._own_mesh(), **({"mp_policy": mp} if mp is not None else {}))
 
     def wrap_like(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
         module.to(self.device)
