@@ -159,8 +159,9 @@ def fsdp1_variants() -> dict[str, Any]:
 
 
 def tensor_parallel_refused() -> dict[str, str]:
-    """A tensor-parallel Llama (``parallelize_module`` over every rank), and on four ranks FSDP2 over
-    ``mesh["dp"]`` of a (dp, tp) mesh on top of it: ``adapt()`` must refuse both, never call them plain."""
+    """A tensor-parallel Llama (``parallelize_module`` over a mesh's ``tp`` dimension), which ``adapt()``
+    takes as the tp backend; and on four ranks FSDP2 over ``mesh["dp"]`` of a (dp, tp) mesh on top of it,
+    which it must refuse, never call plain."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module

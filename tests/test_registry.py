@@ -140,14 +140,15 @@ def _check_tp_refusal(message: str) -> None:
     assert "self_attn.q_proj.weight" in message and "Shard(" in message and "fully_shard" in message, message
 
 
-def test_tensor_parallel_model_refused_at_adapt(group: Any) -> None:
+def test_tensor_parallel_model_adapted_as_tp(group: Any) -> None:
     for obs in group.run("tests.scenarios:tensor_parallel_refused", timeout=120):
-        _check_tp_refusal(obs["tp"])
+        assert obs["tp"] == "adapted as tp, is_sharded=True", obs["tp"]
 
 
 def test_fsdp2_over_a_tensor_parallel_mesh_refused_at_adapt(group4: Any) -> None:
     for obs in group4.run("tests.scenarios:tensor_parallel_refused", timeout=120):
-        _check_tp_refusal(obs["tp"])
+        # Tensor parallel over mesh["tp"] alone: each dp slice holds a model of its own.
+        assert obs["tp"] == "adapted as tp, is_sharded=True", obs["tp"]
         _check_tp_refusal(obs["fsdp2+tp"])
 
 

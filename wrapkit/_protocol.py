@@ -74,7 +74,7 @@ class WrappedModel(Protocol):
 
     @property
     def backend(self) -> str:
-        """``"plain" | "dp" | "ddp" | "fsdp" | "fsdp2" | "deepspeed"`` or a registered name."""
+        """``"plain" | "dp" | "ddp" | "fsdp" | "fsdp2" | "deepspeed" | "tp"`` or a registered name."""
         ...
 
     @property

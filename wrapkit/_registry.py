@@ -6,7 +6,9 @@ Rules:
    its wrapper class up in ``sys.modules``; a library that was never imported
    cannot have produced the object.
 2. Adapters are tried in order, most specific first: registered third-party
-   adapters, then DeepSpeed, FSDP1, FSDP2, DDP, DataParallel; plain is the fallback.
+   adapters, then DeepSpeed, FSDP1, FSDP2, DDP, DataParallel. Where no wrapper
+   matched, a model holding DTensor parameters is tensor parallel (``CONTENT_ADAPTERS``);
+   plain is the fallback.
 3. The object is peeled from the outside in. ``torch.compile`` and PEFT layers
    may sit anywhere; the first backend wrapper met decides ``backend``. FSDP2
    does not wrap, so it is recognised on the module itself and not peeled.
@@ -26,7 +28,7 @@ import torch
 
 from ._errors import AdapterRegistrationError, UnsupportedModelError
 from ._protocol import Handle
-from .adapters import BUILTIN_ADAPTERS, Adapter, PlainAdapter
+from .adapters import BUILTIN_ADAPTERS, CONTENT_ADAPTERS, Adapter, PlainAdapter
 from .adapters._base import Entry
 from .layers import LAYERS, Layer
 
@@ -173,5 +175,9 @@ def as_adapter(model: Any, purpose: str = "this") -> Adapter:
             "it is not peeled by guessing. Register one with wrapkit.register_adapter(MyAdapter) "
             f"(known: {', '.join(a.name for a in registered_adapters())}), or pass the model inside it."
         )
-    cls = backend or PlainAdapter
-    return cls(model, entries, backend_obj, cur)
+    if backend is None:
+        # No wrapper: a backend that changes no class (tensor parallelism) is known by what it holds.
+        claimed = next((a for a in CONTENT_ADAPTERS if a.claims(cur)), None)
+        if claimed is not None:
+            return claimed(model, [*entries, (claimed.name, cur)], cur, cur)
+    return (backend or PlainAdapter)(model, entries, backend_obj, cur)

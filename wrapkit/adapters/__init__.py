@@ -9,6 +9,7 @@ from .dp import DataParallelAdapter
 from .fsdp import FSDPAdapter
 from .fsdp2 import FSDP2Adapter
 from .plain import PlainAdapter
+from .tp import TensorParallelAdapter
 
 __all__ = [
     "Adapter",
@@ -21,7 +22,9 @@ __all__ = [
     "FSDPAdapter",
     "FSDP2Adapter",
     "DeepSpeedAdapter",
+    "TensorParallelAdapter",
     "BUILTIN_ADAPTERS",
+    "CONTENT_ADAPTERS",
 ]
 
 # Most specific first: a DeepSpeed engine or FSDP unit is checked before the
@@ -33,3 +36,7 @@ BUILTIN_ADAPTERS: tuple[type[Adapter], ...] = (
     DDPAdapter,
     DataParallelAdapter,
 )
+
+# Backends with no wrapper object and no class of their own, recognised by what the model holds
+# (``claims``), tried on the innermost module once no wrapper matched.
+CONTENT_ADAPTERS: tuple[type[TensorParallelAdapter], ...] = (TensorParallelAdapter,)

@@ -391,14 +391,15 @@ class Adapter:
             raise UnsupportedModelError(
                 f"{type(self._innermost).__name__} parameter {canonical_name(name)!r} is a DTensor with placements "
                 f"{tuple(p.placements)} on a {mesh.ndim}-D mesh of {mesh.size()} ranks{dims}: {why}. Tensor "
-                "parallelism (parallelize_module, tp_plan, a ParallelismConfig with tp > 1) is not supported yet; "
-                "shard the model with fully_shard (FSDP2), FSDP1 or DeepSpeed alone, or call adapt() before "
-                "applying tensor parallelism."
+                "parallelism is supported alone (parallelize_module over one mesh dimension, no wrapper around "
+                "it), not yet under a data-parallel wrapper (fully_shard over the other dimension of a (dp, tp) "
+                "mesh, DDP, FSDP1, DeepSpeed); shard the model with fully_shard (FSDP2), FSDP1 or DeepSpeed "
+                "alone, or use tensor parallelism alone."
             )
 
     def unsupported_dtensor(self, p: Any) -> str | None:
-        """Why this adapter cannot handle DTensor parameter ``p`` (None: it can). No backend but FSDP2
-        shards with DTensors, so here every one is refused."""
+        """Why this adapter cannot handle DTensor parameter ``p`` (None: it can). Only the backends that
+        shard with DTensors (fsdp2, tp) read them, so here every one is refused."""
         return f"the {self.name} adapter does not shard with DTensors, so this is a layout it cannot read"
 
     def _group_size_and_rank(self) -> tuple[int, int]:

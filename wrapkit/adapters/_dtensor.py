@@ -11,19 +11,21 @@ dimension in order; gathering undoes that from the last mesh dimension to the fi
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from .._gather import all_gather_into
+from .._agree import settle
+from .._gather import Replace, all_gather_into
 from .._imports import lookup
-from ._primitives import Piece, copy_into
+from ._primitives import Piece, Topology, copy_into
 
 __all__ = ["Layout", "is_dtensor", "local_tensor", "mesh_key", "shard_key", "full_values", "full_value",
-           "write_full", "load_piece", "readable"]
+           "write_full", "load_piece", "readable", "shard_map", "pieces", "gather_many", "full_copies"]
 
 Shape = tuple[int, ...]
 
@@ -238,3 +240,71 @@ def _block_writer(local: torch.Tensor, full_shape: Shape, block: tuple[slice, ..
         with torch.no_grad():
             local.copy_(values.reshape(full_shape)[block])
     return write
+
+
+# -- what an adapter over DTensor parameters shares (fsdp2, tp) ------------------------------------------
+def shard_map(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]]:
+    """Name -> (this rank's shard, its shard key) for ``local_shards``; a plain tensor is whole on every rank."""
+    out: dict[str, tuple[torch.Tensor, tuple[Any, ...]]] = {}
+    meshes: dict[int, tuple[Any, ...]] = {}
+    for name, p in named:
+        if not is_dtensor(p):
+            out[name] = (p.data, ("full", tuple(p.shape)))
+            continue
+        local = local_tensor(p)
+        out[name] = (local, shard_key(p, local, meshes))
+    return out
+
+
+def pieces(named: Iterable[tuple[str, torch.Tensor]]) -> list[Piece]:
+    """This rank's part of every parameter for ``load_pieces``: a DTensor's block, a plain tensor whole."""
+    out: list[Piece] = []
+    for name, p in named:
+        if not is_dtensor(p):
+            out.append(Piece(name, 0, p.numel(), tuple(p.shape), copy_into(p.data)))
+        elif (piece := load_piece(name, p)) is not None:
+            out.append(piece)
+    return out
+
+
+def gather_many(params: list[Any]) -> Iterator[tuple[Any, torch.Tensor]]:
+    """``(parameter, full value)`` for ``params``: the readable DTensors together (``full_values``), then
+    the rest (plain tensors, other placements) one by one."""
+    served: set[int] = set()
+    for p, full in full_values(params, {}):
+        served.add(id(p))
+        yield p, full
+    for p in params:
+        if id(p) not in served:
+            yield p, full_value(p)
+
+
+@contextlib.contextmanager
+def full_copies(params: list[Any], dtypes: dict[int, torch.dtype], modifier_rank: int | None,
+                topology: Topology, world_size: int, written: Callable[[], None]) -> Iterator[Replace]:
+    """Full copies of the DTensor ``params`` (in ``dtypes[id(p)]`` where given), for ``bypassed`` to
+    swap in; with ``modifier_rank``, on normal exit on every rank, the writer's copies go back into
+    every shard (``write_full``) and ``written()`` runs. The shards are never touched otherwise."""
+    copies: dict[int, tuple[Any, torch.nn.Parameter]] = {}
+    for p, full in list(full_values(params, dtypes)):
+        copies[id(p)] = (p, torch.nn.Parameter(full, requires_grad=p.requires_grad))
+
+    def replace(mod: torch.nn.Module, name: str, p: torch.Tensor) -> torch.Tensor | None:
+        if id(p) not in copies:
+            full = full_value(p)
+            if full is p or full.data_ptr() == p.data_ptr():
+                return None  # a plain tensor: already whole
+            full = full.to(dtypes.get(id(p), full.dtype))
+            copies[id(p)] = (p, torch.nn.Parameter(full, requires_grad=p.requires_grad))
+        return copies[id(p)][1]
+
+    def finish(failed: bool) -> None:
+        if modifier_rank is None or failed:
+            return  # the copies are dropped: the shards were never touched
+        with torch.no_grad():
+            for p, full in copies.values():
+                write_full(p, full.detach(), modifier_rank)
+        written()
+
+    with settle(finish, modifier_rank is not None, topology.group, world_size, topology.replicas):
+        yield replace

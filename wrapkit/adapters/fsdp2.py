@@ -9,25 +9,24 @@ from typing import Any
 
 import torch
 
-from .._agree import settle
 from .._gather import Bypass, submodules
 from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import Adapter, ShardedAdapter
 from ._dtensor import (
     Layout,
+    full_copies,
     full_value,
-    full_values,
+    gather_many,
     is_dtensor,
-    load_piece,
     local_tensor,
     mesh_key,
-    shard_key,
-    write_full,
+    pieces,
+    shard_map,
 )
 from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, FSDP_MANAGED, require_internals
 from ._likeness import block_classes, copy_buffers, skeleton
-from ._primitives import Piece, Topology, copy_into
+from ._primitives import Piece, Topology
 
 
 class FSDP2Adapter(ShardedAdapter):
@@ -160,15 +159,8 @@ class FSDP2Adapter(ShardedAdapter):
 
     def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
         self._reshard()
-        out: dict[str, tuple[torch.Tensor, tuple[Any, ...]]] = {}
-        meshes: dict[int, tuple[Any, ...]] = {}
-        for name, p in self.unwrap().named_parameters():
-            if not is_dtensor(p):  # not sharded by fully_shard: the whole tensor lives on every rank
-                out[canonical_name(name)] = (p.data, ("full", tuple(p.shape)))
-                continue
-            local = local_tensor(p)
-            out[canonical_name(name)] = (local, shard_key(p, local, meshes))
-        return out
+        # A parameter fully_shard left alone is a plain tensor, whole on every rank.
+        return shard_map((canonical_name(n), p) for n, p in self.unwrap().named_parameters())
 
     def layout_tensors(self) -> list[torch.Tensor] | None:
         # Straight from each module's dicts: ``parameters()`` and ``buffers()`` cost several times more.
@@ -198,36 +190,15 @@ class FSDP2Adapter(ShardedAdapter):
         # is a DTensor shard again and the copies all come from the same place.
         self._reshard()
         states = list(self._fsdp_states())
-        group = self.process_group()
         # Reading, the copies are in the dtype FSDP2's forward computes in; writing
         # (modifier_rank), in the parameters' own dtype, so that the writes are kept exactly.
         dtypes = self._compute_dtypes(states) if modifier_rank is None else {}
-        copies: dict[int, tuple[Any, torch.nn.Parameter]] = {}
-        for p, full in list(full_values(list(self._unique_parameters()), dtypes)):
-            copies[id(p)] = (p, torch.nn.Parameter(full, requires_grad=p.requires_grad))
-
-        def replace(mod: torch.nn.Module, name: str, p: torch.Tensor) -> torch.Tensor | None:
-            if id(p) not in copies:
-                full = self.gather_one(p)
-                if full is p or full.data_ptr() == p.data_ptr():
-                    return None
-                full = full.to(dtypes.get(id(p), full.dtype))
-                copies[id(p)] = (p, torch.nn.Parameter(full, requires_grad=p.requires_grad))
-            return copies[id(p)][1]
-
-        def finish(failed: bool) -> None:
-            if modifier_rank is None or failed:
-                return  # the copies are dropped: the shards were never touched
-            with torch.no_grad():
-                for p, full in copies.values():
-                    write_full(p, full.detach(), modifier_rank)
-            self.weights_written()
-
         # FSDP2's own casts of floating inputs (to param_dtype) and outputs (to output_dtype) are
         # hooks that ``bypassed`` takes out with the rest; the same casts go back in as hooks of ours.
         handles = [h for m, state in states for h in _cast_hooks(m, state)] if dtypes else []
         try:
-            with settle(finish, modifier_rank is not None, group, self.world_size, self.replica_groups()):
+            with full_copies(list(self._unique_parameters()), dtypes, modifier_rank, self.topology(),
+                             self.world_size, self.weights_written) as replace:
                 yield replace
         finally:
             for handle in handles:
@@ -252,13 +223,7 @@ class FSDP2Adapter(ShardedAdapter):
 
     def gather_many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         self._reshard()
-        served: set[int] = set()
-        for p, full in full_values(params, {}):
-            served.add(id(p))
-            yield p, full
-        for p in params:  # not a DTensor, or placed otherwise than Shard/Replicate: one by one
-            if id(p) not in served:
-                yield p, self.gather_one(p)
+        yield from gather_many(params)
 
     def full_parameter_bytes(self) -> int:
         dtypes = self._compute_dtypes(list(self._fsdp_states()))
@@ -276,13 +241,7 @@ class FSDP2Adapter(ShardedAdapter):
 
     def load_pieces(self) -> list[Piece]:
         self._reshard()  # write where the values come from
-        out: list[Piece] = []
-        for name, p in self.unwrap().named_parameters():
-            if not is_dtensor(p):
-                out.append(Piece(canonical_name(name), 0, p.numel(), tuple(p.shape), copy_into(p.data)))
-            elif (piece := load_piece(canonical_name(name), p)) is not None:
-                out.append(piece)
-        return out
+        return pieces((canonical_name(n), p) for n, p in self.unwrap().named_parameters())
 
     # -- likeness ------------------------------------------------------------------------------------
     def _like(self, module: torch.nn.Module) -> torch.nn.Module:

@@ -1,0 +1,39 @@
+"""Tensor parallelism alone (``parallelize_module`` on every rank, no wrapper): adapted as the ``tp``
+backend, and every operation gives the unsharded model's values and greedy tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import scenarios_tp as sc
+
+
+def check(results: list[dict[str, Any]], dtype: str) -> None:
+    for obs in results:
+        assert obs["backend"] == "tp" and obs["is_sharded"] and obs["stack"][-2:] == ("tp", "LlamaForCausalLM")
+        assert obs["world_size"] == 2 and obs["split"] and obs["num_parameters"]
+        assert obs["tp_forward"] < (1e-5 if dtype == "float32" else 5e-2)
+        assert obs["reference_forward"] == obs["tp_forward"]  # the same TP forward, frozen
+        for key in ("full_state_dict", "named_full", "gathered_plain_params", "generation_full",
+                    "generation_layerwise", "stream", "copy_to_plain", "copy_from_plain", "copy_tp_to_tp",
+                    "from_pretrained", "load_dir", "save_load_file", "load_full_state_dict", "modifier_write",
+                    "place", "reference", "sleep_wake"):
+            assert obs[key] is True, f"rank {obs['rank']}, {dtype}: {key}"
+        # The gathered model is the plain module on full weights: the plain model's logits exactly.
+        assert obs["gathered_forward"] == 0.0
+        assert obs["files"] > 1
+        assert "backend:      tp" in obs["describe"]
+        assert "the tp backend cannot build a frozen copy" in obs["fresh_reference"], obs["fresh_reference"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_operation_on_a_tensor_parallel_model(group: Any, tmp_path: Path, dtype: str) -> None:
+    check(group.run(sc.operations, str(tmp_path), dtype, timeout=240), dtype)
+
+
+def test_tensor_parallel_over_one_dimension_of_a_mesh(group4: Any, tmp_path: Path) -> None:
+    """Four ranks, a (dp, tp) mesh, tensor parallel over ``tp`` alone: two models of two ranks each."""
+    check(group4.run(sc.operations, str(tmp_path), "float32", timeout=300), "float32")
