@@ -211,7 +211,8 @@ def topologies() -> dict[str, Any]:
     for spec, topology in [("fsdp", "hsdp"), ("fsdp", "hybrid-groups"), ("fsdp2", "hsdp"), ("fsdp2", "submesh"),
                            ("ddp", "subgroup"), ("zero3", "flat"), ("fsdp", "flat")]:
         wm = as_adapter(wrapkit.adapt(build(spec, topology=topology)))
-        group, replicas, mesh = wm.topology()
+        described = wm.topology()
+        group, replicas, mesh = described.group, described.replicas, described.mesh
         out[f"{spec}/{topology}"] = {
             "group": dist.get_world_size(group), "rank": dist.get_rank(group) if group is not None else dist.get_rank(),
             "replicas": [dist.get_world_size(g) for g in replicas],
@@ -219,5 +220,8 @@ def topologies() -> dict[str, Any]:
             "parts_agree": (wm.process_group() is group and wm.replica_groups() == list(replicas)
                             and wm.mesh() is mesh),
             "world_size": wm.world_size,
+            "roles": described.roles,
+            "data_parallel": (wm.data_parallel_rank, wm.data_parallel_size),
+            "describe": wm.describe(),
         }
     return out

@@ -53,6 +53,7 @@ def operations(tmp: str, dtype_name: str) -> dict[str, Any]:
     wm = wrapkit.adapt(parallelized(0, dtype))
     obs: dict[str, Any] = {"backend": wm.backend, "is_sharded": wm.is_sharded, "stack": wm.stack,
                            "world_size": wm.world_size, "rank": wm.rank,
+                           "data_parallel": (wm.data_parallel_rank, wm.data_parallel_size),
                            "num_parameters": wm.num_parameters() == sum(p.numel() for p in plain.parameters())}
     q: Any = wm.unwrap().model.layers[0].self_attn.q_proj.weight
     obs["split"] = q.to_local().shape[0] * TP_SIZE == q.shape[0]

@@ -232,3 +232,16 @@ def test_topology_of_every_four_rank_layout(group4: Any) -> None:
         assert obs["fsdp2/hsdp"]["mesh"] == (2, 2) and obs["fsdp2/submesh"]["mesh"] == (2,)
         assert obs["fsdp/hsdp"]["mesh"] == (2, 2)  # the mesh FSDP1 was given
         assert obs["ddp/subgroup"]["mesh"] is None and obs["zero3/flat"]["mesh"] is None
+        assert obs["fsdp2/hsdp"]["roles"] == obs["fsdp/hsdp"]["roles"] == ("replicate", "shard")
+        assert obs["fsdp2/submesh"]["roles"] == ("shard",)
+        # Every rank of a data-parallel layout takes its own batch: 4 of them, or 2 per model of a sub-group.
+        ranks = {k: t["data_parallel"] for k, t in obs.items()}
+        for layout in ("fsdp/hsdp", "fsdp/hybrid-groups", "fsdp2/hsdp", "zero3/flat", "fsdp/flat"):
+            assert ranks[layout][1] == 4, (layout, ranks[layout])
+        assert ranks["fsdp2/submesh"][1] == ranks["ddp/subgroup"][1] == 2
+        assert "mesh:         replicate=2 replicate, shard=2 shard" in obs["fsdp2/hsdp"]["describe"], \
+            obs["fsdp2/hsdp"]["describe"]
+    # Four distinct batches over the four ranks of a 2x2 layout.
+    results = group4.run("tests.scenarios:topologies", timeout=180)
+    assert sorted(r["fsdp2/hsdp"]["data_parallel"][0] for r in results) == [0, 1, 2, 3]
+    assert sorted(r["fsdp/hsdp"]["data_parallel"][0] for r in results) == [0, 1, 2, 3]

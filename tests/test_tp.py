@@ -26,6 +26,9 @@ def check(results: list[dict[str, Any]], dtype: str) -> None:
         assert obs["gathered_forward"] == 0.0
         assert obs["files"] > 1
         assert "backend:      tp" in obs["describe"]
+        # Both ranks of a tensor-parallel model take the same batch.
+        assert obs["data_parallel"] == (0, 1)
+        assert "mesh:         tp=2 tp" in obs["describe"], obs["describe"]
         assert "the tp backend cannot build a frozen copy" in obs["fresh_reference"], obs["fresh_reference"]
 
 

@@ -59,6 +59,14 @@ class Handle:
     def rank(self) -> int:
         return self._below.rank
 
+    @property
+    def data_parallel_size(self) -> int:
+        return self._below.data_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self._below.data_parallel_rank
+
     def _as_adapter(self, purpose: str) -> Adapter:
         """The adapter to run ``purpose`` (e.g. "copy_to into it") on; a view that cannot
         serve it raises a ``WrapkitError`` saying why."""
@@ -120,6 +128,16 @@ class WrappedModel(Protocol):
     @property
     def rank(self) -> int:
         """This process's rank in that group (0 if none)."""
+        ...
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different batches the ranks holding this model take at each step (1 if none)."""
+        ...
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which of those batches this rank takes; tensor-parallel ranks share one (0 if none)."""
         ...
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...

@@ -171,6 +171,27 @@ class Adapter:
     def rank(self) -> int:
         return self._group_size_and_rank()[1] if self.distributed else 0
 
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different batches the ranks holding this model take at each step."""
+        return self._data_parallel()[0]
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which of those batches this rank takes (tensor-parallel ranks share one)."""
+        return self._data_parallel()[1]
+
+    def _data_parallel(self) -> tuple[int, int]:
+        if not self.distributed or not (dist.is_available() and dist.is_initialized()):
+            return 1, 0
+        topology = self.topology()
+        size, rank = self._group_size_and_rank()
+        if topology.tp_group is not None and topology.tp_group is topology.group:
+            size, rank = 1, 0  # the group splits layers, not batches
+        for g in topology.replicas:  # each copy takes its own batches: copy index outermost
+            size, rank = dist.get_world_size(g) * size, dist.get_rank(g) * size + rank
+        return size, rank
+
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Global parameter count, shared (tied) parameters counted once."""
         return sum(
@@ -189,6 +210,7 @@ class Adapter:
             f"stack:        {' > '.join(self.stack)}",
             f"device:       {self.device}",
             f"group:        rank {self.rank} of {self.world_size}" + self._replicas_text(),
+            *self._mesh_lines(),
             f"sharded:      {'yes' if self.is_sharded else 'no'}",
             f"parameters:   {total:,} ({trainable:,} trainable); "
             f"{self.resident_parameter_bytes() / 2**20:.2f} MiB held by this rank",
@@ -196,6 +218,18 @@ class Adapter:
             f"config:       {type(getattr(self._innermost, 'config', None)).__name__}",
         ]
         return "\n".join(lines)
+
+    def _mesh_lines(self) -> list[str]:
+        """The mesh, each dimension's size and role, and the batches, where the model lies on a mesh."""
+        topology = self.topology()
+        mesh = topology.mesh
+        if mesh is None:
+            return []
+        names = getattr(mesh, "mesh_dim_names", None) or [str(i) for i in range(mesh.ndim)]
+        roles = topology.roles or ("?",) * mesh.ndim
+        dims = ", ".join(f"{n}={mesh.size(i)} {r}" for i, (n, r) in enumerate(zip(names, roles, strict=True)))
+        return [f"mesh:         {dims}",
+                f"batches:      data-parallel rank {self.data_parallel_rank} of {self.data_parallel_size}"]
 
     def _replicas_text(self) -> str:
         """Where the model is replicated across groups (HSDP): which copy this rank is in, of how many."""

@@ -40,11 +40,16 @@ class Topology(NamedTuple):
     replicated; None is the default group. ``replicas``: where each copy is sharded within
     ``group`` and copies repeat across other ranks (HSDP, HYBRID_SHARD), one group per such
     dimension, across the copies; else empty. ``mesh``: the DeviceMesh these groups are
-    dimensions of, where the backend was given one; else None."""
+    dimensions of, where the backend was given one; else None. ``roles``: what each dimension of
+    ``mesh`` does, ``"replicate"`` (copies), ``"shard"`` (slices of each parameter, each rank taking
+    its own batch) or ``"tp"`` (tensor parallel: slices of each layer, one batch shared). ``tp_group``:
+    the ranks that share one batch (tensor parallelism), else None."""
 
     group: Any
     replicas: tuple[Any, ...]
     mesh: Any
+    roles: tuple[str, ...] = ()
+    tp_group: Any = None
 
 
 class Piece(NamedTuple):

@@ -63,7 +63,10 @@ class FSDPAdapter(ShardedAdapter):
         strategy = getattr(getattr(root, "sharding_strategy", None), "name", "")
         across = getattr(root, "_inter_node_pg", None)
         replicas = (across,) if "HYBRID" in strategy and across is not None else ()
-        return Topology(getattr(root, "process_group", None), replicas, getattr(root, "_device_mesh", None))
+        mesh = getattr(root, "_device_mesh", None)
+        # The mesh HYBRID_SHARD was given is (replicate, shard); a 1-D one shards.
+        roles = () if mesh is None else ("replicate", "shard")[-mesh.ndim:]
+        return Topology(getattr(root, "process_group", None), replicas, mesh, roles)
 
     def _compute_dtypes(self) -> dict[int, torch.dtype]:
         """id(module) -> the dtype its FSDP unit computes in (``MixedPrecision.param_dtype``),
@@ -386,7 +389,8 @@ class FSDPAdapter(ShardedAdapter):
     def _like(self, module: torch.nn.Module, init_on: torch.device | None) -> torch.nn.Module:
         """``module`` wrapped per block with this root's group(s), strategy and mixed precision."""
         root: Any = self._backend_obj
-        group, replicas, mesh = self.topology()
+        topology = self.topology()
+        group, replicas, mesh = topology.group, topology.replicas, topology.mesh
         groups: dict[str, Any] = {"process_group": group}
         if replicas:
             # HYBRID_SHARD takes its two groups together: the mesh it was given, or (shard, replicate).

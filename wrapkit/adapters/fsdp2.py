@@ -69,7 +69,8 @@ class FSDP2Adapter(ShardedAdapter):
         layout = self._layout()
         if layout is None:
             return Topology(None, (), self._own_mesh())
-        return Topology(layout.shard_group(), tuple(layout.replica_groups()), self._own_mesh())
+        roles = tuple("shard" if d in layout.shard_dims else "replicate" for d in range(layout.mesh.ndim))
+        return Topology(layout.shard_group(), tuple(layout.replica_groups()), self._own_mesh(), roles)
 
     def _check_internals(self) -> None:
         fsdp_module = lookup("torch.distributed.fsdp", "FSDPModule")

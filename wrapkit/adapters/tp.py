@@ -69,7 +69,10 @@ class TensorParallelAdapter(ShardedAdapter):
         layout = self._layout()
         if layout is None:
             return Topology(None, (), None)
-        return Topology(layout.shard_group(), tuple(layout.replica_groups()), layout.mesh)
+        roles = tuple("tp" if d in layout.shard_dims else "replicate" for d in range(layout.mesh.ndim))
+        group = layout.shard_group()
+        # Every rank of the group holds a slice of each layer and takes the same batch.
+        return Topology(group, tuple(layout.replica_groups()), layout.mesh, roles, tp_group=group)
 
     def unsupported_dtensor(self, p: Any) -> str | None:
         if not readable(p):
