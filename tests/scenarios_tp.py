@@ -21,9 +21,20 @@ PROMPT = torch.tensor([[1, 5, 9, 2]])
 TP_SIZE = 2  # the tiny Llama's two key/value heads split over at most two ranks
 
 
-def parallelized(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def _parallelized(seed: int, dtype: torch.dtype = torch.float32, producer: str = "torch",
+                 tmp: str = "") -> torch.nn.Module:
     """``tiny_llama(seed)`` tensor parallel over two ranks: the whole group, or on four ranks the ``tp``
-    dimension of a (dp, tp) mesh, where each dp slice holds a model of its own."""
+    dimension of a (dp, tp) mesh, where each dp slice holds a model of its own. ``producer="transformers"``:
+    loaded by ``from_pretrained(..., tp_plan="auto")`` from a checkpoint rank 0 writes into ``tmp``."""
+    if producer == "transformers":
+        from transformers import LlamaForCausalLM
+
+        directory = os.path.join(tmp, f"checkpoint-{seed}")
+        if dist.get_rank() == 0 and not os.path.isdir(directory):
+            tiny_llama(seed).save_pretrained(directory)
+        dist.barrier()
+        model: torch.nn.Module = LlamaForCausalLM.from_pretrained(directory, tp_plan="auto", dtype=dtype)
+        return model.train()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -46,11 +57,19 @@ def _logits(out: Any) -> torch.Tensor:
     return (out.logits if hasattr(out, "logits") else out).detach().float()
 
 
-def operations(tmp: str, dtype_name: str) -> dict[str, Any]:
+def operations(tmp: str, dtype_name: str, producer: str = "torch") -> dict[str, Any]:
     dtype = getattr(torch, dtype_name)
-    plain = tiny_llama(0).to(dtype).eval()
-    want = {k: v.clone() for k, v in plain.state_dict().items()}
+
+    def parallelized(seed: int, dtype: torch.dtype) -> torch.nn.Module:
+        return _parallelized(seed, dtype, producer, tmp)
+
     wm = wrapkit.adapt(parallelized(0, dtype))
+    plain = tiny_llama(0).to(dtype).eval()
+    if producer == "transformers":  # the same loading path, without the plan (the same attention kernel)
+        from transformers import LlamaForCausalLM
+
+        plain = LlamaForCausalLM.from_pretrained(os.path.join(tmp, "checkpoint-0"), dtype=dtype).eval()
+    want = {k: v.clone() for k, v in plain.state_dict().items()}
     obs: dict[str, Any] = {"backend": wm.backend, "is_sharded": wm.is_sharded, "stack": wm.stack,
                            "world_size": wm.world_size, "rank": wm.rank,
                            "data_parallel": (wm.data_parallel_rank, wm.data_parallel_size),

@@ -40,3 +40,10 @@ def test_every_operation_on_a_tensor_parallel_model(group: Any, tmp_path: Path, 
 def test_tensor_parallel_over_one_dimension_of_a_mesh(group4: Any, tmp_path: Path) -> None:
     """Four ranks, a (dp, tp) mesh, tensor parallel over ``tp`` alone: two models of two ranks each."""
     check(group4.run(sc.operations, str(tmp_path), "float32", timeout=300), "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_model_transformers_loaded_with_a_tp_plan(group: Any, tmp_path: Path, dtype: str) -> None:
+    """``from_pretrained(..., tp_plan="auto")``: transformers replaces each layer's ``forward`` instead of
+    hooking it; gathered, the model still runs as the plain module."""
+    check(group.run(sc.operations, str(tmp_path), dtype, "transformers", timeout=240), dtype)

@@ -133,9 +133,10 @@ def bypassed(root: torch.nn.Module, bypass: Bypass, replace: Replace | None = No
                         del hooks[k]
             # FSDP2's register_fsdp_forward_method (transformers' Trainer applies it to
             # ``generate``) puts a bound wrapper in the instance dict that runs the sharding
-            # hooks around the method; the class's own method is what a plain module calls.
+            # hooks around the method, and transformers' tensor parallelism a closure in place
+            # of ``forward``; the class's own method is what a plain module calls.
             for name, value in list(mod.__dict__.items()):
-                if _is_method_wrapper(mod, value, bypass.hook_modules):
+                if _is_method_wrapper(mod, name, value, bypass.hook_modules):
                     methods.append((mod, name, value))
                     del mod.__dict__[name]
         yield root
@@ -154,11 +155,15 @@ def bypassed(root: torch.nn.Module, bypass: Bypass, replace: Replace | None = No
             mod.__dict__[flag] = True
 
 
-def _is_method_wrapper(mod: torch.nn.Module, value: Any, prefixes: tuple[str, ...]) -> bool:
-    if getattr(value, "__self__", None) is not mod:
+def _is_method_wrapper(mod: torch.nn.Module, name: str, value: Any, prefixes: tuple[str, ...]) -> bool:
+    """Whether ``value``, in ``mod``'s instance dict, stands in for the class's method ``name``: a
+    method bound to ``mod`` or a plain function, defined under ``prefixes``."""
+    if not callable(value) or not callable(getattr(type(mod), name, None)):
+        return False
+    if getattr(value, "__self__", mod) is not mod:
         return False
     # functools.wraps copies the wrapped method's __module__; the globals tell where it was defined.
-    defined_in = getattr(getattr(value, "__func__", None), "__globals__", {}).get("__name__", "")
+    defined_in = getattr(getattr(value, "__func__", value), "__globals__", {}).get("__name__", "")
     return (str(defined_in) + ".").startswith(prefixes)
 
 

@@ -1,12 +1,13 @@
 """Tensor parallelism: a model whose parameters are DTensors with no wrapper around them
-(``parallelize_module``, ``ColwiseParallel`` / ``RowwiseParallel`` plans). Nothing changes its
-class, so it is recognised by what it holds (``claims``), once no wrapper matched.
+(torch's ``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` plans, or
+transformers' ``from_pretrained(..., tp_plan=...)``). Nothing changes its class, so it is
+recognised by what it holds (``claims``), once no wrapper matched.
 
 The parameters lie on one device mesh, each ``Shard(d)`` or ``Replicate`` on each of its
 dimensions (``_dtensor.py`` reads them); the layers the plan left alone keep plain tensors, the
-same on every rank. TP's own input and output redistribution are forward hooks installed by
-``torch.distributed.tensor``; with the parameters full they are taken out of the call path, so a
-gathered model runs as the plain module.
+same on every rank. TP's own input and output redistribution (torch's forward hooks, transformers'
+replaced ``forward``) is taken out of the call path with the parameters full, so a gathered model
+runs as the plain module.
 """
 
 from __future__ import annotations
@@ -113,8 +114,9 @@ class TensorParallelAdapter(ShardedAdapter):
 
     # -- gathering and writing back -------------------------------------------------------------
     def gather_bypass(self) -> Bypass:
-        # distribute_module's input and output hooks (redistributing activations) live there.
-        return Bypass(("torch.distributed.tensor.",))
+        # torch's distribute_module puts its input and output redistribution in forward hooks;
+        # transformers' tensor parallelism (``tp_plan``) replaces each layer's ``forward`` instead.
+        return Bypass(("torch.distributed.tensor.", "transformers.distributed.tensor_parallel."))
 
     def gather_one(self, p: torch.Tensor) -> torch.Tensor:
         return full_value(p)
