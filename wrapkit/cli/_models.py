@@ -26,7 +26,7 @@ from ..adapters.fsdp2 import fully_shard_per_block
 __all__ = ["tiny_llama", "toy_model", "build", "parse_stack", "ds_config", "BACKENDS", "block_classes",
            "PRECISIONS", "TOPOLOGIES", "supports"]
 
-BACKENDS = ("plain", "dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3")
+BACKENDS = ("plain", "dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "tp")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 # How the ranks are arranged; all but "flat" stand in for two nodes of two devices (four ranks).
 TOPOLOGIES = {
@@ -166,7 +166,7 @@ class _Mpu:
 
 def _apply(layer: str, model: torch.nn.Module, device: torch.device, precision: str, topology: str) -> torch.nn.Module:
     half = PRECISIONS[precision] if precision != "fp32" else None
-    if layer in ("plain", "dp", "ddp") and half is not None:
+    if layer in ("plain", "dp", "ddp", "tp") and half is not None:
         model = model.to(half)
     if layer == "plain":
         return model.to(device)
@@ -221,6 +221,8 @@ def _apply(layer: str, model: torch.nn.Module, device: torch.device, precision: 
             mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
         mp = {} if half is None else {"mp_policy": MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)}
         return fully_shard_per_block(model.to(device), mesh, **mp)
+    if layer == "tp":
+        return tensor_parallel(model.to(device), device)
     if layer.startswith("zero") and layer[4:].isdigit():
         import deepspeed
 
@@ -235,6 +237,32 @@ def _apply(layer: str, model: torch.nn.Module, device: torch.device, precision: 
         engine, *_ = deepspeed.initialize(model=model, config=ds_config(int(layer[4:]), **extra), mpu=mpu)
         return engine  # type: ignore[no-any-return]
     raise ValueError(f"unknown stack layer {layer!r}; known: {', '.join(BACKENDS)}, compile, peft")
+
+
+def tensor_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Tensor parallel over two ranks with torch's ``parallelize_module``: the whole group, or the ``tp``
+    dimension of a (dp, tp) mesh on more (each dp slice a model of its own). A transformers decoder's
+    attention and MLP projections are split column- then row-wise; any other model's linear layers
+    column-wise, their outputs gathered."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    world = torch.distributed.get_world_size()
+    if world % 2:
+        raise ValueError(f"the tp stack splits over two ranks, so it needs an even world size, not {world}")
+    mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if layers is None:
+        plan: dict[str, Any] = {name: ColwiseParallel(output_layouts=Replicate())
+                                for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        return parallelize_module(model, mesh, plan)
+    plan = {**{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
+            "self_attn.o_proj": RowwiseParallel(),
+            **{f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")}, "mlp.down_proj": RowwiseParallel()}
+    for layer in layers:
+        parallelize_module(layer, mesh, plan)
+    return model
 
 
 def build(spec: str, *, model: torch.nn.Module | None = None, device: torch.device | str | None = None,

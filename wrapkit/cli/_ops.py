@@ -105,10 +105,14 @@ def _to_eval_frozen(wm: Any, ctx: dict[str, Any]) -> None:
 
 
 def _prepare_reference(wm: Any, ctx: dict[str, Any]) -> None:
-    from .._errors import ReferenceModelError
+    from .._errors import ReferenceModelError, UnsupportedModelError
     from .._wrapped import prepare_reference
 
-    ref = prepare_reference(wm.module, None)
+    try:
+        ref = prepare_reference(wm.module, None)
+    except UnsupportedModelError as exc:
+        # A backend that cannot build a frozen copy says so (tensor parallelism: the plan is not kept).
+        raise Refused(str(exc).split(";")[0]) from exc
     assert ref.is_sharded == wm.is_sharded, "the reference is not sharded the policy's way"
     assert ref.num_parameters(trainable_only=True) == 0, "the reference is trainable"
     _on_device(ref, "prepare_reference()")
