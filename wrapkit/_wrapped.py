@@ -265,11 +265,7 @@ class AdapterDisabledView(Wrapped):
     def __repr__(self) -> str:
         return f"<{type(self).__name__} of {self._below.policy!r}>"
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, AdapterDisabledView) and other._below == self._below
-
-    def __hash__(self) -> int:
-        return hash(self._below)
+    # Equality and hash are Wrapped's: the same view adapter (AdaptersOff over the same policy).
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._view_module(*args, **kwargs)

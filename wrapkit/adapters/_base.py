@@ -228,8 +228,8 @@ class Adapter:
         names = getattr(mesh, "mesh_dim_names", None) or [str(i) for i in range(mesh.ndim)]
         roles = topology.roles or ("?",) * mesh.ndim
         dims = ", ".join(f"{n}={mesh.size(i)} {r}" for i, (n, r) in enumerate(zip(names, roles, strict=True)))
-        return [f"mesh:         {dims}",
-                f"batches:      data-parallel rank {self.data_parallel_rank} of {self.data_parallel_size}"]
+        size, rank = self._data_parallel()
+        return [f"mesh:         {dims}", f"batches:      data-parallel rank {rank} of {size}"]
 
     def _replicas_text(self) -> str:
         """Where the model is replicated across groups (HSDP): which copy this rank is in, of how many."""

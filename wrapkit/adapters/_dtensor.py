@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 
 from .._agree import settle
-from .._gather import Replace, all_gather_into
+from .._gather import Replace, all_gather_into, submodules
 from .._imports import lookup
 from ._primitives import Piece, Topology, copy_into
 
 __all__ = ["Layout", "is_dtensor", "local_tensor", "mesh_key", "shard_key", "full_values", "full_value",
-           "write_full", "load_piece", "readable", "shard_map", "pieces", "gather_many", "full_copies"]
+           "write_full", "load_piece", "readable", "shard_map", "pieces", "gather_many", "full_copies",
+           "local_bytes", "local_placement", "local_layout", "mesh_device"]
 
 Shape = tuple[int, ...]
 
@@ -254,6 +255,35 @@ def shard_map(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[torc
         local = local_tensor(p)
         out[name] = (local, shard_key(p, local, meshes))
     return out
+
+
+def local_bytes(params: Iterable[torch.Tensor]) -> int:
+    """Bytes this rank holds of ``params``: a DTensor's local shard, a plain tensor whole."""
+    return sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in params)
+
+
+def local_placement(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``placement_tensors`` with each DTensor's local shard in its place, which is what moves."""
+    for name, t in named:
+        yield (f"{name} (local shard)", local_tensor(t)) if is_dtensor(t) else (name, t)
+
+
+def local_layout(root: torch.nn.Module) -> list[torch.Tensor]:
+    """``layout_tensors``: this rank's shard of every parameter, then every buffer, module by module.
+    Straight from each module's dicts: ``parameters()`` and ``buffers()`` cost several times more,
+    and a cached sync reads this at every call."""
+    out: list[torch.Tensor] = []
+    for m in submodules(root):
+        out.extend(local_tensor(p) for p in m._parameters.values() if p is not None)
+        out.extend(b for b in m._buffers.values() if b is not None)
+    return out
+
+
+def mesh_device(mesh: Any) -> torch.device | None:
+    """The device this rank computes on for ``mesh``: its accelerator's current one; None on the CPU."""
+    if mesh is None or mesh.device_type == "cpu":
+        return None
+    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
 
 
 def pieces(named: Iterable[tuple[str, torch.Tensor]]) -> list[Piece]:

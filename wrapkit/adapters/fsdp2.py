@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from .._gather import Bypass, submodules
+from .._gather import Bypass
 from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import Adapter, ShardedAdapter
@@ -19,7 +19,10 @@ from ._dtensor import (
     full_value,
     gather_many,
     is_dtensor,
-    local_tensor,
+    local_bytes,
+    local_layout,
+    local_placement,
+    mesh_device,
     mesh_key,
     pieces,
     shard_map,
@@ -128,11 +131,7 @@ class FSDP2Adapter(ShardedAdapter):
         dev = getattr(state, "_device", None)
         if isinstance(dev, torch.device):
             return dev
-        mesh = self._own_mesh()
-        if mesh is not None and mesh.device_type != "cpu":
-            mod = getattr(torch, mesh.device_type)
-            return torch.device(mesh.device_type, mod.current_device())
-        return torch.device("cpu")
+        return mesh_device(self._own_mesh()) or torch.device("cpu")
 
     @property
     def is_sharded(self) -> bool:
@@ -143,11 +142,7 @@ class FSDP2Adapter(ShardedAdapter):
         return p.numel()
 
     def resident_parameter_bytes(self) -> int:
-        total = 0
-        for p in self._unique_parameters():
-            local = local_tensor(p)  # a DTensor's shard; a plain tensor is whole
-            total += local.numel() * local.element_size()
-        return total
+        return local_bytes(self._unique_parameters())
 
     def full_shapes(self) -> dict[int, tuple[int, ...]]:
         # A DTensor parameter reports its full shape itself.
@@ -164,14 +159,7 @@ class FSDP2Adapter(ShardedAdapter):
         return shard_map((canonical_name(n), p) for n, p in self.unwrap().named_parameters())
 
     def layout_tensors(self) -> list[torch.Tensor] | None:
-        # Straight from each module's dicts: ``parameters()`` and ``buffers()`` cost several times more.
-        out: list[torch.Tensor] = []
-        for m in submodules(self.unwrap()):
-            for p in m._parameters.values():
-                if p is not None:
-                    out.append(local_tensor(p))
-            out.extend(b for b in m._buffers.values() if b is not None)
-        return out
+        return local_layout(self.unwrap())
 
     # -- full parameters (gathered / generation / named_full_parameters) --------------
     def gather_bypass(self) -> Bypass:
@@ -276,8 +264,7 @@ class FSDP2Adapter(ShardedAdapter):
     # Moving goes through ``nn.Module._apply``, which FSDP2 overrides to re-register
     # the padded local shards; only the check needs to look inside the DTensors.
     def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in super().placement_tensors():
-            yield (f"{name} (local shard)", local_tensor(t)) if is_dtensor(t) else (name, t)
+        return local_placement(super().placement_tensors())
 
 
 def fully_shard_per_block(module: torch.nn.Module, mesh: Any, **kwargs: Any) -> torch.nn.Module:

@@ -28,7 +28,10 @@ from ._dtensor import (
     full_value,
     gather_many,
     is_dtensor,
-    local_tensor,
+    local_bytes,
+    local_layout,
+    local_placement,
+    mesh_device,
     mesh_key,
     pieces,
     readable,
@@ -87,10 +90,7 @@ class TensorParallelAdapter(ShardedAdapter):
 
     @property
     def device(self) -> torch.device:
-        mesh = self.mesh()
-        if mesh is not None and mesh.device_type != "cpu":
-            return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
-        return super().device
+        return mesh_device(self.mesh()) or super().device
 
     @property
     def is_sharded(self) -> bool:
@@ -104,13 +104,13 @@ class TensorParallelAdapter(ShardedAdapter):
         return {}
 
     def resident_parameter_bytes(self) -> int:
-        return sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in self._unique_parameters())
+        return local_bytes(self._unique_parameters())
 
     def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
         return shard_map((canonical_name(n), p) for n, p in self.unwrap().named_parameters())
 
     def layout_tensors(self) -> list[torch.Tensor] | None:
-        return [local_tensor(t) for _, t in self.named_live()]
+        return local_layout(self.unwrap())
 
     # -- gathering and writing back -------------------------------------------------------------
     def gather_bypass(self) -> Bypass:
@@ -163,5 +163,4 @@ class TensorParallelAdapter(ShardedAdapter):
         Adapter.move(self, target, copy)
 
     def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, t in super().placement_tensors():
-            yield (f"{name} (local shard)", local_tensor(t)) if is_dtensor(t) else (name, t)
+        return local_placement(super().placement_tensors())
