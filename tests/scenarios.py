@@ -160,8 +160,9 @@ def fsdp1_variants() -> dict[str, Any]:
 
 def tensor_parallel_refused() -> dict[str, str]:
     """A tensor-parallel Llama (``parallelize_module`` over a mesh's ``tp`` dimension), which ``adapt()``
-    takes as the tp backend; and on four ranks FSDP2 over ``mesh["dp"]`` of a (dp, tp) mesh on top of it,
-    which it must refuse, never call plain."""
+    takes as the tp backend; on four ranks FSDP2 over ``mesh["dp"]`` of a (dp, tp) mesh on top of it,
+    taken as fsdp2; and DDP over the dp group around a tensor-parallel model, which it must refuse,
+    never call plain or ddp."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -173,12 +174,16 @@ def tensor_parallel_refused() -> dict[str, str]:
     tp_size = 2
     shape, names = ((world // tp_size, tp_size), ("dp", "tp")) if world > tp_size else ((tp_size,), ("tp",))
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model = tiny_llama(0)
     plan = {**{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
             "self_attn.o_proj": RowwiseParallel(),
             **{f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")}, "mlp.down_proj": RowwiseParallel()}
-    for layer in model.model.layers:
-        parallelize_module(layer, mesh["tp"], plan)
+
+    def parallelized() -> Any:
+        model = tiny_llama(0)
+        for layer in model.model.layers:
+            parallelize_module(layer, mesh["tp"], plan)
+        return model
+
     out: dict[str, str] = {}
 
     def attempt(key: str, obj: Any) -> None:
@@ -188,14 +193,18 @@ def tensor_parallel_refused() -> dict[str, str]:
         except wrapkit.UnsupportedModelError as exc:
             out[key] = f"UnsupportedModelError: {exc}"
 
-    attempt("tp", model)
+    attempt("tp", parallelized())
     if world > tp_size:
         from torch.distributed.fsdp import fully_shard
+        from torch.nn.parallel import DistributedDataParallel
 
+        model = parallelized()
         for layer in model.model.layers:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         attempt("fsdp2+tp", model)
+        attempt("ddp+tp", DistributedDataParallel(parallelized(), process_group=mesh["dp"].get_group(),
+                                                  init_sync=False))
     return out
 
 
@@ -209,7 +218,8 @@ def topologies() -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for spec, topology in [("fsdp", "hsdp"), ("fsdp", "hybrid-groups"), ("fsdp2", "hsdp"), ("fsdp2", "submesh"),
-                           ("ddp", "subgroup"), ("zero3", "flat"), ("fsdp", "flat")]:
+                           ("ddp", "subgroup"), ("zero3", "flat"), ("fsdp", "flat"),
+                           ("fsdp2", "tp"), ("fsdp2", "hsdp-tp")]:
         wm = as_adapter(wrapkit.adapt(build(spec, topology=topology)))
         described = wm.topology()
         group, replicas, mesh = described.group, described.replicas, described.mesh

@@ -75,7 +75,7 @@ def layouts(mesh_shape: list[int], placements: list[str], dtype: str = "float32"
         for full, d in pairs:
             new = full * 10 + writer
             mine = new if index == writer and first_copy else new + 100 + dist.get_rank()
-            _dtensor.write_full(d, mine, writer)
+            _dtensor.write_full(d, mine, writer, layout.shard_group(), layout.replica_groups())
             if not torch.equal(d.full_tensor(), new):
                 problems.append(f"{tuple(full.shape)}: written from {writer}, read back differs")
 
@@ -96,3 +96,49 @@ def _replicas(mesh: Any, layout: Any) -> int:
     for i in layout.replica_dims:
         n *= mesh.size(i)
     return n
+
+
+def strided() -> list[str]:
+    """FSDP2 beside tensor parallelism on a (dp, tp) mesh of four ranks: the even ``_StridedShard``
+    parameters are gathered with the others, one all-gather per cut per group; an uneven one is left
+    to DTensor's own gather. Every value equals ``full_tensor()``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 7, bias=False))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel(), "2": ColwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    params = list(model.parameters())
+    problems: list[str] = []
+    strided = [p for p in params if any(type(x).__name__ == "_StridedShard" for x in p.placements)]
+    if len(strided) != 3:
+        problems.append(f"{len(strided)} strided parameters, expected 3 (the column-wise layers')")
+    gathers = [0]
+    real = _dtensor.all_gather_into
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        gathers[0] += 1
+        real(*args, **kwargs)
+
+    _dtensor.all_gather_into = counted  # type: ignore[assignment]
+    try:
+        served = dict((id(p), full) for p, full in _dtensor.full_values(params, {}))
+    finally:
+        _dtensor.all_gather_into = real  # type: ignore[assignment]
+    uneven = model[2].weight
+    if id(uneven) in served or len(served) != len(params) - 1:
+        problems.append(f"{len(served)} of {len(params)} served; the uneven strided one must not be")
+    # Column-wise weights and biases (strided dp after tp): 2 gathers; row-wise weight (dp rows, tp
+    # columns): 2; row-wise bias (dp rows, tp copies): 1.
+    if gathers[0] != 5:
+        problems.append(f"{gathers[0]} all-gathers, expected 5")
+    for p in params:
+        want = p.full_tensor()
+        got = served.get(id(p), _dtensor.full_value(p))
+        if not torch.equal(got, want):
+            problems.append(f"{tuple(p.shape)} {p.placements}: gathered value differs")
+    dist.barrier()
+    return problems

@@ -25,7 +25,8 @@ def _parallelized(seed: int, dtype: torch.dtype = torch.float32, producer: str =
                  tmp: str = "") -> torch.nn.Module:
     """``tiny_llama(seed)`` tensor parallel over two ranks: the whole group, or on four ranks the ``tp``
     dimension of a (dp, tp) mesh, where each dp slice holds a model of its own. ``producer="transformers"``:
-    loaded by ``from_pretrained(..., tp_plan="auto")`` from a checkpoint rank 0 writes into ``tmp``."""
+    loaded by ``from_pretrained(..., tp_plan="auto")`` from a checkpoint rank 0 writes into ``tmp``.
+    ``producer="fsdp2"``: then ``fully_shard`` per block over the ``dp`` dimension, one model over every rank."""
     if producer == "transformers":
         from transformers import LlamaForCausalLM
 
@@ -39,13 +40,18 @@ def _parallelized(seed: int, dtype: torch.dtype = torch.float32, producer: str =
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     world = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world // TP_SIZE, TP_SIZE), mesh_dim_names=("dp", "tp"))["tp"]
+    root = init_device_mesh("cpu", (world // TP_SIZE, TP_SIZE), mesh_dim_names=("dp", "tp"))
+    mesh = root["tp"]
     model = tiny_llama(seed).to(dtype)
     plan = {**{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
             "self_attn.o_proj": RowwiseParallel(),
             **{f"mlp.{p}": ColwiseParallel() for p in ("gate_proj", "up_proj")}, "mlp.down_proj": RowwiseParallel()}
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
+    if producer == "fsdp2":
+        from wrapkit.adapters.fsdp2 import fully_shard_per_block
+
+        fully_shard_per_block(model, root["dp"])
     return model
 
 
@@ -75,7 +81,7 @@ def operations(tmp: str, dtype_name: str, producer: str = "torch") -> dict[str, 
                            "data_parallel": (wm.data_parallel_rank, wm.data_parallel_size),
                            "num_parameters": wm.num_parameters() == sum(p.numel() for p in plain.parameters())}
     q: Any = wm.unwrap().model.layers[0].self_attn.q_proj.weight
-    obs["split"] = q.to_local().shape[0] * TP_SIZE == q.shape[0]
+    obs["split"] = q.to_local().shape[0] * wm.world_size == q.shape[0]
     with torch.no_grad():
         want_logits = _logits(plain(TOKENS))
         want_tokens = plain.generate(PROMPT, max_new_tokens=6, do_sample=False).tolist()
@@ -107,8 +113,8 @@ def operations(tmp: str, dtype_name: str, producer: str = "torch") -> dict[str, 
     obs["copy_tp_to_tp"] = _equal(third.full_state_dict(rank0_only=False), want)
 
     # Files: save_pretrained read back by transformers, and load into another parallelized model.
-    # Each dp slice is a model of its own, with its own files.
-    tmp = os.path.join(tmp, f"slice{dist.get_rank() // TP_SIZE}")
+    # Each model (tensor parallel alone: each dp slice) has its own files; a model's ranks are consecutive.
+    tmp = os.path.join(tmp, f"model{dist.get_rank() - wm.rank}")
     os.makedirs(tmp, exist_ok=True)
     directory = os.path.join(tmp, f"tp-{dtype_name}")
     wm.save_pretrained(directory, max_shard_size="20KB")
@@ -146,7 +152,7 @@ def operations(tmp: str, dtype_name: str, producer: str = "torch") -> dict[str, 
     # frozen copy built by wrapkit is refused, naming the backend and the fix.
     ref = wrapkit.prepare_reference(wm, parallelized(0, dtype))
     with torch.no_grad():
-        obs["reference"] = (ref.backend == "tp" and ref.num_parameters(trainable_only=True) == 0
+        obs["reference"] = (ref.backend == wm.backend and ref.num_parameters(trainable_only=True) == 0
                             and not any(m.training for m in ref.module.modules()))
         obs["reference_forward"] = float((_logits(ref(TOKENS)) - want_logits).abs().max())
     try:

@@ -28,3 +28,8 @@ def test_two_d_mesh(group4: Any, placements: list[str]) -> None:
 def test_cast_before_the_gather(group4: Any) -> None:
     for rank, problems in enumerate(group4.run(sd.layouts, [2, 2], ["R", "S0"], "bfloat16", timeout=60)):
         assert problems == [], f"rank {rank}: {problems}"
+
+
+def test_strided_shards_gathered_with_the_others(group4: Any) -> None:
+    for rank, problems in enumerate(group4.run(sd.strided, timeout=60)):
+        assert not problems, f"rank {rank}: {problems}"

@@ -18,6 +18,7 @@ FLAT_CASES = [{"spec": b} for b in BACKENDS if b != "dp"] + [
 TOPOLOGY_CASES = [
     {"spec": "fsdp2", "topology": "hsdp"}, {"spec": "fsdp", "topology": "hybrid-groups"},
     {"spec": "zero3", "topology": "subgroup"}, {"spec": "fsdp2", "topology": "submesh", "precision": "bf16"},
+    {"spec": "fsdp2", "topology": "tp"}, {"spec": "fsdp2", "topology": "hsdp-tp", "precision": "bf16"},
 ]
 
 

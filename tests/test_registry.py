@@ -145,11 +145,12 @@ def test_tensor_parallel_model_adapted_as_tp(group: Any) -> None:
         assert obs["tp"] == "adapted as tp, is_sharded=True", obs["tp"]
 
 
-def test_fsdp2_over_a_tensor_parallel_mesh_refused_at_adapt(group4: Any) -> None:
+def test_data_parallel_wrappers_over_a_tensor_parallel_mesh(group4: Any) -> None:
     for obs in group4.run("tests.scenarios:tensor_parallel_refused", timeout=120):
         # Tensor parallel over mesh["tp"] alone: each dp slice holds a model of its own.
         assert obs["tp"] == "adapted as tp, is_sharded=True", obs["tp"]
-        _check_tp_refusal(obs["fsdp2+tp"])
+        assert obs["fsdp2+tp"] == "adapted as fsdp2, is_sharded=True", obs["fsdp2+tp"]
+        _check_tp_refusal(obs["ddp+tp"])
 
 
 def test_a_sharded_adapter_must_define_every_sharded_primitive() -> None:
@@ -227,21 +228,30 @@ def test_topology_of_every_four_rank_layout(group4: Any) -> None:
             assert t["parts_agree"], layout
             assert t["world_size"] == t["group"], layout
         want = {"fsdp/hsdp": (2, [2]), "fsdp/hybrid-groups": (2, [2]), "fsdp2/hsdp": (2, [2]),
-                "fsdp2/submesh": (2, []), "ddp/subgroup": (2, []), "zero3/flat": (4, []), "fsdp/flat": (4, [])}
+                "fsdp2/submesh": (2, []), "ddp/subgroup": (2, []), "zero3/flat": (4, []), "fsdp/flat": (4, []),
+                # One copy over shard x tp: every rank; on the 3-D stand-in, shard (1) x tp (2), two copies.
+                "fsdp2/tp": (4, []), "fsdp2/hsdp-tp": (2, [2])}
         assert {k: (t["group"], t["replicas"]) for k, t in obs.items()} == want
         assert obs["fsdp2/hsdp"]["mesh"] == (2, 2) and obs["fsdp2/submesh"]["mesh"] == (2,)
         assert obs["fsdp/hsdp"]["mesh"] == (2, 2)  # the mesh FSDP1 was given
         assert obs["ddp/subgroup"]["mesh"] is None and obs["zero3/flat"]["mesh"] is None
         assert obs["fsdp2/hsdp"]["roles"] == obs["fsdp/hsdp"]["roles"] == ("replicate", "shard")
         assert obs["fsdp2/submesh"]["roles"] == ("shard",)
+        assert obs["fsdp2/tp"]["roles"] == ("shard", "tp") and obs["fsdp2/tp"]["mesh"] == (2, 2)
+        assert obs["fsdp2/hsdp-tp"]["roles"] == ("replicate", "shard", "tp")
+        assert obs["fsdp2/hsdp-tp"]["mesh"] == (2, 1, 2)
         # Every rank of a data-parallel layout takes its own batch: 4 of them, or 2 per model of a sub-group.
         ranks = {k: t["data_parallel"] for k, t in obs.items()}
         for layout in ("fsdp/hsdp", "fsdp/hybrid-groups", "fsdp2/hsdp", "zero3/flat", "fsdp/flat"):
             assert ranks[layout][1] == 4, (layout, ranks[layout])
         assert ranks["fsdp2/submesh"][1] == ranks["ddp/subgroup"][1] == 2
+        # The two ranks along tp share a batch: two batches over the four ranks.
+        assert ranks["fsdp2/tp"][1] == ranks["fsdp2/hsdp-tp"][1] == 2
         assert "mesh:         replicate=2 replicate, shard=2 shard" in obs["fsdp2/hsdp"]["describe"], \
             obs["fsdp2/hsdp"]["describe"]
     # Four distinct batches over the four ranks of a 2x2 layout.
     results = group4.run("tests.scenarios:topologies", timeout=180)
     assert sorted(r["fsdp2/hsdp"]["data_parallel"][0] for r in results) == [0, 1, 2, 3]
     assert sorted(r["fsdp/hsdp"]["data_parallel"][0] for r in results) == [0, 1, 2, 3]
+    for layout in ("fsdp2/tp", "fsdp2/hsdp-tp"):
+        assert [r[layout]["data_parallel"][0] for r in results] == [0, 0, 1, 1], layout

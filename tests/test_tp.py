@@ -11,10 +11,10 @@ import pytest
 from tests import scenarios_tp as sc
 
 
-def check(results: list[dict[str, Any]], dtype: str) -> None:
+def check(results: list[dict[str, Any]], dtype: str, backend: str = "tp") -> None:
     for obs in results:
-        assert obs["backend"] == "tp" and obs["is_sharded"] and obs["stack"][-2:] == ("tp", "LlamaForCausalLM")
-        assert obs["world_size"] == 2 and obs["split"] and obs["num_parameters"]
+        assert obs["backend"] == backend and obs["is_sharded"] and obs["stack"][-2:] == (backend, "LlamaForCausalLM")
+        assert obs["split"] and obs["num_parameters"]
         assert obs["tp_forward"] < (1e-5 if dtype == "float32" else 5e-2)
         assert obs["reference_forward"] == obs["tp_forward"]  # the same TP forward, frozen
         for key in ("full_state_dict", "named_full", "gathered_plain_params", "generation_full",
@@ -25,11 +25,17 @@ def check(results: list[dict[str, Any]], dtype: str) -> None:
         # The gathered model is the plain module on full weights: the plain model's logits exactly.
         assert obs["gathered_forward"] == 0.0
         assert obs["files"] > 1
-        assert "backend:      tp" in obs["describe"]
-        # Both ranks of a tensor-parallel model take the same batch.
-        assert obs["data_parallel"] == (0, 1)
-        assert "mesh:         tp=2 tp" in obs["describe"], obs["describe"]
-        assert "the tp backend cannot build a frozen copy" in obs["fresh_reference"], obs["fresh_reference"]
+        assert f"backend:      {backend}" in obs["describe"]
+        if backend == "tp":
+            # Both ranks of a tensor-parallel model take the same batch.
+            assert obs["world_size"] == 2 and obs["data_parallel"] == (0, 1)
+            assert "mesh:         tp=2 tp" in obs["describe"], obs["describe"]
+            assert "the tp backend cannot build a frozen copy" in obs["fresh_reference"], obs["fresh_reference"]
+        else:
+            # One model over the four ranks; the two along tp share a batch, the two along dp take their own.
+            assert obs["world_size"] == 4 and obs["data_parallel"] == (obs["rank"] // 2, 2), obs["data_parallel"]
+            assert "mesh:         dp=2 shard, tp=2 tp" in obs["describe"], obs["describe"]
+            assert "keeps no record of its plan" in obs["fresh_reference"], obs["fresh_reference"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -47,3 +53,10 @@ def test_a_model_transformers_loaded_with_a_tp_plan(group: Any, tmp_path: Path, 
     """``from_pretrained(..., tp_plan="auto")``: transformers replaces each layer's ``forward`` instead of
     hooking it; gathered, the model still runs as the plain module."""
     check(group.run(sc.operations, str(tmp_path), dtype, "transformers", timeout=240), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_every_operation_on_fsdp2_beside_tensor_parallelism(group4: Any, tmp_path: Path, dtype: str) -> None:
+    """Four ranks, a (dp, tp) mesh: tensor parallel over ``tp``, then ``fully_shard`` per block over ``dp``.
+    One model over every rank, its split layers ``_StridedShard`` over dp and ``Shard`` over tp."""
+    check(group4.run(sc.operations, str(tmp_path), dtype, "fsdp2", timeout=300), dtype, "fsdp2")

@@ -186,8 +186,10 @@ class Adapter:
             return 1, 0
         topology = self.topology()
         size, rank = self._group_size_and_rank()
-        if topology.tp_group is not None and topology.tp_group is topology.group:
-            size, rank = 1, 0  # the group splits layers, not batches
+        if topology.tp_group is not None:
+            # The ranks along the tensor-parallel dimension (the group's innermost) split layers, not batches.
+            tp = dist.get_world_size(topology.tp_group)
+            size, rank = size // tp, rank // tp
         for g in topology.replicas:  # each copy takes its own batches: copy index outermost
             size, rank = dist.get_world_size(g) * size, dist.get_rank(g) * size + rank
         return size, rank
@@ -426,9 +428,9 @@ class Adapter:
                 f"{type(self._innermost).__name__} parameter {canonical_name(name)!r} is a DTensor with placements "
                 f"{tuple(p.placements)} on a {mesh.ndim}-D mesh of {mesh.size()} ranks{dims}: {why}. Tensor "
                 "parallelism is supported alone (parallelize_module over one mesh dimension, no wrapper around "
-                "it), not yet under a data-parallel wrapper (fully_shard over the other dimension of a (dp, tp) "
-                "mesh, DDP, FSDP1, DeepSpeed); shard the model with fully_shard (FSDP2), FSDP1 or DeepSpeed "
-                "alone, or use tensor parallelism alone."
+                "it) and beside fully_shard (FSDP2 over the dimensions before it of one named mesh), not under "
+                "DDP, FSDP1 or DeepSpeed; shard the model with one of those alone, or use tensor parallelism "
+                "with FSDP2."
             )
 
     def unsupported_dtensor(self, p: Any) -> str | None:

@@ -3,10 +3,11 @@ their layout on the mesh, full values gathered with one collective per group of 
 sharded mesh dimension, full values written back, this rank's pieces for a load, and the keys that
 say two shards hold the same slice.
 
-``Shard(d)`` on any tensor dimension and ``Replicate`` on any mesh dimension are read here directly;
-any other placement (``_StridedShard``, ``Partial``) through DTensor's own ``full_tensor()``, one
-parameter at a time. DTensor splits a dimension as ``torch.chunk`` does, mesh dimension by mesh
-dimension in order; gathering undoes that from the last mesh dimension to the first.
+``Shard(d)`` on any tensor dimension, ``Replicate`` on any mesh dimension, and the even
+``_StridedShard`` FSDP2 leaves beside tensor parallelism are read here directly; any other placement
+(``Partial``, an uneven strided split) through DTensor's own ``full_tensor()``, one parameter at a time.
+DTensor splits a dimension as ``torch.chunk`` does, mesh dimension by mesh dimension in order (a
+strided one after those it names); gathering undoes that from the last cut to the first.
 """
 
 from __future__ import annotations
@@ -20,15 +21,21 @@ import torch
 import torch.distributed as dist
 
 from .._agree import settle
+from .._errors import UnsupportedModelError
 from .._gather import Replace, all_gather_into, submodules
 from .._imports import lookup
+from ._internals import DEVICE_MESH, require_internals
 from ._primitives import Piece, Topology, copy_into
 
-__all__ = ["Layout", "is_dtensor", "local_tensor", "mesh_key", "shard_key", "full_values", "full_value",
-           "write_full", "load_piece", "readable", "shard_map", "pieces", "gather_many", "full_copies",
+__all__ = ["TP_HOOKS", "Layout", "is_dtensor", "local_tensor", "mesh_key", "shard_key", "full_values", "full_value",
+           "write_full", "flat_group", "load_piece", "readable", "shard_map", "pieces", "gather_many", "full_copies",
            "local_bytes", "local_placement", "local_layout", "mesh_device"]
 
 Shape = tuple[int, ...]
+
+# Where tensor parallelism's input and output redistribution lives: torch's distribute_module puts it
+# in forward hooks, transformers' tensor parallelism (``tp_plan``) replaces each layer's ``forward``.
+TP_HOOKS = ("torch.distributed.tensor.", "transformers.distributed.tensor_parallel.")
 
 
 class Layout(NamedTuple):
@@ -44,12 +51,13 @@ class Layout(NamedTuple):
     @classmethod
     def of(cls, p: Any) -> Layout:
         places = tuple(p.placements)
-        shard = tuple(i for i, x in enumerate(places) if x.is_shard())
+        shard = tuple(i for i, x in enumerate(places) if _splits(x))
         return cls(p.device_mesh, shard, tuple(i for i in range(len(places)) if i not in shard))
 
     def shard_group(self) -> Any:
-        """The group across the slices of one copy, where one mesh dimension splits it (else None)."""
-        return self.mesh.get_group(self.shard_dims[0]) if len(self.shard_dims) == 1 else None
+        """The group across the slices of one copy: every rank that holds a different one (``flat_group``);
+        None where no mesh dimension splits the parameter."""
+        return flat_group(self.mesh, self.shard_dims) if self.shard_dims else None
 
     def replica_groups(self) -> list[Any]:
         """The group of each replica dimension: across the copies."""
@@ -81,11 +89,41 @@ def shard_key(p: Any, local: torch.Tensor, meshes: dict[int, tuple[Any, ...]]) -
     return ("dtensor", meshes[id(mesh)], tuple(str(x) for x in p.placements), tuple(p.shape), tuple(local.shape))
 
 
-def readable(p: Any) -> bool:
-    """Whether every placement of ``p`` is a plain ``Shard`` or ``Replicate`` (read here directly)."""
+def _splits(x: Any) -> bool:
+    """Whether placement ``x`` splits a tensor dimension (``_StridedShard`` is no ``Shard`` to torch)."""
+    return bool(x.is_shard()) or type(x).__name__ == "_StridedShard"
+
+
+def _split_order(p: Any) -> tuple[int, ...] | None:
+    """The mesh dimensions that split ``p``, in the order they cut it; None for a layout not read here
+    (``Partial``, a custom placement, an uneven strided split). DTensor cuts mesh dimension by mesh
+    dimension in order, except that a ``_StridedShard`` dimension cuts after the later ones splitting
+    the same tensor dimension, whose sizes its split factor multiplies (FSDP2 beside tensor parallelism:
+    tp's slices first, then dp's slice of each)."""
     from torch.distributed.tensor import Replicate, Shard
 
-    return p.dim() > 0 and all(type(x) in (Shard, Replicate) for x in p.placements)
+    places = list(p.placements)
+    order = [i for i, x in enumerate(places) if type(x) is Shard]
+    if any(type(x) not in (Shard, Replicate) and not _splits(x) for x in places):
+        return None
+    for i, x in enumerate(places):
+        if type(x) in (Shard, Replicate):
+            continue
+        d = x.dim % p.dim()
+        later = [j for j in order if j > i and places[j].dim % p.dim() == d]
+        factor = getattr(x, "split_factor", 0)
+        # Even splits only: there, slices of slices are what every maker of this placement means.
+        if not later or math.prod(p.device_mesh.size(j) for j in later) != factor or (
+                p.shape[d] % (factor * p.device_mesh.size(i))):
+            return None
+        order.insert(order.index(later[-1]) + 1, i)
+    return tuple(order)
+
+
+def readable(p: Any) -> bool:
+    """Whether ``p``'s layout is read here directly: ``Shard`` and ``Replicate``, and ``_StridedShard``
+    split evenly as FSDP2 splits a tensor-parallel slice."""
+    return p.dim() > 0 and _split_order(p) is not None
 
 
 def chunk_sizes(size: int, parts: int) -> list[int]:
@@ -95,20 +133,13 @@ def chunk_sizes(size: int, parts: int) -> list[int]:
     return [max(0, min(chunk, size - k * chunk)) for k in range(parts)]
 
 
-def _block(p: Any, coords: list[int], upto: int) -> list[int]:
-    """The shape of this rank's block of ``p`` once mesh dimensions ``0..upto-1`` have split it."""
+def _block(p: Any, coords: list[int], cuts: tuple[int, ...]) -> list[int]:
+    """The shape of this rank's block of ``p`` once mesh dimensions ``cuts`` have split it, in that order."""
     shape = list(p.shape)
-    for dim in range(upto):
-        place = p.placements[dim]
-        if place.is_shard():
-            d = place.dim % p.dim()
-            shape[d] = chunk_sizes(shape[d], p.device_mesh.size(dim))[coords[dim]]
+    for dim in cuts:
+        d = p.placements[dim].dim % p.dim()
+        shape[d] = chunk_sizes(shape[d], p.device_mesh.size(dim))[coords[dim]]
     return shape
-
-
-def _steps(p: Any) -> tuple[tuple[int, int], ...]:
-    """``(mesh dimension, tensor dimension)`` to gather over, last mesh dimension first."""
-    return tuple((i, x.dim % p.dim()) for i, x in reversed(list(enumerate(p.placements))) if x.is_shard())
 
 
 def full_values(params: list[Any], dtypes: dict[int, torch.dtype]) -> Iterator[tuple[Any, torch.Tensor]]:
@@ -130,17 +161,24 @@ def full_values(params: list[Any], dtypes: dict[int, torch.dtype]) -> Iterator[t
             meshes[id(mesh)] = (mesh_key(mesh), [mesh.get_local_rank(i) for i in range(mesh.ndim)])
         key_of_mesh, coords = meshes[id(mesh)]
         local = local_tensor(p)
-        if list(local.shape) != _block(p, coords, mesh.ndim):
+        order = _split_order(p)
+        assert order is not None  # readable
+        if list(local.shape) != _block(p, coords, order):
             continue  # not split as torch.chunk splits (padded storage): DTensor's own gather
-        key = (key_of_mesh, dtypes.get(id(p), p.dtype), local.device, _steps(p))
+        cuts = tuple((dim, p.placements[dim].dim % p.dim()) for dim in order)  # mesh and tensor dimension
+        key = (key_of_mesh, dtypes.get(id(p), p.dtype), local.device, cuts)
         groups.setdefault(key, []).append(p)
-    for (_, dtype, device, steps), todo in groups.items():
-        yield from _gather_group(todo, steps, dtype, device)
+    for (_, dtype, device, cuts), todo in groups.items():
+        yield from _gather_group(todo, cuts, dtype, device)
 
 
-def _gather_group(todo: list[Any], steps: tuple[tuple[int, int], ...], dtype: torch.dtype,
+def _gather_group(todo: list[Any], cuts: tuple[tuple[int, int], ...], dtype: torch.dtype,
                   device: torch.device) -> Iterator[tuple[Any, torch.Tensor]]:
+    """Full values of ``todo``, split alike (``cuts``: mesh dimension and tensor dimension, in the order
+    they cut): gathered from the last cut to the first, one all-gather each."""
     mesh = todo[0].device_mesh
+    order = tuple(dim for dim, _ in cuts)
+    steps = list(reversed(cuts))
     coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
     with torch.no_grad():
         current = [local_tensor(p).to(dtype) for p in todo]
@@ -154,7 +192,7 @@ def _gather_group(todo: list[Any], steps: tuple[tuple[int, int], ...], dtype: to
         # cut along tensor dimension ``d``. The first is the largest: every rank sends that many.
         shapes: list[list[list[int]]] = []
         for p in todo:
-            outer = _block(p, coords, mesh_dim)
+            outer = _block(p, coords, order[: order.index(mesh_dim)])
             shapes.append([outer[:d] + [size] + outer[d + 1:] for size in chunk_sizes(outer[d], parts)])
         slots = [math.prod(s[0]) for s in shapes]
         total = sum(slots)
@@ -192,31 +230,41 @@ def full_value(p: torch.Tensor) -> torch.Tensor:
     return p.detach()
 
 
-def write_full(p: Any, full: torch.Tensor, modifier_rank: int) -> None:
-    """Put ``full`` into DTensor ``p``'s shard on every rank, as the rank ``modifier_rank`` of the shard
-    dimensions (row-major over them) holds it in each copy; then the first copy's shards go to every
-    copy, so the copies stay equal whatever each one's writer wrote."""
+def write_full(p: Any, full: torch.Tensor, modifier_rank: int, group: Any, replicas: Iterable[Any]) -> None:
+    """Put ``full``, as rank ``modifier_rank`` of ``group`` (the ranks holding one copy of the model) holds
+    it, into DTensor ``p``'s shard on every rank; then each shard of the first copy goes to every copy
+    (``replicas``: the groups across the copies), so the copies stay equal whatever each one's writer wrote."""
     from torch.distributed.tensor import distribute_tensor
 
-    layout = Layout.of(p)
-    mesh = layout.mesh
     full = full.contiguous()
-    # The writer's coordinate on each shard dimension. Broadcasting along the first shard dimension
-    # gives its slice (the writer's coordinates elsewhere) the value, along the next one every slice.
-    sizes = [mesh.size(d) for d in layout.shard_dims]
-    coords = []
-    for size in reversed(sizes):
-        coords.append(modifier_rank % size)
-        modifier_rank //= size
-    for dim, coord in zip(layout.shard_dims, reversed(coords), strict=True):
-        group = mesh.get_group(dim)
-        dist.broadcast(full, dist.get_global_rank(group, coord), group=group)
-    # Every rank of a copy now holds the same full tensor: each cuts out its own shard, no communication.
-    local = distribute_tensor(full, mesh, p.placements, src_data_rank=None).to_local().contiguous()
-    for dim in layout.replica_dims:
-        group = mesh.get_group(dim)
-        dist.broadcast(local, dist.get_global_rank(group, 0), group=group)
+    src = modifier_rank if group is None else dist.get_global_rank(group, modifier_rank)
+    dist.broadcast(full, src, group=group)
+    # Every rank of a copy now holds the same full tensor: each cuts out its own shard, no communication
+    # (DTensor's own cut, so any placement it makes, ``_StridedShard`` included, is cut as it was made).
+    local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local().contiguous()
+    for replica_group in replicas:
+        dist.broadcast(local, dist.get_global_rank(replica_group, 0), group=replica_group)
     p.to_local().copy_(local)
+
+
+def flat_group(mesh: Any, dims: tuple[int, ...]) -> Any:
+    """The process group across mesh dimensions ``dims`` (ranks in row-major order over them); None
+    for the default group. Several dimensions need a flattened mesh: torch makes one, a collective
+    over every rank of the job, so this runs where every rank does (``adapt()``), and torch keeps it."""
+    if len(dims) == 1:
+        return mesh.get_group(dims[0])
+    if tuple(dims) == tuple(range(mesh.ndim)) and mesh.mesh.flatten().tolist() == list(
+            range(dist.get_world_size())):
+        return None  # the whole job, in order
+    names = getattr(mesh, "mesh_dim_names", None)
+    if not names:
+        raise UnsupportedModelError(
+            f"the parameters lie on a {mesh.ndim}-D device mesh without dimension names, split over "
+            f"{len(dims)} of its dimensions; name them (init_device_mesh(..., mesh_dim_names=...)) so that the "
+            "ranks holding one copy of the model can be given a group of their own.")
+    sub = mesh[tuple(names[d] for d in dims)]
+    require_internals([sub], DEVICE_MESH, "device mesh", "torch")
+    return sub._flatten().get_group()
 
 
 def load_piece(name: str, p: Any) -> Piece | None:
@@ -333,7 +381,7 @@ def full_copies(params: list[Any], dtypes: dict[int, torch.dtype], modifier_rank
             return  # the copies are dropped: the shards were never touched
         with torch.no_grad():
             for p, full in copies.values():
-                write_full(p, full.detach(), modifier_rank)
+                write_full(p, full.detach(), modifier_rank, topology.group, topology.replicas)
         written()
 
     with settle(finish, modifier_rank is not None, topology.group, world_size, topology.replicas):

@@ -20,7 +20,7 @@ from .._errors import UnsupportedModelError
 from .._imports import version_of
 
 __all__ = ["require_internals", "FSDP1_UNIT", "FSDP1_HANDLE", "FSDP1_FLAT", "FSDP2_STATE", "DTENSOR", "ZERO3_PARAM",
-           "FSDP2_MODULE", "FSDP_MANAGED", "PRIVATE_FIELDS"]
+           "FSDP2_MODULE", "FSDP_MANAGED", "DEVICE_MESH", "PRIVATE_FIELDS"]
 
 # What each backend's objects must have, by the object that carries it: checked on adapt().
 FSDP1_UNIT = ("_handle", "_fsdp_wrapped_module")
@@ -34,6 +34,8 @@ FSDP2_MODULE = ("_get_fsdp_state",)
 FSDP_MANAGED = ("_is_fsdp_managed_module",)
 FSDP2_STATE = ("_mp_policy", "_cast_forward_inputs", "_cast_output_dtype", "_fsdp_param_groups", "_device")
 DTENSOR = ("_local_tensor",)
+# A group across several mesh dimensions (FSDP2 beside tensor parallelism: shard x tp) has no public API.
+DEVICE_MESH = ("_flatten",)
 ZERO3_PARAM = ("ds_tensor", "ds_shape", "ds_numel", "ds_status")
 
 # Every private field of another library that wrapkit reads or writes, by the object that carries it.
@@ -46,6 +48,7 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     "FSDP2 module": FSDP2_MODULE,
     "FSDP2 state": FSDP2_STATE,
     "DTensor": DTENSOR,
+    "DeviceMesh (several dimensions split one copy)": DEVICE_MESH,
     # Read where present, with a fallback that is right where they are absent: set only under some
     # configurations (sharded strategies, HYBRID_SHARD, a device mesh, bf16 optimizers).
     "FSDP1 root (optional)": ("_inter_node_pg", "_use_full_prec_in_eval", "_device_mesh"),

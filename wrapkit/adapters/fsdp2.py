@@ -1,5 +1,11 @@
 """FSDP2 (``fully_shard``): no wrapper object; the module's class becomes an ``FSDPModule``
-subclass and its parameters become ``DTensor`` shards over a device mesh."""
+subclass and its parameters become ``DTensor`` shards over a device mesh.
+
+Tensor parallelism beside it (``parallelize_module`` over the ``tp`` dimension of a (dp, tp) or
+(replicate, shard, tp) mesh, then ``fully_shard`` over the others) leaves the layers it split on the
+whole mesh, fully_shard's dimensions first (``_StridedShard`` where both split the same tensor
+dimension), and the rest on fully_shard's own mesh. One copy of the model then lies over the shard
+and tensor-parallel dimensions together: that is the group, and the ranks along ``tp`` share a batch."""
 
 from __future__ import annotations
 
@@ -9,12 +15,15 @@ from typing import Any
 
 import torch
 
+from .._errors import UnsupportedModelError
 from .._gather import Bypass
 from .._imports import is_instance, lookup
 from .._names import canonical_name
 from ._base import Adapter, ShardedAdapter
 from ._dtensor import (
+    TP_HOOKS,
     Layout,
+    flat_group,
     full_copies,
     full_value,
     gather_many,
@@ -68,12 +77,39 @@ class FSDP2Adapter(ShardedAdapter):
                     return Layout.of(fsdp_param.sharded_param)
         return next((Layout.of(p) for p in self._innermost.parameters() if is_dtensor(p)), None)
 
+    def _tp_mesh(self) -> Any:
+        """The mesh of the parameters tensor parallelism split before fully_shard sharded them (its
+        dimensions fully_shard's, then the tensor-parallel ones), else None. Read off FSDP2's own sharded
+        parameters and kept: inside ``gathered()`` the module holds plain full copies."""
+        if "_kept_tp_mesh" not in self.__dict__:
+            own = self._own_mesh()
+            meshes = (fsdp_param.sharded_param.device_mesh for _, state in self._fsdp_states()
+                      for group in getattr(state, "_fsdp_param_groups", ()) for fsdp_param in group.fsdp_params)
+            self.__dict__["_kept_tp_mesh"] = next(
+                (m for m in meshes if own is not None and m.ndim > own.ndim), None)
+        return self.__dict__["_kept_tp_mesh"]
+
     def topology(self) -> Topology:
+        tp_mesh = self._tp_mesh()
+        if tp_mesh is not None:
+            return self._tp_topology(tp_mesh)
         layout = self._layout()
         if layout is None:
             return Topology(None, (), self._own_mesh())
         roles = tuple("shard" if d in layout.shard_dims else "replicate" for d in range(layout.mesh.ndim))
         return Topology(layout.shard_group(), tuple(layout.replica_groups()), self._own_mesh(), roles)
+
+    def _tp_topology(self, mesh: Any) -> Topology:
+        """FSDP2 beside tensor parallelism: fully_shard's dimensions keep their roles (HSDP's replicate,
+        then shard), the ones after them are tensor parallel; one copy lies over shard and tp together."""
+        kept: Topology | None = self.__dict__.get("_kept_topology")
+        if kept is None:
+            own = self._own_mesh().ndim
+            roles = ("replicate",) * (own - 1) + ("shard",) + ("tp",) * (mesh.ndim - own)
+            group = flat_group(mesh, tuple(range(own - 1, mesh.ndim)))
+            replicas = tuple(mesh.get_group(d) for d in range(own - 1))
+            kept = self.__dict__["_kept_topology"] = Topology(group, replicas, mesh, roles, mesh.get_group(own))
+        return kept
 
     def _check_internals(self) -> None:
         fsdp_module = lookup("torch.distributed.fsdp", "FSDPModule")
@@ -85,18 +121,21 @@ class FSDP2Adapter(ShardedAdapter):
         require_internals(shards, DTENSOR, "DTensor parameters", "torch")
 
     def unsupported_dtensor(self, p: Any) -> str | None:
-        # fully_shard's own layout: shards and replicas over the mesh it was given. A parameter on
-        # a mesh with more dimensions (FSDP2 over one dimension of a (dp, tp) mesh, tensor parallel
-        # over the other) or placed otherwise (_StridedShard, Partial) is beyond every read and write here.
+        # fully_shard's own layout: shards and replicas over the mesh it was given, and tensor
+        # parallelism over one more dimension after it. Any other mesh, or a placement not made by
+        # these two (Partial, a custom one), is beyond every read and write here.
         mesh = self._own_mesh()
-        own = p.device_mesh
-        if mesh is None or mesh_key(own) != mesh_key(mesh):
-            return (f"fully_shard was given a {getattr(mesh, 'ndim', 0)}-D mesh, and a parameter on another mesh "
-                    "(a tensor-parallel dimension beside the data-parallel ones) is a layout the fsdp2 adapter "
-                    "cannot read")
+        tp_mesh = self._tp_mesh()
+        meshes = [mesh_key(m) for m in (mesh, tp_mesh) if m is not None]
+        if mesh_key(p.device_mesh) not in meshes:
+            return (f"fully_shard was given a {getattr(mesh, 'ndim', 0)}-D mesh, and this parameter lies on "
+                    "another one, a layout the fsdp2 adapter cannot read")
+        if tp_mesh is not None and (why := _beside(mesh, tp_mesh)) is not None:
+            return why
         from torch.distributed.tensor import Replicate, Shard
 
-        if not all(type(x) in (Shard, Replicate) for x in p.placements):
+        strided = lookup("torch.distributed.tensor.placement_types", "_StridedShard")
+        if not all(type(x) in (Shard, Replicate, strided) for x in p.placements):
             return "placements other than Shard and Replicate are a layout the fsdp2 adapter cannot read"
         return None
 
@@ -164,8 +203,10 @@ class FSDP2Adapter(ShardedAdapter):
     # -- full parameters (gathered / generation / named_full_parameters) --------------
     def gather_bypass(self) -> Bypass:
         # FSDP2's pre/post-forward hooks on every fully_shard module, and the method wrappers of
-        # register_fsdp_forward_method, live in torch.distributed.fsdp.
-        return Bypass(("torch.distributed.fsdp.",), flags_off=FSDP_MANAGED)
+        # register_fsdp_forward_method, live in torch.distributed.fsdp; tensor parallelism's
+        # redistribution of inputs and outputs in torch's hooks or transformers' replaced forwards.
+        tp = TP_HOOKS if self._tp_mesh() is not None else ()
+        return Bypass(("torch.distributed.fsdp.", *tp), flags_off=FSDP_MANAGED)
 
     def gather_one(self, p: torch.Tensor) -> torch.Tensor:
         return full_value(p)
@@ -235,6 +276,11 @@ class FSDP2Adapter(ShardedAdapter):
     # -- likeness ------------------------------------------------------------------------------------
     def _like(self, module: torch.nn.Module) -> torch.nn.Module:
         """``module`` sharded per block on this model's mesh, with its root's mixed precision."""
+        if self._tp_mesh() is not None:
+            raise UnsupportedModelError(
+                "the fsdp2 backend cannot shard a reference model the way this policy is: tensor parallelism "
+                "beside fully_shard keeps no record of its plan on the model; parallelize ref_model with the "
+                "policy's plan, fully_shard it on the same mesh, and pass it to prepare_reference.")
         root: Any = self._backend_obj
         state = root._get_fsdp_state() if hasattr(root, "_get_fsdp_state") else None
         mp = getattr(state, "_mp_policy", None)
@@ -265,6 +311,20 @@ class FSDP2Adapter(ShardedAdapter):
     # the padded local shards; only the check needs to look inside the DTensors.
     def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         return local_placement(super().placement_tensors())
+
+
+def _beside(mesh: Any, tp_mesh: Any) -> str | None:
+    """Why ``tp_mesh`` is not fully_shard's ``mesh`` with one tensor-parallel dimension after it (None: it is)."""
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    if tp_mesh.ndim != mesh.ndim + 1:
+        return (f"tensor parallelism beside fully_shard over {tp_mesh.ndim - mesh.ndim} mesh dimensions, a layout "
+                "the fsdp2 adapter cannot read (one tensor-parallel dimension after fully_shard's)")
+    full_names = getattr(tp_mesh, "mesh_dim_names", None) or ()
+    if not names or tuple(full_names[: mesh.ndim]) != tuple(names) or mesh_key(tp_mesh[names]) != mesh_key(mesh):
+        return ("the tensor-parallel mesh does not begin with fully_shard's mesh, a layout the fsdp2 adapter "
+                "cannot read (slice both from one named mesh: mesh['dp'] for fully_shard, mesh['tp'] for "
+                "parallelize_module)")
+    return None
 
 
 def fully_shard_per_block(module: torch.nn.Module, mesh: Any, **kwargs: Any) -> torch.nn.Module:

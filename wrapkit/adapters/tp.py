@@ -23,6 +23,7 @@ from .._imports import lookup
 from .._names import canonical_name
 from ._base import Adapter, ShardedAdapter
 from ._dtensor import (
+    TP_HOOKS,
     Layout,
     full_copies,
     full_value,
@@ -114,9 +115,7 @@ class TensorParallelAdapter(ShardedAdapter):
 
     # -- gathering and writing back -------------------------------------------------------------
     def gather_bypass(self) -> Bypass:
-        # torch's distribute_module puts its input and output redistribution in forward hooks;
-        # transformers' tensor parallelism (``tp_plan``) replaces each layer's ``forward`` instead.
-        return Bypass(("torch.distributed.tensor.", "transformers.distributed.tensor_parallel."))
+        return Bypass(TP_HOOKS)
 
     def gather_one(self, p: torch.Tensor) -> torch.Tensor:
         return full_value(p)

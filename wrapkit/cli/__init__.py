@@ -19,8 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     doc.add_argument("--world-size", type=int, default=2)
     doc.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                      help="fp32 weights, or each backend's bf16 mixed precision")
-    doc.add_argument("--topology", choices=("flat", "hsdp"), default="flat",
-                     help="one group, or a 2-D replicate x shard layout (needs --world-size 4)")
+    doc.add_argument("--topology", choices=("flat", "hsdp", "tp"), default="flat",
+                     help="one group; a 2-D replicate x shard layout (needs --world-size 4); or fsdp2 over dp "
+                          "beside tensor parallelism over tp of a (dp, tp) mesh (needs --world-size 4)")
     doc.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON")
     doc.add_argument("-v", "--verbose", action="store_true",
                      help="print the full traceback of each failure, and what the workers printed")

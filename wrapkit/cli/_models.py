@@ -36,10 +36,13 @@ TOPOLOGIES = {
     "hybrid-zero2": "FSDP1 _HYBRID_SHARD_ZERO2 given the 2-D mesh",
     "submesh": "FSDP2 over the shard dimension of a 2-D mesh, the other dimension left alone",
     "subgroup": "DDP or DeepSpeed over half of the ranks (DeepSpeed told so by an mpu object)",
+    "tp": "FSDP2 over the dp dimension of a (dp, tp) mesh, tensor parallel over the tp dimension",
+    "hsdp-tp": "FSDP2 over (replicate, shard) of a (replicate, shard, tp) mesh, tensor parallel over tp: "
+               "a (2, 1, 2) stand-in for the 3-D layout on four ranks",
 }
 _DEEPSPEED = {"zero0", "zero1", "zero2", "zero3"}
 _TOPOLOGY_BACKENDS = {"hsdp": {"fsdp", "fsdp2"}, "hybrid-groups": {"fsdp"}, "hybrid-zero2": {"fsdp"},
-                      "submesh": {"fsdp2"},
+                      "submesh": {"fsdp2"}, "tp": {"fsdp2"}, "hsdp-tp": {"fsdp2"},
                       "subgroup": {"ddp"} | _DEEPSPEED}
 
 
@@ -215,6 +218,10 @@ def _apply(layer: str, model: torch.nn.Module, device: torch.device, precision: 
 
         if topology == "hsdp":
             mesh = _two_d_mesh(device)
+        elif topology in ("tp", "hsdp-tp"):
+            full = _dp_tp_mesh(device, hsdp=topology == "hsdp-tp")
+            model = tensor_parallel(model.to(device), full["tp"])
+            mesh = full["dp"] if topology == "tp" else full["replicate", "shard"]
         elif topology == "submesh":
             mesh = _two_d_mesh(device)["shard"]
         else:
@@ -222,7 +229,7 @@ def _apply(layer: str, model: torch.nn.Module, device: torch.device, precision: 
         mp = {} if half is None else {"mp_policy": MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)}
         return fully_shard_per_block(model.to(device), mesh, **mp)
     if layer == "tp":
-        return tensor_parallel(model.to(device), device)
+        return tensor_parallel(model.to(device), _dp_tp_mesh(device)["tp"])
     if layer.startswith("zero") and layer[4:].isdigit():
         import deepspeed
 
@@ -239,19 +246,27 @@ def _apply(layer: str, model: torch.nn.Module, device: torch.device, precision: 
     raise ValueError(f"unknown stack layer {layer!r}; known: {', '.join(BACKENDS)}, compile, peft")
 
 
-def tensor_parallel(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Tensor parallel over two ranks with torch's ``parallelize_module``: the whole group, or the ``tp``
-    dimension of a (dp, tp) mesh on more (each dp slice a model of its own). A transformers decoder's
-    attention and MLP projections are split column- then row-wise; any other model's linear layers
-    column-wise, their outputs gathered."""
+def _dp_tp_mesh(device: torch.device, hsdp: bool = False) -> Any:
+    """A (dp, tp) mesh over every rank, two ranks along tp; with ``hsdp``, (replicate, shard, tp) with
+    ``shard`` of one rank, the rest of the data-parallel ranks along ``replicate``."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     world = torch.distributed.get_world_size()
     if world % 2:
         raise ValueError(f"the tp stack splits over two ranks, so it needs an even world size, not {world}")
-    mesh = init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    if hsdp:
+        return init_device_mesh(device.type, (world // 2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    return init_device_mesh(device.type, (world // 2, 2), mesh_dim_names=("dp", "tp"))
+
+
+def tensor_parallel(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """Tensor parallel over the 1-D ``mesh`` with torch's ``parallelize_module`` (the ``tp`` dimension of
+    a (dp, tp) mesh: on more than two ranks each dp slice is a model of its own, unless FSDP2 shards
+    over dp). A transformers decoder's attention and MLP projections are split column- then row-wise;
+    any other model's linear layers column-wise, their outputs gathered."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     layers = getattr(getattr(model, "model", None), "layers", None)
     if layers is None:
         plan: dict[str, Any] = {name: ColwiseParallel(output_layouts=Replicate())
