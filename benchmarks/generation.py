@@ -1,4 +1,4 @@
-"""Greedy generation speed under ZeRO-3, FSDP1 and FSDP2, against the physical floor.
+"""Greedy generation speed under ZeRO-3, FSDP1, FSDP2 and tensor parallelism, against the physical floor.
 
 A sharded model must be gathered once per ``generate()`` call, so the floor is the same
 model's unsharded ``generate()`` plus one bare ``all_gather_into_tensor`` of its weight bytes
@@ -7,7 +7,9 @@ from a config (8 layers, hidden 256, intermediate 512, vocab 1024); batch 2, pro
 tokens. Every way is timed in the same run, alternating with the floor's two parts, on the same
 weights, and must produce the unsharded tokens. Each time is the best of ``--reps`` runs, the
 entry into the context (the gather) included. FSDP1 runs a second time once the ZeRO-3 engine
-exists (DeepSpeed then replaces ``F.linear`` for the whole process).
+exists (DeepSpeed then replaces ``F.linear`` for the whole process). Tensor parallelism gathers only
+the layers its plan split, so the whole model's bytes overstate its floor's gather; its naive way is
+the TP forward as it is (``gather="layerwise"``), two collectives per layer per token.
 Run: ``python benchmarks/generation.py [--reps N]``.
 """
 
@@ -105,7 +107,10 @@ def bare_gather(wm: Any) -> Callable[[], torch.Tensor]:
     return gather
 
 
-def bench(reps: int, backends: tuple[str, ...] = ("fsdp", "fsdp2", "zero3")) -> dict[str, Any]:
+BACKENDS = ("fsdp", "fsdp2", "tp", "zero3")
+
+
+def bench(reps: int, backends: tuple[str, ...] = BACKENDS) -> dict[str, Any]:
     """Runs on every rank; returns {way: (seconds, unsharded seconds, gather seconds, same tokens
     as unsharded, (every time of the way, every floor timed beside it))}; the floor is unsharded + gather.
 
@@ -198,6 +203,12 @@ def bench(reps: int, backends: tuple[str, ...] = ("fsdp", "fsdp2", "zero3")) -> 
                     root.train()
 
             record("fsdp: naive (root summon, recurse=False)", naive_fsdp, gather)
+        elif backend == "tp":
+            def layerwise(wm: Any = wm) -> torch.Tensor:
+                with wm.generation(gather="layerwise") as m:
+                    return generate(m)
+
+            record("tp: naive (TP forward as is)", layerwise, gather)
         else:
             def naive_fsdp2(m: Any = model) -> torch.Tensor:
                 m.eval()
@@ -212,7 +223,7 @@ def bench(reps: int, backends: tuple[str, ...] = ("fsdp", "fsdp2", "zero3")) -> 
     return results
 
 
-def measure(reps: int, backends: tuple[str, ...] = ("fsdp", "fsdp2", "zero3")) -> list[dict[str, Any]]:
+def measure(reps: int, backends: tuple[str, ...] = BACKENDS) -> list[dict[str, Any]]:
     """All ways on two gloo ranks; rank 0's times, token equality checked on every rank."""
     from _common import two_ranks
 
@@ -248,7 +259,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--backends", default="fsdp,fsdp2,zero3", help="comma-separated subset")
+    parser.add_argument("--backends", default=",".join(BACKENDS), help="comma-separated subset")
     args = parser.parse_args(argv)
     results = measure(args.reps, tuple(b.strip() for b in args.backends.split(",") if b.strip()))
     print(f"greedy generation, batch 2, prompt 16, {NEW_TOKENS} new tokens, 2 gloo ranks, best of {args.reps};")

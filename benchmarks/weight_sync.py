@@ -1,5 +1,6 @@
 """Weight sync to an inference engine: ``stream_full_parameters`` against the floor and the usual
-ways, on ZeRO-3, FSDP1 and FSDP2, two gloo ranks, at two model sizes, timed alternately in one run.
+ways, on ZeRO-3, FSDP1, FSDP2 and tensor parallelism, two gloo ranks, at two model sizes, timed
+alternately in one run.
 
 * **stream vs bare all-gather** (goal: at least 0.8 of its bandwidth): iterating the buckets
   against bare ``all_gather_into_tensor`` calls moving the same bytes in the same bucket-sized
@@ -8,7 +9,8 @@ ways, on ZeRO-3, FSDP1 and FSDP2, two gloo ranks, at two model sizes, timed alte
   a receiving model (the stand-in for vLLM's ``load_weights``) through ``load_into`` of the
   stream, against ``named_full_parameters()`` one tensor at a time, and against the per-tensor
   loop TRL runs (ZeRO-3: ``GatheredParameters`` of one parameter, FSDP1: ``summon_full_params``
-  of one unit, FSDP2: ``full_tensor()`` of one parameter), each tensor loaded as it comes.
+  of one unit, FSDP2: ``full_tensor()`` of one parameter; tensor parallelism, which TRL does not
+  sync, the same ``full_tensor()`` loop over the split layers), each tensor loaded as it comes.
   The ratio there is the stream's speed-up.
 * **sleep+wake**: one ``sleep()`` and ``wake()`` of the whole training state (parameters and AdamW's
   moments after a step), against copying the same tensors to fresh memory and back by hand (goal:
@@ -92,7 +94,8 @@ def _times(backend: str, hidden: int, reps: int) -> dict[str, Any]:
                             _load_one(receiver, canonical_name(f"{path}.{name}" if path else name), p.data)
         else:
             for name, p in wm.unwrap().named_parameters():
-                _load_one(receiver, canonical_name(name), p.full_tensor())  # type: ignore[operator]
+                full = p.full_tensor() if hasattr(p, "full_tensor") else p  # TP: the layers the plan left alone
+                _load_one(receiver, canonical_name(name), full)
 
     # sleep() + wake() of the whole training state (AdamW's moments made by one step), against copying
     # the same bytes to fresh memory and back by hand.
@@ -141,7 +144,7 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     reps = 3 if quick else 7
     rows = []
     with two_ranks() as group:
-        for backend in ("zero3", "fsdp", "fsdp2"):
+        for backend in ("zero3", "fsdp", "fsdp2", "tp"):
             for size, hidden in SIZES.items():
                 if quick and size != "M":
                     continue
@@ -155,7 +158,8 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
                 rows.append(row(f"{backend} {size} vs named_full_parameters", t["stream_load"], t["named"], 1.0,
                                 better="higher", samples=(x["stream_load"], x["named"]),
                                 note="speed-up, loaded into a model"))
-                rows.append(row(f"{backend} {size} vs TRL per-tensor", t["stream_load"], t["trl"], 1.0,
+                per_tensor = "per-tensor full_tensor()" if backend == "tp" else "TRL per-tensor"
+                rows.append(row(f"{backend} {size} vs {per_tensor}", t["stream_load"], t["trl"], 1.0,
                                 better="higher", samples=(x["stream_load"], x["trl"]),
                                 note="speed-up, loaded into a model"))
                 rows.append(row(f"{backend} {size} sleep+wake", t["cycle"], t["by_hand"], GOAL_CYCLE,

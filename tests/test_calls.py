@@ -10,7 +10,7 @@ import pytest
 
 from tests import scenarios_calls
 
-SPECS = ["ddp", "fsdp", "fsdp2", "zero3"]
+SPECS = ["ddp", "fsdp", "fsdp2", "zero3", "tp"]
 
 
 def _op(label: str) -> str:
@@ -47,7 +47,7 @@ def test_mismatched_calls_are_caught_in_bf16(group: Any, spec: str, tmp_path: Pa
 
 
 @pytest.mark.parametrize("spec, topology", [("fsdp2", "hsdp"), ("fsdp", "hybrid-groups"), ("fsdp2", "submesh"),
-                                            ("ddp", "subgroup"), ("zero3", "subgroup")])
+                                            ("ddp", "subgroup"), ("zero3", "subgroup"), ("fsdp2", "tp")])
 def test_mismatched_calls_are_caught_on_four_ranks(group4: Any, spec: str, topology: str, tmp_path: Path) -> None:
     _check(group4.run(scenarios_calls.mismatched_calls, spec, str(tmp_path), "fp32", topology, timeout=300),
            f"{spec} {topology}")

@@ -96,7 +96,7 @@ def test_ddp_after_destroy_in_subprocess(tmp_path: Any) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks a CPU-only torch")
-@pytest.mark.parametrize("spec", ["fsdp2", "zero3"])
+@pytest.mark.parametrize("spec", ["fsdp2", "zero3", "tp"])
 def test_unusable_devices_raise_placement_errors_everywhere(group: Any, spec: str) -> None:
     from tests import scenarios_scale
 

@@ -67,8 +67,9 @@ def test_matrix_49_pairs_bitwise_gpu(gpu_group: Any, shared_dir: str) -> None:
     [
         [("zero3", "zero3"), ("fsdp", "fsdp2"), ("zero2", "plain")],
         [("fsdp2", "zero3"), ("zero3", "fsdp"), ("plain", "zero1"), ("ddp", "fsdp2"), ("fsdp2", "fsdp2")],
+        [("tp", "fsdp2"), ("zero3", "tp"), ("tp", "tp")],
     ],
-    ids=["required", "more"],
+    ids=["required", "more", "tp"],
 )
 def test_copy_to_ema_and_exact(group: Any, pairs: list[tuple[str, str]]) -> None:
     check_copies(group.run(sc.copy_pairs, pairs, 0.25, timeout=300))
@@ -94,7 +95,8 @@ def check_copies(results: list[dict[str, Any]], tol: float = 1e-5) -> None:
             assert obs["frozen"] in (None, True), f"{where}: frozen target unfrozen"
             # Same sharded layout on both sides: synced shard to shard, nothing gathered.
             src_backend, dst_backend = pair.split("->")
-            assert obs["shard_to_shard"] == (src_backend == dst_backend and src_backend in ("zero3", "fsdp2")), where
+            same_shards = src_backend == dst_backend and src_backend in ("zero3", "fsdp2", "tp")
+            assert obs["shard_to_shard"] == same_shards, where
 
 
 def test_zero_master_weights_refreshed(group: Any) -> None:
@@ -113,7 +115,7 @@ def test_fsdp1_flat_parameters_and_tied_weights(group: Any) -> None:
                 assert value is True, f"rank {rank}: {key} failed"
 
 
-@pytest.mark.parametrize("spec", ["plain", "zero3", "fsdp", "fsdp2"])
+@pytest.mark.parametrize("spec", ["plain", "zero3", "fsdp", "fsdp2", "tp"])
 def test_strict_errors_leave_model_unchanged(group: Any, shared_dir: str, spec: str) -> None:
     for rank, obs in enumerate(group.run(sc.strict_errors, spec, shared_dir, timeout=240)):
         msg = obs["strict"]
