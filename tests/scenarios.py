@@ -194,6 +194,13 @@ def tensor_parallel_refused() -> dict[str, str]:
             out[key] = f"UnsupportedModelError: {exc}"
 
     attempt("tp", parallelized())
+    from peft import LoraConfig, get_peft_model
+
+    def with_lora(model: Any) -> Any:
+        return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+    # PEFT sizes each rank's LoRA matrices to its slice, as plain tensors: refused, never read as whole.
+    attempt("tp+peft", with_lora(parallelized()))
     if world > tp_size:
         from torch.distributed.fsdp import fully_shard
         from torch.nn.parallel import DistributedDataParallel
@@ -203,6 +210,11 @@ def tensor_parallel_refused() -> dict[str, str]:
             fully_shard(layer, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         attempt("fsdp2+tp", model)
+        lora = with_lora(parallelized())
+        for layer in lora.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh["dp"])
+        fully_shard(lora, mesh=mesh["dp"])
+        attempt("fsdp2+tp+peft", lora)
         attempt("ddp+tp", DistributedDataParallel(parallelized(), process_group=mesh["dp"].get_group(),
                                                   init_sync=False))
     return out

@@ -140,9 +140,15 @@ def _check_tp_refusal(message: str) -> None:
     assert "self_attn.q_proj.weight" in message and "Shard(" in message and "fully_shard" in message, message
 
 
+def _check_lora_refusal(message: str) -> None:
+    assert message.startswith("UnsupportedModelError") and "PEFT adapters on a tensor-parallel model" in message, \
+        message
+
+
 def test_tensor_parallel_model_adapted_as_tp(group: Any) -> None:
     for obs in group.run("tests.scenarios:tensor_parallel_refused", timeout=120):
         assert obs["tp"] == "adapted as tp, is_sharded=True", obs["tp"]
+        _check_lora_refusal(obs["tp+peft"])
 
 
 def test_data_parallel_wrappers_over_a_tensor_parallel_mesh(group4: Any) -> None:
@@ -151,6 +157,8 @@ def test_data_parallel_wrappers_over_a_tensor_parallel_mesh(group4: Any) -> None
         assert obs["tp"] == "adapted as tp, is_sharded=True", obs["tp"]
         assert obs["fsdp2+tp"] == "adapted as fsdp2, is_sharded=True", obs["fsdp2+tp"]
         _check_tp_refusal(obs["ddp+tp"])
+        _check_lora_refusal(obs["tp+peft"])
+        _check_lora_refusal(obs["fsdp2+tp+peft"])
 
 
 def test_a_sharded_adapter_must_define_every_sharded_primitive() -> None:

@@ -79,6 +79,7 @@ class Adapter:
         self._check_group()
         self._check_internals()
         self._check_layout()
+        self._check_stack()
         cfg = getattr(innermost, "config", None)
         # Read once: generation code branches on it every step.
         self._is_encoder_decoder = bool(getattr(cfg, "is_encoder_decoder", False)) if cfg is not None else bool(
@@ -432,6 +433,9 @@ class Adapter:
                 "DDP, FSDP1 or DeepSpeed; shard the model with one of those alone, or use tensor parallelism "
                 "with FSDP2."
             )
+
+    def _check_stack(self) -> None:
+        """Refuse a stack of layers this adapter cannot serve (none here; tensor parallelism refuses PEFT)."""
 
     def unsupported_dtensor(self, p: Any) -> str | None:
         """Why this adapter cannot handle DTensor parameter ``p`` (None: it can). Only the backends that

@@ -27,9 +27,9 @@ from .._imports import lookup
 from ._internals import DEVICE_MESH, require_internals
 from ._primitives import Piece, Topology, copy_into
 
-__all__ = ["TP_HOOKS", "Layout", "is_dtensor", "local_tensor", "mesh_key", "shard_key", "full_values", "full_value",
-           "write_full", "flat_group", "load_piece", "readable", "shard_map", "pieces", "gather_many", "full_copies",
-           "local_bytes", "local_placement", "local_layout", "mesh_device"]
+__all__ = ["TP_HOOKS", "Layout", "is_dtensor", "local_tensor", "mesh_key", "shard_key", "full_values",
+           "full_value", "write_full", "refuse_tp_adapters", "flat_group", "load_piece", "readable", "shard_map",
+           "pieces", "gather_many", "full_copies", "local_bytes", "local_placement", "local_layout", "mesh_device"]
 
 Shape = tuple[int, ...]
 
@@ -245,6 +245,19 @@ def write_full(p: Any, full: torch.Tensor, modifier_rank: int, group: Any, repli
     for replica_group in replicas:
         dist.broadcast(local, dist.get_global_rank(replica_group, 0), group=replica_group)
     p.to_local().copy_(local)
+
+
+def refuse_tp_adapters(stack: tuple[str, ...]) -> None:
+    """PEFT's layers on a tensor-parallel model: refused, naming why. PEFT sizes each rank's LoRA matrices
+    to that rank's slice of the layer (``lora_B`` of a column-split ``q_proj`` has half its rows on two
+    ranks) and keeps them as plain tensors, a split no DTensor placement records: their full values could
+    be neither read nor written, and a gathered model would run the wrong adapters."""
+    if "peft" in stack:
+        raise UnsupportedModelError(
+            f"{' > '.join(stack)}: PEFT adapters on a tensor-parallel model are not supported. PEFT gives each "
+            "rank adapter matrices sized to its own slice of the layer, as plain tensors that no DTensor "
+            "placement describes, so their full values can be neither read nor written. Train LoRA under FSDP2, "
+            "FSDP1 or DeepSpeed without tensor parallelism, or merge the adapters before parallelizing.")
 
 
 def flat_group(mesh: Any, dims: tuple[int, ...]) -> Any:

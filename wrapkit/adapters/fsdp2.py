@@ -34,6 +34,7 @@ from ._dtensor import (
     mesh_device,
     mesh_key,
     pieces,
+    refuse_tp_adapters,
     shard_map,
 )
 from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, FSDP_MANAGED, require_internals
@@ -110,6 +111,10 @@ class FSDP2Adapter(ShardedAdapter):
             replicas = tuple(mesh.get_group(d) for d in range(own - 1))
             kept = self.__dict__["_kept_topology"] = Topology(group, replicas, mesh, roles, mesh.get_group(own))
         return kept
+
+    def _check_stack(self) -> None:
+        if self._tp_mesh() is not None:
+            refuse_tp_adapters(self.stack)
 
     def _check_internals(self) -> None:
         fsdp_module = lookup("torch.distributed.fsdp", "FSDPModule")

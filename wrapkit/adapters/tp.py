@@ -36,6 +36,7 @@ from ._dtensor import (
     mesh_key,
     pieces,
     readable,
+    refuse_tp_adapters,
     shard_map,
 )
 from ._primitives import Piece, Topology
@@ -69,6 +70,9 @@ class TensorParallelAdapter(ShardedAdapter):
             layouts = (Layout.of(p) for p in self._dtensors())
             kept = self.__dict__["_kept_layout"] = next((lay for lay in layouts if lay.shard_dims), None)
         return kept
+
+    def _check_stack(self) -> None:
+        refuse_tp_adapters(self.stack)
 
     def topology(self) -> Topology:
         layout = self._layout()
