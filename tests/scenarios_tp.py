@@ -26,7 +26,8 @@ def _parallelized(seed: int, dtype: torch.dtype = torch.float32, producer: str =
     """``tiny_llama(seed)`` tensor parallel over two ranks: the whole group, or on four ranks the ``tp``
     dimension of a (dp, tp) mesh, where each dp slice holds a model of its own. ``producer="transformers"``:
     loaded by ``from_pretrained(..., tp_plan="auto")`` from a checkpoint rank 0 writes into ``tmp``.
-    ``producer="fsdp2"``: then ``fully_shard`` per block over the ``dp`` dimension, one model over every rank."""
+    ``producer="fsdp2"``: then ``fully_shard`` per block over the ``dp`` dimension, one model over every rank.
+    ``producer="hsdp"``: on eight ranks, a (replicate, shard, tp) mesh of 2 x 2 x 2, FSDP2 over the first two."""
     if producer == "transformers":
         from transformers import LlamaForCausalLM
 
@@ -40,7 +41,11 @@ def _parallelized(seed: int, dtype: torch.dtype = torch.float32, producer: str =
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     world = dist.get_world_size()
-    root = init_device_mesh("cpu", (world // TP_SIZE, TP_SIZE), mesh_dim_names=("dp", "tp"))
+    if producer == "hsdp":
+        root = init_device_mesh("cpu", (world // (2 * TP_SIZE), 2, TP_SIZE),
+                                mesh_dim_names=("replicate", "shard", "tp"))
+    else:
+        root = init_device_mesh("cpu", (world // TP_SIZE, TP_SIZE), mesh_dim_names=("dp", "tp"))
     mesh = root["tp"]
     model = tiny_llama(seed).to(dtype)
     plan = {**{f"self_attn.{p}": ColwiseParallel() for p in ("q_proj", "k_proj", "v_proj")},
@@ -52,6 +57,10 @@ def _parallelized(seed: int, dtype: torch.dtype = torch.float32, producer: str =
         from wrapkit.adapters.fsdp2 import fully_shard_per_block
 
         fully_shard_per_block(model, root["dp"])
+    elif producer == "hsdp":
+        from wrapkit.adapters.fsdp2 import fully_shard_per_block
+
+        fully_shard_per_block(model, root["replicate", "shard"])
     return model
 
 
@@ -77,7 +86,7 @@ def operations(tmp: str, dtype_name: str, producer: str = "torch") -> dict[str, 
         plain = LlamaForCausalLM.from_pretrained(os.path.join(tmp, "checkpoint-0"), dtype=dtype).eval()
     want = {k: v.clone() for k, v in plain.state_dict().items()}
     obs: dict[str, Any] = {"backend": wm.backend, "is_sharded": wm.is_sharded, "stack": wm.stack,
-                           "world_size": wm.world_size, "rank": wm.rank,
+                           "world_size": wm.world_size, "rank": wm.rank, "global_rank": dist.get_rank(),
                            "data_parallel": (wm.data_parallel_rank, wm.data_parallel_size),
                            "num_parameters": wm.num_parameters() == sum(p.numel() for p in plain.parameters())}
     q: Any = wm.unwrap().model.layers[0].self_attn.q_proj.weight
@@ -114,7 +123,8 @@ def operations(tmp: str, dtype_name: str, producer: str = "torch") -> dict[str, 
 
     # Files: save_pretrained read back by transformers, and load into another parallelized model.
     # Each model (tensor parallel alone: each dp slice) has its own files; a model's ranks are consecutive.
-    tmp = os.path.join(tmp, f"model{dist.get_rank() - wm.rank}")
+    # HSDP's copies are one model: the first copy writes, every copy reads.
+    tmp = os.path.join(tmp, "model" if producer == "hsdp" else f"model{dist.get_rank() - wm.rank}")
     os.makedirs(tmp, exist_ok=True)
     directory = os.path.join(tmp, f"tp-{dtype_name}")
     wm.save_pretrained(directory, max_shard_size="20KB")

@@ -3,12 +3,14 @@ backend, and every operation gives the unsharded model's values and greedy token
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests import scenarios_tp as sc
+from wrapkit.cli._workers import WorkerGroup
 
 
 def check(results: list[dict[str, Any]], dtype: str, backend: str = "tp") -> None:
@@ -32,9 +34,13 @@ def check(results: list[dict[str, Any]], dtype: str, backend: str = "tp") -> Non
             assert "mesh:         tp=2 tp" in obs["describe"], obs["describe"]
             assert "the tp backend cannot build a frozen copy" in obs["fresh_reference"], obs["fresh_reference"]
         else:
-            # One model over the four ranks; the two along tp share a batch, the two along dp take their own.
-            assert obs["world_size"] == 4 and obs["data_parallel"] == (obs["rank"] // 2, 2), obs["data_parallel"]
-            assert "mesh:         dp=2 shard, tp=2 tp" in obs["describe"], obs["describe"]
+            # One copy over four ranks; the two along tp share a batch, those along dp (and across copies)
+            # take their own.
+            copies = len(results) // 4
+            assert obs["world_size"] == 4, obs["world_size"]
+            assert obs["data_parallel"] == (obs["global_rank"] // 2, 2 * copies), obs["data_parallel"]
+            mesh = "replicate=2 replicate, shard=2 shard, tp=2 tp" if copies == 2 else "dp=2 shard, tp=2 tp"
+            assert f"mesh:         {mesh}" in obs["describe"], obs["describe"]
             assert "keeps no record of its plan" in obs["fresh_reference"], obs["fresh_reference"]
 
 
@@ -60,3 +66,18 @@ def test_every_operation_on_fsdp2_beside_tensor_parallelism(group4: Any, tmp_pat
     """Four ranks, a (dp, tp) mesh: tensor parallel over ``tp``, then ``fully_shard`` per block over ``dp``.
     One model over every rank, its split layers ``_StridedShard`` over dp and ``Shard`` over tp."""
     check(group4.run(sc.operations, str(tmp_path), dtype, "fsdp2", timeout=300), dtype, "fsdp2")
+
+
+@pytest.fixture(scope="module")
+def group8() -> Iterator[WorkerGroup]:
+    """Eight gloo ranks, for the 3-D layout alone."""
+    g = WorkerGroup(world_size=8, backend="gloo", preload=("transformers",))
+    yield g
+    g.close()
+
+
+@pytest.mark.long
+def test_every_operation_on_hsdp_beside_tensor_parallelism(group8: Any, tmp_path: Path) -> None:
+    """Eight ranks, a (replicate, shard, tp) mesh of 2 x 2 x 2: tensor parallel over ``tp``, FSDP2 over the
+    other two. Two copies of one model, each over four ranks."""
+    check(group8.run(sc.operations, str(tmp_path), "float32", "hsdp", timeout=400), "float32", "fsdp2")
