@@ -271,3 +271,32 @@ def ds_config_for_ddp() -> str:
     except wrapkit.ReferenceModelError as exc:
         return f"ReferenceModelError: {exc}"
     return "no error"
+
+
+def loaded_bf16_reference(spec: str, tmp: str) -> dict[str, Any]:
+    """A bf16 policy as transformers loads one (``from_pretrained(..., dtype=bfloat16)``: weights in bf16,
+    rotary tables in float32), wrapped in ``spec``; the frozen copy ``prepare_reference`` builds keeps
+    each buffer's dtype and gives the policy's logits exactly."""
+    import os
+
+    import torch.distributed as dist
+    from transformers import LlamaForCausalLM
+
+    from wrapkit.cli._models import build, tiny_llama
+
+    directory = os.path.join(tmp, "bf16-checkpoint")
+    if dist.get_rank() == 0 and not os.path.isdir(directory):
+        tiny_llama(0).save_pretrained(directory)
+    dist.barrier()
+    model = LlamaForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+    # Each backend's bf16 set-up (DeepSpeed's bf16 section, FSDP's bf16 mixed precision).
+    wm = wrapkit.adapt(build(spec, model=model, precision="bf16"))
+    ref = wrapkit.prepare_reference(wm)
+    tokens = torch.arange(16).reshape(2, 8) % 128
+    wm.module.eval()
+    with torch.no_grad():
+        diff = float((_logits(ref(tokens)) - _logits(wm(tokens))).abs().max())
+    buffers = {k: str(b.dtype) for k, b in ref.unwrap().named_buffers()}
+    return {"diff": diff, "buffers": buffers, "dtypes": (str(next(wm.unwrap().parameters()).dtype),
+                                                       str(next(ref.unwrap().parameters()).dtype)),
+            "policy_buffers": {k: str(b.dtype) for k, b in wm.unwrap().named_buffers()}}

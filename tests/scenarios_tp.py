@@ -27,15 +27,20 @@ def _parallelized(seed: int, dtype: torch.dtype = torch.float32, producer: str =
     dimension of a (dp, tp) mesh, where each dp slice holds a model of its own. ``producer="transformers"``:
     loaded by ``from_pretrained(..., tp_plan="auto")`` from a checkpoint rank 0 writes into ``tmp``.
     ``producer="fsdp2"``: then ``fully_shard`` per block over the ``dp`` dimension, one model over every rank.
-    ``producer="hsdp"``: on eight ranks, a (replicate, shard, tp) mesh of 2 x 2 x 2, FSDP2 over the first two."""
-    if producer == "transformers":
+    ``producer="hsdp"``: on eight ranks, a (replicate, shard, tp) mesh of 2 x 2 x 2, FSDP2 over the first two.
+    ``producer="transformers-fsdp2"``: transformers' own ``DistributedConfig(tp_size=2, fsdp_size=...)``."""
+    if producer.startswith("transformers"):
         from transformers import LlamaForCausalLM
+        from transformers.distributed import DistributedConfig
 
         directory = os.path.join(tmp, f"checkpoint-{seed}")
         if dist.get_rank() == 0 and not os.path.isdir(directory):
             tiny_llama(seed).save_pretrained(directory)
         dist.barrier()
-        model: torch.nn.Module = LlamaForCausalLM.from_pretrained(directory, tp_plan="auto", dtype=dtype)
+        how: dict[str, Any] = {"tp_plan": "auto"}
+        if producer == "transformers-fsdp2":
+            how = {"distributed_config": DistributedConfig(tp_size=TP_SIZE, fsdp_size=dist.get_world_size() // TP_SIZE)}
+        model: torch.nn.Module = LlamaForCausalLM.from_pretrained(directory, dtype=dtype, **how)
         return model.train()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -80,7 +85,7 @@ def operations(tmp: str, dtype_name: str, producer: str = "torch") -> dict[str, 
 
     wm = wrapkit.adapt(parallelized(0, dtype))
     plain = tiny_llama(0).to(dtype).eval()
-    if producer == "transformers":  # the same loading path, without the plan (the same attention kernel)
+    if producer.startswith("transformers"):  # the same loading path, without the plan (the same attention kernel)
         from transformers import LlamaForCausalLM
 
         plain = LlamaForCausalLM.from_pretrained(os.path.join(tmp, "checkpoint-0"), dtype=dtype).eval()
@@ -95,6 +100,9 @@ def operations(tmp: str, dtype_name: str, producer: str = "torch") -> dict[str, 
         want_logits = _logits(plain(TOKENS))
         want_tokens = plain.generate(PROMPT, max_new_tokens=6, do_sample=False).tolist()
         obs["tp_forward"] = float((_logits(wm(TOKENS)) - want_logits).abs().max())
+    # Adapted again right after a no-grad forward (FSDP2 keeps the root unsharded then: its split layers
+    # lie on the tp dimension alone).
+    obs["adapt_after_forward"] = wrapkit.adapt(wm.module).backend == wm.backend
 
     obs["full_state_dict"] = _equal(wm.full_state_dict(rank0_only=False), want)
     obs["named_full"] = _equal({n: t.clone() for n, t in wm.named_full_parameters()},
@@ -165,9 +173,13 @@ def operations(tmp: str, dtype_name: str, producer: str = "torch") -> dict[str, 
         obs["reference"] = (ref.backend == wm.backend and ref.num_parameters(trainable_only=True) == 0
                             and not any(m.training for m in ref.module.modules()))
         obs["reference_forward"] = float((_logits(ref(TOKENS)) - want_logits).abs().max())
+    # Where transformers distributed the model it recorded how, and the frozen copy is laid out the same way.
     try:
-        wrapkit.prepare_reference(wm)
-        obs["fresh_reference"] = "built"
+        fresh = wrapkit.prepare_reference(wm)
+        with torch.no_grad():
+            diff = float((_logits(fresh(TOKENS)) - _logits(wm(TOKENS))).abs().max())
+        frozen = fresh.num_parameters(trainable_only=True) == 0 and not any(m.training for m in fresh.module.modules())
+        obs["fresh_reference"] = f"built {fresh.backend} frozen={frozen} diff={diff}"
     except wrapkit.UnsupportedModelError as exc:
         obs["fresh_reference"] = str(exc)
 

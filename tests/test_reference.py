@@ -4,6 +4,7 @@ left unwrapped on the wrong device)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -174,3 +175,13 @@ def test_zero2_bf16_reference_in_compute_dtype(group: Any) -> None:
 def test_ds_config_needs_a_deepspeed_policy(group: Any) -> None:
     for msg in group.run(sc.ds_config_for_ddp, timeout=120):
         assert msg.startswith("ReferenceModelError: ds_config only applies to a DeepSpeed policy") and "'ddp'" in msg
+
+
+@pytest.mark.parametrize("spec", ["fsdp", "fsdp2", "zero3"])
+def test_a_fresh_reference_keeps_float32_rotary_tables_of_a_bf16_model(group: Any, tmp_path: Path, spec: str) -> None:
+    """Built from a skeleton cast to bf16, the frozen copy had rounded the float32 rotary tables transformers
+    keeps beside bf16 weights, and every logit moved (0.004 at most on the tiny Llama)."""
+    for obs in group.run(sc.loaded_bf16_reference, spec, str(tmp_path), timeout=180):
+        assert "torch.float32" in obs["policy_buffers"].values(), obs["policy_buffers"]
+        assert obs["buffers"] == obs["policy_buffers"], obs
+        assert obs["diff"] == 0.0, obs

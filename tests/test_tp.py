@@ -13,7 +13,7 @@ from tests import scenarios_tp as sc
 from wrapkit.cli._workers import WorkerGroup
 
 
-def check(results: list[dict[str, Any]], dtype: str, backend: str = "tp") -> None:
+def check(results: list[dict[str, Any]], dtype: str, backend: str = "tp", producer: str = "torch") -> None:
     for obs in results:
         assert obs["backend"] == backend and obs["is_sharded"] and obs["stack"][-2:] == (backend, "LlamaForCausalLM")
         assert obs["split"] and obs["num_parameters"]
@@ -22,7 +22,7 @@ def check(results: list[dict[str, Any]], dtype: str, backend: str = "tp") -> Non
         for key in ("full_state_dict", "named_full", "gathered_plain_params", "generation_full",
                     "generation_layerwise", "stream", "copy_to_plain", "copy_from_plain", "copy_tp_to_tp",
                     "from_pretrained", "load_dir", "save_load_file", "load_full_state_dict", "modifier_write",
-                    "place", "reference", "sleep_wake"):
+                    "place", "reference", "sleep_wake", "adapt_after_forward"):
             assert obs[key] is True, f"rank {obs['rank']}, {dtype}: {key}"
         # The gathered model is the plain module on full weights: the plain model's logits exactly.
         assert obs["gathered_forward"] == 0.0
@@ -32,16 +32,22 @@ def check(results: list[dict[str, Any]], dtype: str, backend: str = "tp") -> Non
             # Both ranks of a tensor-parallel model take the same batch.
             assert obs["world_size"] == 2 and obs["data_parallel"] == (0, 1)
             assert "mesh:         tp=2 tp" in obs["describe"], obs["describe"]
-            assert "the tp backend cannot build a frozen copy" in obs["fresh_reference"], obs["fresh_reference"]
         else:
             # One copy over four ranks; the two along tp share a batch, those along dp (and across copies)
             # take their own.
             copies = len(results) // 4
             assert obs["world_size"] == 4, obs["world_size"]
             assert obs["data_parallel"] == (obs["global_rank"] // 2, 2 * copies), obs["data_parallel"]
-            mesh = "replicate=2 replicate, shard=2 shard, tp=2 tp" if copies == 2 else "dp=2 shard, tp=2 tp"
+            # transformers names its shard dimension fsdp, the tests' own meshes dp.
+            dp = "fsdp" if producer == "transformers-fsdp2" else "dp"
+            mesh = "replicate=2 replicate, shard=2 shard, tp=2 tp" if copies == 2 else f"{dp}=2 shard, tp=2 tp"
             assert f"mesh:         {mesh}" in obs["describe"], obs["describe"]
-            assert "keeps no record of its plan" in obs["fresh_reference"], obs["fresh_reference"]
+        if producer.startswith("transformers"):
+            # transformers recorded how it distributed the model: the frozen copy is laid out again that way.
+            assert obs["fresh_reference"] == f"built {backend} frozen=True diff=0.0", obs["fresh_reference"]
+        else:
+            refusal = "the tp backend cannot build" if backend == "tp" else "keeps no record of its plan"
+            assert refusal in obs["fresh_reference"], obs["fresh_reference"]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -58,7 +64,17 @@ def test_tensor_parallel_over_one_dimension_of_a_mesh(group4: Any, tmp_path: Pat
 def test_a_model_transformers_loaded_with_a_tp_plan(group: Any, tmp_path: Path, dtype: str) -> None:
     """``from_pretrained(..., tp_plan="auto")``: transformers replaces each layer's ``forward`` instead of
     hooking it; gathered, the model still runs as the plain module."""
-    check(group.run(sc.operations, str(tmp_path), dtype, "transformers", timeout=240), dtype)
+    check(group.run(sc.operations, str(tmp_path), dtype, "transformers", timeout=240), dtype, "tp", "transformers")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fsdp2_beside_tensor_parallelism_as_transformers_distributes_it(group4: Any, tmp_path: Path,
+                                                                       dtype: str) -> None:
+    """``from_pretrained(..., distributed_config=DistributedConfig(tp_size=2, fsdp_size=2))``: transformers
+    applies its plan and ``fully_shard`` itself, embeddings and head split too (so after a no-grad forward
+    the unsharded root's parameters lie on the tp dimension alone)."""
+    check(group4.run(sc.operations, str(tmp_path), dtype, "transformers-fsdp2", timeout=300), dtype, "fsdp2",
+          "transformers-fsdp2")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

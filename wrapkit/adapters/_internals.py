@@ -67,6 +67,8 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     # Set by FSDP1 and FSDP2 on the modules they manage; cleared while a module runs bypassed (Bypass).
     "FSDP-managed module flag": FSDP_MANAGED,
     "transformers PreTrainedModel": ("_init_weights", "_no_split_modules"),
+    # Where transformers distributed the model itself (tp_plan, distributed_config): the meshes it made.
+    "transformers distributed model": ("_mesh_manager",),
     "ms-swift lazy module": ("_class_to_module",),
     "Python's atexit": ("_run_exitfuncs",),
 }

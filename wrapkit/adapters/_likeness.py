@@ -11,11 +11,12 @@ import torch
 
 from .._errors import ReferenceModelError
 from .._names import canonical_name, model_class_name
+from ._dtensor import local_tensor
 
 if TYPE_CHECKING:
     from ._base import Adapter
 
-__all__ = ["block_classes", "skeleton", "copy_buffers"]
+__all__ = ["block_classes", "skeleton", "copy_buffers", "distributed_copy"]
 
 
 def block_classes(model: torch.nn.Module) -> set[type[torch.nn.Module]]:
@@ -44,10 +45,42 @@ def skeleton(adapter: Adapter) -> torch.nn.Module:
 
 
 def copy_buffers(src: torch.nn.Module, dst: torch.nn.Module) -> None:
-    """Buffers are never sharded; non-persistent ones (rotary tables) are in no state dict."""
+    """Buffers are never sharded; non-persistent ones (rotary tables) are in no state dict. Each takes the
+    source's dtype too: the skeleton was cast whole to the weights' dtype, but a bf16 model loaded by
+    transformers keeps its rotary tables in float32, and rounded ones would change every logit."""
     theirs = {canonical_name(k): v for k, v in src.named_buffers()}
     with torch.no_grad():
-        for name, buf in dst.named_buffers():
-            other = theirs.get(canonical_name(name))
-            if other is not None:
-                buf.copy_(other)
+        for path, module in dst.named_modules():
+            for key, buf in list(module._buffers.items()):
+                other = theirs.get(canonical_name(f"{path}.{key}" if path else key))
+                if buf is None or other is None:
+                    continue
+                if other.dtype == buf.dtype:
+                    buf.copy_(other)
+                else:
+                    module._buffers[key] = other.to(buf.device, copy=True)
+
+
+def distributed_copy(adapter: Adapter) -> torch.nn.Module | None:
+    """A copy of ``adapter``'s weights laid out as transformers laid the model out, where it recorded how
+    (``from_pretrained(..., tp_plan=...)`` or ``distributed_config=``): its ``DistributedConfig`` and
+    device mesh applied again by ``maybe_distribute_model`` to an empty skeleton, then each rank's shards
+    copied across (same mesh, same placements: nothing gathered). None where transformers did not
+    distribute the model: tensor parallelism applied by hand keeps no record of its plan."""
+    inner = adapter.unwrap(keep_peft=False)
+    config = getattr(getattr(inner, "config", None), "distributed_config", None)
+    meshes = getattr(inner, "_mesh_manager", None)
+    distribute = getattr(type(inner), "maybe_distribute_model", None)
+    if config is None or meshes is None or distribute is None:
+        return None
+    with torch.device("meta"):
+        model = skeleton(adapter)
+    model = distribute(model, config, meshes)
+    assert isinstance(model, torch.nn.Module)
+    model.to_empty(device=adapter.device)
+    theirs = dict(inner.named_parameters())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            local_tensor(p).copy_(local_tensor(theirs[name]))
+    copy_buffers(inner, model)
+    return model

@@ -38,7 +38,7 @@ from ._dtensor import (
     shard_map,
 )
 from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, FSDP_MANAGED, require_internals
-from ._likeness import block_classes, copy_buffers, skeleton
+from ._likeness import block_classes, copy_buffers, distributed_copy, skeleton
 from ._primitives import Piece, Topology
 
 
@@ -132,6 +132,11 @@ class FSDP2Adapter(ShardedAdapter):
         mesh = self._own_mesh()
         tp_mesh = self._tp_mesh()
         meshes = [mesh_key(m) for m in (mesh, tp_mesh) if m is not None]
+        names = getattr(tp_mesh, "mesh_dim_names", None)
+        if mesh is not None and names:
+            # After a forward that no backward followed, FSDP2 leaves the root's parameters unsharded:
+            # those tensor parallelism split then lie on its dimension alone.
+            meshes.append(mesh_key(tp_mesh[tuple(names[mesh.ndim:])]))
         if mesh_key(p.device_mesh) not in meshes:
             return (f"fully_shard was given a {getattr(mesh, 'ndim', 0)}-D mesh, and this parameter lies on "
                     "another one, a layout the fsdp2 adapter cannot read")
@@ -296,6 +301,11 @@ class FSDP2Adapter(ShardedAdapter):
         return self._like(module)
 
     def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        if self._tp_mesh() is not None:
+            self._reshard()  # copied shard to shard: every parameter in its sharded layout
+            copied = distributed_copy(self)
+            if copied is not None:
+                return copied
         with torch.device("meta"):
             model = skeleton(self)
         ref = self._like(model)

@@ -39,6 +39,7 @@ from ._dtensor import (
     refuse_tp_adapters,
     shard_map,
 )
+from ._likeness import distributed_copy
 from ._primitives import Piece, Topology
 
 
@@ -159,6 +160,11 @@ class TensorParallelAdapter(ShardedAdapter):
 
     def load_pieces(self) -> list[Piece]:
         return pieces((canonical_name(n), p) for n, p in self.unwrap().named_parameters())
+
+    # -- likeness ------------------------------------------------------------------------------------
+    def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        # Only transformers records the plan it applied; a plan applied by hand cannot be applied again.
+        return distributed_copy(self) or super().fresh_copy(ds_config)
 
     # -- placement ----------------------------------------------------------------------------------
     def move(self, target: torch.device, copy: bool) -> None:
