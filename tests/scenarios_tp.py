@@ -28,7 +28,9 @@ def _parallelized(seed: int, dtype: torch.dtype = torch.float32, producer: str =
     loaded by ``from_pretrained(..., tp_plan="auto")`` from a checkpoint rank 0 writes into ``tmp``.
     ``producer="fsdp2"``: then ``fully_shard`` per block over the ``dp`` dimension, one model over every rank.
     ``producer="hsdp"``: on eight ranks, a (replicate, shard, tp) mesh of 2 x 2 x 2, FSDP2 over the first two.
-    ``producer="transformers-fsdp2"``: transformers' own ``DistributedConfig(tp_size=2, fsdp_size=...)``."""
+    ``producer="transformers-fsdp2"``: transformers' own ``DistributedConfig(tp_size=2, fsdp_size=...)``;
+    ``"transformers-sp"``: ``DistributedConfig(tp_size=2, enable_sequence_parallel=True)``, activations
+    between the split layers cut along the sequence."""
     if producer.startswith("transformers"):
         from transformers import LlamaForCausalLM
         from transformers.distributed import DistributedConfig
@@ -40,6 +42,8 @@ def _parallelized(seed: int, dtype: torch.dtype = torch.float32, producer: str =
         how: dict[str, Any] = {"tp_plan": "auto"}
         if producer == "transformers-fsdp2":
             how = {"distributed_config": DistributedConfig(tp_size=TP_SIZE, fsdp_size=dist.get_world_size() // TP_SIZE)}
+        elif producer == "transformers-sp":
+            how = {"distributed_config": DistributedConfig(tp_size=TP_SIZE, enable_sequence_parallel=True)}
         model: torch.nn.Module = LlamaForCausalLM.from_pretrained(directory, dtype=dtype, **how)
         return model.train()
     from torch.distributed.device_mesh import init_device_mesh

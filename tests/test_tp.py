@@ -67,6 +67,13 @@ def test_a_model_transformers_loaded_with_a_tp_plan(group: Any, tmp_path: Path, 
     check(group.run(sc.operations, str(tmp_path), dtype, "transformers", timeout=240), dtype, "tp", "transformers")
 
 
+def test_sequence_parallel_as_transformers_distributes_it(group: Any, tmp_path: Path) -> None:
+    """``DistributedConfig(tp_size=2, enable_sequence_parallel=True)``: the layer norms' inputs are cut along
+    the sequence between the split layers; the parameters lie as under tensor parallelism alone."""
+    check(group.run(sc.operations, str(tmp_path), "float32", "transformers-sp", timeout=240), "float32", "tp",
+          "transformers-sp")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_fsdp2_beside_tensor_parallelism_as_transformers_distributes_it(group4: Any, tmp_path: Path,
                                                                        dtype: str) -> None:
