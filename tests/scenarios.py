@@ -194,6 +194,13 @@ def tensor_parallel_refused() -> dict[str, str]:
             out[key] = f"UnsupportedModelError: {exc}"
 
     attempt("tp", parallelized())
+    # A placement no reader here knows (Partial: pending sums), on a parameter the plan left alone.
+    from torch.distributed.tensor import DTensor, Partial
+
+    partial = parallelized()
+    local = partial.model.norm.weight.detach().clone()
+    partial.model.norm.weight = torch.nn.Parameter(DTensor.from_local(local, mesh["tp"], [Partial()]))
+    attempt("tp+partial", partial)
     from peft import LoraConfig, get_peft_model
 
     def with_lora(model: Any) -> Any:
@@ -246,4 +253,17 @@ def topologies() -> dict[str, Any]:
             "data_parallel": (wm.data_parallel_rank, wm.data_parallel_size),
             "describe": wm.describe(),
         }
+    # accelerate's layout for context parallelism: FSDP2 over dp_shard and cp flattened, the cp ranks
+    # splitting the sequence of one batch (the forward under torch's context_parallel needs a GPU; the
+    # layout does not).
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from wrapkit.adapters.fsdp2 import fully_shard_per_block
+    from wrapkit.cli._models import tiny_llama
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))
+    cp = wrapkit.adapt(fully_shard_per_block(tiny_llama(0), mesh["dp_shard", "cp"]._flatten("dp_shard_cp")))
+    want = tiny_llama(0).state_dict()
+    out["fsdp2/cp"] = {"world_size": cp.world_size, "data_parallel": (cp.data_parallel_rank, cp.data_parallel_size),
+                       "exact": all(torch.equal(v, want[k]) for k, v in cp.full_state_dict(rank0_only=False).items())}
     return out

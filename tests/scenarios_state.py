@@ -129,9 +129,14 @@ def copy_pairs(pairs: list[tuple[str, str]], alpha: float, device: str = "cpu") 
     """For each (source, target): EMA with ``alpha``, then an exact copy, checked on every rank."""
     dev = _dev(device)
     out: dict[str, Any] = {}
+    def built(spec: str, seed: int) -> Any:
+        # "fsdp2+tp": FSDP2 over the dp dimension of a (dp, tp) mesh beside tensor parallelism over tp.
+        layout = {"topology": "tp"} if spec == "fsdp2+tp" else {}
+        return wrapkit.adapt(build(spec.split("+")[0], seed=seed, device=dev, **layout))
+
     for s, t in pairs:
-        src = wrapkit.adapt(build(s, seed=1, device=dev))
-        dst = wrapkit.adapt(build(t, seed=2, device=dev))
+        src = built(s, 1)
+        dst = built(t, 2)
         if t in ("plain", "fsdp2"):
             # A frozen target (a reference model) must stay frozen.
             dst.unwrap(keep_peft=False).requires_grad_(False)

@@ -197,3 +197,29 @@ def operations(tmp: str, dtype_name: str, producer: str = "torch") -> dict[str, 
     obs["sleep_wake"] = _equal(wm.full_state_dict(rank0_only=False), before)
     obs["describe"] = wm.describe()
     return obs
+
+
+def accelerate_tp(tmp: str) -> dict[str, Any]:
+    """accelerate's ``ParallelismConfig(tp_size=2)`` on two GPUs (on CPU gloo accelerate refuses it): the model
+    loaded with transformers' plan on accelerate's ``tp`` mesh, then ``prepare``d; adapted as tp, its full
+    weights and greedy tokens the unsharded model's."""
+    from accelerate import Accelerator
+    from accelerate.parallelism_config import ParallelismConfig
+    from transformers import LlamaForCausalLM
+
+    directory = os.path.join(tmp, "checkpoint-accelerate")
+    if dist.get_rank() == 0 and not os.path.isdir(directory):
+        tiny_llama(0).save_pretrained(directory)
+    dist.barrier()
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(tp_size=TP_SIZE))
+    model = LlamaForCausalLM.from_pretrained(directory, tp_plan="auto",
+                                             device_mesh=accelerator.torch_device_mesh["tp"])
+    wm = wrapkit.adapt(accelerator.prepare(model))
+    plain = LlamaForCausalLM.from_pretrained(directory).to(accelerator.device).eval()
+    prompt = PROMPT.to(accelerator.device)
+    with torch.no_grad():
+        want = plain.generate(prompt, max_new_tokens=6, do_sample=False).tolist()
+    with wm.generation() as m:
+        got = m.generate(prompt, max_new_tokens=6, do_sample=False).tolist()
+    return {"backend": wm.backend, "world_size": wm.world_size, "tokens": got == want,
+            "weights": _equal(wm.full_state_dict(rank0_only=False), plain.state_dict())}

@@ -149,6 +149,9 @@ def test_tensor_parallel_model_adapted_as_tp(group: Any) -> None:
     for obs in group.run("tests.scenarios:tensor_parallel_refused", timeout=120):
         assert obs["tp"] == "adapted as tp, is_sharded=True", obs["tp"]
         _check_lora_refusal(obs["tp+peft"])
+        partial = obs["tp+partial"]
+        assert partial.startswith("UnsupportedModelError") and "'model.norm.weight'" in partial, partial
+        assert "Partial(" in partial and "placements other than Shard and Replicate" in partial, partial
 
 
 def test_data_parallel_wrappers_over_a_tensor_parallel_mesh(group4: Any) -> None:
@@ -232,6 +235,9 @@ def test_topology_of_every_four_rank_layout(group4: Any) -> None:
     """One ``topology()`` per backend describes the group, the replicas and the mesh; the readings
     of its parts agree with it, and ``world_size`` is the group's."""
     for obs in group4.run("tests.scenarios:topologies", timeout=180):
+        cp = obs.pop("fsdp2/cp")
+        # Sharded over all four ranks, two of which split each batch's sequence: two batches.
+        assert cp["world_size"] == 4 and cp["data_parallel"][1] == 2 and cp["exact"], cp
         for layout, t in obs.items():
             assert t["parts_agree"], layout
             assert t["world_size"] == t["group"], layout
@@ -261,5 +267,5 @@ def test_topology_of_every_four_rank_layout(group4: Any) -> None:
     results = group4.run("tests.scenarios:topologies", timeout=180)
     assert sorted(r["fsdp2/hsdp"]["data_parallel"][0] for r in results) == [0, 1, 2, 3]
     assert sorted(r["fsdp/hsdp"]["data_parallel"][0] for r in results) == [0, 1, 2, 3]
-    for layout in ("fsdp2/tp", "fsdp2/hsdp-tp"):
+    for layout in ("fsdp2/tp", "fsdp2/hsdp-tp", "fsdp2/cp"):
         assert [r[layout]["data_parallel"][0] for r in results] == [0, 0, 1, 1], layout

@@ -67,7 +67,9 @@ def test_matrix_49_pairs_bitwise_gpu(gpu_group: Any, shared_dir: str) -> None:
     [
         [("zero3", "zero3"), ("fsdp", "fsdp2"), ("zero2", "plain")],
         [("fsdp2", "zero3"), ("zero3", "fsdp"), ("plain", "zero1"), ("ddp", "fsdp2"), ("fsdp2", "fsdp2")],
-        [("tp", "fsdp2"), ("zero3", "tp"), ("tp", "tp")],
+        # On two ranks FSDP2 beside tensor parallelism shards over a dp dimension of one rank.
+        [("tp", "fsdp2"), ("zero3", "tp"), ("tp", "tp"), ("tp", "fsdp2+tp"), ("fsdp2+tp", "tp"),
+         ("fsdp2+tp", "fsdp2+tp")],
     ],
     ids=["required", "more", "tp"],
 )
@@ -95,7 +97,7 @@ def check_copies(results: list[dict[str, Any]], tol: float = 1e-5) -> None:
             assert obs["frozen"] in (None, True), f"{where}: frozen target unfrozen"
             # Same sharded layout on both sides: synced shard to shard, nothing gathered.
             src_backend, dst_backend = pair.split("->")
-            same_shards = src_backend == dst_backend and src_backend in ("zero3", "fsdp2", "tp")
+            same_shards = src_backend == dst_backend and src_backend in ("zero3", "fsdp2", "tp", "fsdp2+tp")
             assert obs["shard_to_shard"] == same_shards, where
 
 

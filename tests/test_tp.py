@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests import scenarios_tp as sc
+from tests.scenarios_tp import TP_SIZE
 from wrapkit.cli._workers import WorkerGroup
 
 
@@ -104,3 +105,11 @@ def test_every_operation_on_hsdp_beside_tensor_parallelism(group8: Any, tmp_path
     """Eight ranks, a (replicate, shard, tp) mesh of 2 x 2 x 2: tensor parallel over ``tp``, FSDP2 over the
     other two. Two copies of one model, each over four ranks."""
     check(group8.run(sc.operations, str(tmp_path), "float32", "hsdp", timeout=400), "float32", "fsdp2")
+
+
+@pytest.mark.gpu
+def test_a_model_accelerate_prepared_with_a_parallelism_config_gpu(gpu_group: Any, tmp_path: Path) -> None:
+    if gpu_group.world_size < TP_SIZE:
+        pytest.skip("accelerate's tensor parallelism here splits over two GPUs")
+    for obs in gpu_group.run(sc.accelerate_tp, str(tmp_path), timeout=300):
+        assert obs == {"backend": "tp", "world_size": 2, "tokens": True, "weights": True}, obs

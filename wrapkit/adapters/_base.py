@@ -187,10 +187,12 @@ class Adapter:
             return 1, 0
         topology = self.topology()
         size, rank = self._group_size_and_rank()
-        if topology.tp_group is not None:
-            # The ranks along the tensor-parallel dimension (the group's innermost) split layers, not batches.
-            tp = dist.get_world_size(topology.tp_group)
-            size, rank = size // tp, rank // tp
+        # The ranks along the tensor-parallel dimension (the group's innermost) split layers, and those
+        # along a context-parallel one (the next) the sequence, of one shared batch.
+        for shared in (topology.tp_group, topology.cp_group):
+            if shared is not None:
+                n = dist.get_world_size(shared)
+                size, rank = size // n, rank // n
         for g in topology.replicas:  # each copy takes its own batches: copy index outermost
             size, rank = dist.get_world_size(g) * size, dist.get_rank(g) * size + rank
         return size, rank

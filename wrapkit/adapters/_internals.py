@@ -52,6 +52,8 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     # Read where present, with a fallback that is right where they are absent: set only under some
     # configurations (sharded strategies, HYBRID_SHARD, a device mesh, bf16 optimizers).
     "FSDP1 root (optional)": ("_inter_node_pg", "_use_full_prec_in_eval", "_device_mesh"),
+    # The mesh a flattened one was cut from, for its context-parallel dimension.
+    "DeviceMesh (optional)": ("_get_root_mesh",),
     "FSDP1 flat parameter (sharded strategies)": ("_local_shard", "_full_param_padded"),
     "DeepSpeed parameter under a bf16 optimizer": ("_hp_mapping",),
     # Read on objects that do not exist when a model is adapted, or outside the backends.

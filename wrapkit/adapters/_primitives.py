@@ -43,13 +43,17 @@ class Topology(NamedTuple):
     dimensions of, where the backend was given one; else None. ``roles``: what each dimension of
     ``mesh`` does, ``"replicate"`` (copies), ``"shard"`` (slices of each parameter, each rank taking
     its own batch) or ``"tp"`` (tensor parallel: slices of each layer, one batch shared). ``tp_group``:
-    the ranks that share one batch (tensor parallelism), else None."""
+    the ranks that share one batch (tensor parallelism), else None. ``cp_group``: the ranks within
+    ``group`` that split the sequence of one shared batch (context parallelism folded into the
+    dimension the model is sharded over), else None. Within ``group``, tp ranks are the innermost,
+    cp ranks the next."""
 
     group: Any
     replicas: tuple[Any, ...]
     mesh: Any
     roles: tuple[str, ...] = ()
     tp_group: Any = None
+    cp_group: Any = None
 
 
 class Piece(NamedTuple):

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._errors import UnsupportedModelError
 from .._gather import Bypass
@@ -98,7 +99,27 @@ class FSDP2Adapter(ShardedAdapter):
         if layout is None:
             return Topology(None, (), self._own_mesh())
         roles = tuple("shard" if d in layout.shard_dims else "replicate" for d in range(layout.mesh.ndim))
-        return Topology(layout.shard_group(), tuple(layout.replica_groups()), self._own_mesh(), roles)
+        group = layout.shard_group()
+        return Topology(group, tuple(layout.replica_groups()), self._own_mesh(), roles,
+                        cp_group=self._context_group(group))
+
+    def _context_group(self, group: Any) -> Any:
+        """The ranks of a context-parallel dimension (``cp``, as accelerate and torchtitan name it) that the
+        mesh given to fully_shard folds in (accelerate shards over ``dp_shard_cp``): they split the sequence
+        of one batch. None where there is none. Kept: the answer asks torch for the groups' ranks."""
+        if "_kept_cp" not in self.__dict__:
+            own = self._own_mesh()
+            root_of = getattr(own, "_get_root_mesh", None)
+            root = root_of() if root_of is not None else None
+            names = tuple(getattr(root, "mesh_dim_names", None) or ())
+            cp = None
+            if root is not None and root is not own and "cp" in names and root.size(names.index("cp")) > 1:
+                cp = root.get_group("cp")
+                inside = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+                if not set(dist.get_process_group_ranks(cp)) <= inside:
+                    cp = None  # a dimension the model is not sharded over: its ranks hold copies
+            self.__dict__["_kept_cp"] = cp
+        return self.__dict__["_kept_cp"]
 
     def _tp_topology(self, mesh: Any) -> Topology:
         """FSDP2 beside tensor parallelism: fully_shard's dimensions keep their roles (HSDP's replicate,
@@ -109,7 +130,8 @@ class FSDP2Adapter(ShardedAdapter):
             roles = ("replicate",) * (own - 1) + ("shard",) + ("tp",) * (mesh.ndim - own)
             group = flat_group(mesh, tuple(range(own - 1, mesh.ndim)))
             replicas = tuple(mesh.get_group(d) for d in range(own - 1))
-            kept = self.__dict__["_kept_topology"] = Topology(group, replicas, mesh, roles, mesh.get_group(own))
+            kept = self.__dict__["_kept_topology"] = Topology(group, replicas, mesh, roles, mesh.get_group(own),
+                                                              self._context_group(group))
         return kept
 
     def _check_stack(self) -> None:
