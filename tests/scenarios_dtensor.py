@@ -48,9 +48,10 @@ def layouts(mesh_shape: list[int], placements: list[str], dtype: str = "float32"
         served = dict((id(p), full) for p, full in _dtensor.full_values(params, dtypes))
     finally:
         _dtensor.all_gather_into = real  # type: ignore[assignment]
-    sharded = sum(x.is_shard() for x in places)
+    # One all-gather for every parameter split over the same mesh dimensions, however many there are.
+    sharded = int(any(x.is_shard() for x in places))
     if gathers[0] != sharded:
-        problems.append(f"{gathers[0]} all-gathers for {len(params)} parameters, {sharded} sharded mesh dimensions")
+        problems.append(f"{gathers[0]} all-gathers for {len(params)} parameters, expected {sharded}")
     for full, d in pairs:
         got = served.get(id(d))
         if got is None:
@@ -100,8 +101,8 @@ def _replicas(mesh: Any, layout: Any) -> int:
 
 def strided() -> list[str]:
     """FSDP2 beside tensor parallelism on a (dp, tp) mesh of four ranks: the even ``_StridedShard``
-    parameters are gathered with the others, one all-gather per cut per group; an uneven one is left
-    to DTensor's own gather. Every value equals ``full_tensor()``."""
+    parameters are gathered with the others, one all-gather per set of split mesh dimensions; an uneven
+    one is left to DTensor's own gather. Every value equals ``full_tensor()``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -131,10 +132,10 @@ def strided() -> list[str]:
     uneven = model[2].weight
     if id(uneven) in served or len(served) != len(params) - 1:
         problems.append(f"{len(served)} of {len(params)} served; the uneven strided one must not be")
-    # Column-wise weights and biases (strided dp after tp): 2 gathers; row-wise weight (dp rows, tp
-    # columns): 2; row-wise bias (dp rows, tp copies): 1.
-    if gathers[0] != 5:
-        problems.append(f"{gathers[0]} all-gathers, expected 5")
+    # Split over dp and tp (column-wise weights and biases, strided; the row-wise weight): one all-gather
+    # over the four ranks; split over dp alone (the row-wise bias, tp copies): one over dp.
+    if gathers[0] != 2:
+        problems.append(f"{gathers[0]} all-gathers, expected 2")
     for p in params:
         want = p.full_tensor()
         got = served.get(id(p), _dtensor.full_value(p))

@@ -1,13 +1,14 @@
 """DTensor parameters, whatever placed them (``fully_shard``, ``parallelize_module``, a ``tp_plan``):
-their layout on the mesh, full values gathered with one collective per group of parameters and per
-sharded mesh dimension, full values written back, this rank's pieces for a load, and the keys that
+their layout on the mesh, full values gathered with one collective per group of parameters split over
+the same mesh dimensions, full values written back, this rank's pieces for a load, and the keys that
 say two shards hold the same slice.
 
 ``Shard(d)`` on any tensor dimension, ``Replicate`` on any mesh dimension, and the even
 ``_StridedShard`` FSDP2 leaves beside tensor parallelism are read here directly; any other placement
 (``Partial``, an uneven strided split) through DTensor's own ``full_tensor()``, one parameter at a time.
 DTensor splits a dimension as ``torch.chunk`` does, mesh dimension by mesh dimension in order (a
-strided one after those it names); gathering undoes that from the last cut to the first.
+strided one after those it names); every rank's block, its shape and offset, follows from its mesh
+coordinates, so one all-gather brings them all and each value is put together from them.
 """
 
 from __future__ import annotations
@@ -133,24 +134,27 @@ def chunk_sizes(size: int, parts: int) -> list[int]:
     return [max(0, min(chunk, size - k * chunk)) for k in range(parts)]
 
 
-def _block(p: Any, coords: list[int], cuts: tuple[int, ...]) -> list[int]:
-    """The shape of this rank's block of ``p`` once mesh dimensions ``cuts`` have split it, in that order."""
-    shape = list(p.shape)
+def _block(p: Any, coords: list[int], cuts: tuple[int, ...]) -> tuple[list[int], list[int]]:
+    """The shape and offset of the block of ``p`` that the rank at mesh coordinates ``coords`` holds once
+    mesh dimensions ``cuts`` have split it, in that order (each cut chunks the block the earlier left)."""
+    shape, offset = list(p.shape), [0] * p.dim()
     for dim in cuts:
         d = p.placements[dim].dim % p.dim()
-        shape[d] = chunk_sizes(shape[d], p.device_mesh.size(dim))[coords[dim]]
-    return shape
+        sizes = chunk_sizes(shape[d], p.device_mesh.size(dim))
+        offset[d] += sum(sizes[: coords[dim]])
+        shape[d] = sizes[coords[dim]]
+    return shape, offset
 
 
 def full_values(params: list[Any], dtypes: dict[int, torch.dtype]) -> Iterator[tuple[Any, torch.Tensor]]:
-    """``(parameter, full value)`` for each DTensor of ``params`` placed only by ``Shard``/``Replicate``,
+    """``(parameter, full value)`` for each DTensor of ``params`` whose layout is read here (``readable``),
     in ``dtypes[id(p)]`` (default: its own dtype); the others are not yielded (``full_value`` serves
-    them). Parameters on one mesh, in one dtype and device, and split the same way are gathered together:
-    one all-gather per sharded mesh dimension for the whole group. Casting before the gather, as FSDP2
-    does, makes the values exactly those its forward computes with, and bf16 halves the bytes.
-    One collective instead of one per parameter: on small models the per-call latency, not the bytes,
-    dominates. The last step builds each value as it is reached: a consumer that packs each away holds
-    one at a time."""
+    them). Parameters on one mesh, in one dtype and device, and split over the same mesh dimensions are
+    gathered together, in one all-gather over those dimensions' ranks, whatever tensor dimension and
+    order each is cut in. Casting before the gather, as FSDP2 does, makes the values exactly those its
+    forward computes with, and bf16 halves the bytes. One collective instead of one per parameter: on
+    small models the per-call latency, not the bytes, dominates. Each value is built as it is reached:
+    a consumer that packs each away holds one at a time."""
     groups: dict[tuple[Any, ...], list[Any]] = {}
     meshes: dict[int, tuple[tuple[Any, ...], list[int]]] = {}
     for p in params:
@@ -163,62 +167,56 @@ def full_values(params: list[Any], dtypes: dict[int, torch.dtype]) -> Iterator[t
         local = local_tensor(p)
         order = _split_order(p)
         assert order is not None  # readable
-        if list(local.shape) != _block(p, coords, order):
+        if list(local.shape) != _block(p, coords, order)[0]:
             continue  # not split as torch.chunk splits (padded storage): DTensor's own gather
-        cuts = tuple((dim, p.placements[dim].dim % p.dim()) for dim in order)  # mesh and tensor dimension
-        key = (key_of_mesh, dtypes.get(id(p), p.dtype), local.device, cuts)
+        key = (key_of_mesh, dtypes.get(id(p), p.dtype), local.device, tuple(sorted(order)))
         groups.setdefault(key, []).append(p)
-    for (_, dtype, device, cuts), todo in groups.items():
-        yield from _gather_group(todo, cuts, dtype, device)
+    for (_, dtype, device, dims), todo in groups.items():
+        yield from _gather_group(todo, dims, dtype, device)
 
 
-def _gather_group(todo: list[Any], cuts: tuple[tuple[int, int], ...], dtype: torch.dtype,
+def _gather_group(todo: list[Any], dims: tuple[int, ...], dtype: torch.dtype,
                   device: torch.device) -> Iterator[tuple[Any, torch.Tensor]]:
-    """Full values of ``todo``, split alike (``cuts``: mesh dimension and tensor dimension, in the order
-    they cut): gathered from the last cut to the first, one all-gather each."""
+    """Full values of ``todo``, each split over mesh dimensions ``dims`` (in its own order and tensor
+    dimensions): one all-gather over the ranks along ``dims`` (``flat_group``: rank ``k`` there is the
+    ``k``-th coordinate, row-major over them), then each value put together from every rank's block."""
     mesh = todo[0].device_mesh
-    order = tuple(dim for dim, _ in cuts)
-    steps = list(reversed(cuts))
-    coords = [mesh.get_local_rank(i) for i in range(mesh.ndim)]
     with torch.no_grad():
-        current = [local_tensor(p).to(dtype) for p in todo]
-    if not steps:  # replicated on every dimension: the local tensor is the whole
-        for p, value in zip(todo, current, strict=True):
+        locals_ = [local_tensor(p).to(dtype) for p in todo]
+    if not dims:  # replicated on every dimension: the local tensor is the whole
+        for p, value in zip(todo, locals_, strict=True):
             yield p, value.clone() if value is local_tensor(p) else value
         return
-    for n, (mesh_dim, d) in enumerate(steps):
-        parts = mesh.size(mesh_dim)
-        # Each rank's block along this mesh dimension: the outer block (earlier dimensions applied)
-        # cut along tensor dimension ``d``. The first is the largest: every rank sends that many.
-        shapes: list[list[list[int]]] = []
-        for p in todo:
-            outer = _block(p, coords, order[: order.index(mesh_dim)])
-            shapes.append([outer[:d] + [size] + outer[d + 1:] for size in chunk_sizes(outer[d], parts)])
-        slots = [math.prod(s[0]) for s in shapes]
-        total = sum(slots)
-        with torch.no_grad():
-            send = torch.zeros(total, dtype=dtype, device=device)
-            offset = 0
-            for value, slot in zip(current, slots, strict=True):
-                send[offset: offset + value.numel()].copy_(value.reshape(-1))
-                offset += slot
-            recv = torch.empty(parts * total, dtype=dtype, device=device)
-            all_gather_into(recv, send, group=mesh.get_group(mesh_dim))
-        del send
-        offsets = [sum(slots[:i]) for i in range(len(slots))]
-        if n < len(steps) - 1:
-            current = [_assemble(recv, total, offsets[i], shapes[i], d) for i in range(len(todo))]
-            continue
-        for i, p in enumerate(todo):
-            yield p, _assemble(recv, total, offsets[i], shapes[i], d).view(p.shape)
-
-
-def _assemble(recv: torch.Tensor, total: int, offset: int, shapes: list[list[int]], d: int) -> torch.Tensor:
-    """One value from an all-gather of ``total`` elements per rank: rank ``k``'s block, of shape
-    ``shapes[k]``, starts ``offset`` into its part; the blocks joined along tensor dimension ``d``."""
+    sizes = [mesh.size(d) for d in dims]
+    everyone: list[list[int]] = []  # each rank's mesh coordinates (0 along the dimensions not in ``dims``)
+    for k in range(math.prod(sizes)):
+        coords = [0] * mesh.ndim
+        for d, n in zip(reversed(dims), reversed(sizes), strict=True):
+            coords[d], k = k % n, k // n
+        everyone.append(coords)
+    # Every rank's block of each parameter; the first rank's is the largest (each cut's first chunk is).
+    blocks = [[_block(p, coords, _split_order(p) or ()) for coords in everyone] for p in todo]
+    slots = [max(math.prod(shape) for shape, _ in per_rank) for per_rank in blocks]
+    total = sum(slots)
     with torch.no_grad():
-        return torch.cat([recv[k * total + offset: k * total + offset + math.prod(s)].view(s)
-                          for k, s in enumerate(shapes)], dim=d)
+        send = torch.zeros(total, dtype=dtype, device=device)
+        offset = 0
+        for value, slot in zip(locals_, slots, strict=True):
+            send[offset: offset + value.numel()].copy_(value.reshape(-1))
+            offset += slot
+        del locals_
+        recv = torch.empty(len(everyone) * total, dtype=dtype, device=device)
+        all_gather_into(recv, send, group=flat_group(mesh, dims))
+        del send
+    start = 0
+    for p, per_rank, slot in zip(todo, blocks, slots, strict=True):
+        with torch.no_grad():
+            full = torch.empty(tuple(p.shape), dtype=dtype, device=device)
+            for k, (shape, offset_) in enumerate(per_rank):
+                where = tuple(slice(o, o + n) for o, n in zip(offset_, shape, strict=True))
+                full[where] = recv[k * total + start: k * total + start + math.prod(shape)].view(shape)
+        start += slot
+        yield p, full
 
 
 def full_value(p: torch.Tensor) -> torch.Tensor:
