@@ -19,6 +19,23 @@ def _placement(text: str) -> Any:
     return Replicate() if text == "R" else Shard(int(text[1:]))
 
 
+def _served(params: list[Any], dtypes: dict[int, torch.dtype]) -> tuple[dict[int, torch.Tensor], int]:
+    """``full_values`` of ``params`` by id, and how many all-gathers it made."""
+    gathers = [0]
+    real = _dtensor.all_gather_into
+
+    def counted(*args: Any, **kwargs: Any) -> None:
+        gathers[0] += 1
+        real(*args, **kwargs)
+
+    _dtensor.all_gather_into = counted  # type: ignore[assignment]
+    try:
+        served = dict((id(p), full) for p, full in _dtensor.full_values(params, dtypes))
+    finally:
+        _dtensor.all_gather_into = real  # type: ignore[assignment]
+    return served, gathers[0]
+
+
 def layouts(mesh_shape: list[int], placements: list[str], dtype: str = "float32") -> list[str]:
     """Problems found (empty: none) for ``placements`` (``"S0"``, ``"S1"``, ``"R"`` per mesh dimension)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -36,22 +53,11 @@ def layouts(mesh_shape: list[int], placements: list[str], dtype: str = "float32"
     want = getattr(torch, dtype)
     dtypes = {id(d): want for d in params}
 
-    gathers = [0]
-    real = _dtensor.all_gather_into
-
-    def counted(*args: Any, **kwargs: Any) -> None:
-        gathers[0] += 1
-        real(*args, **kwargs)
-
-    _dtensor.all_gather_into = counted  # type: ignore[assignment]
-    try:
-        served = dict((id(p), full) for p, full in _dtensor.full_values(params, dtypes))
-    finally:
-        _dtensor.all_gather_into = real  # type: ignore[assignment]
+    served, gathers = _served(params, dtypes)
     # One all-gather for every parameter split over the same mesh dimensions, however many there are.
     sharded = int(any(x.is_shard() for x in places))
-    if gathers[0] != sharded:
-        problems.append(f"{gathers[0]} all-gathers for {len(params)} parameters, expected {sharded}")
+    if gathers != sharded:
+        problems.append(f"{gathers} all-gathers for {len(params)} parameters, expected {sharded}")
     for full, d in pairs:
         got = served.get(id(d))
         if got is None:
@@ -117,25 +123,14 @@ def strided() -> list[str]:
     strided = [p for p in params if any(type(x).__name__ == "_StridedShard" for x in p.placements)]
     if len(strided) != 3:
         problems.append(f"{len(strided)} strided parameters, expected 3 (the column-wise layers')")
-    gathers = [0]
-    real = _dtensor.all_gather_into
-
-    def counted(*args: Any, **kwargs: Any) -> None:
-        gathers[0] += 1
-        real(*args, **kwargs)
-
-    _dtensor.all_gather_into = counted  # type: ignore[assignment]
-    try:
-        served = dict((id(p), full) for p, full in _dtensor.full_values(params, {}))
-    finally:
-        _dtensor.all_gather_into = real  # type: ignore[assignment]
+    served, gathers = _served(params, {})
     uneven = model[2].weight
     if id(uneven) in served or len(served) != len(params) - 1:
         problems.append(f"{len(served)} of {len(params)} served; the uneven strided one must not be")
     # Split over dp and tp (column-wise weights and biases, strided; the row-wise weight): one all-gather
     # over the four ranks; split over dp alone (the row-wise bias, tp copies): one over dp.
-    if gathers[0] != 2:
-        problems.append(f"{gathers[0]} all-gathers, expected 2")
+    if gathers != 2:
+        problems.append(f"{gathers} all-gathers, expected 2")
     for p in params:
         want = p.full_tensor()
         got = served.get(id(p), _dtensor.full_value(p))
