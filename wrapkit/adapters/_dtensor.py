@@ -155,7 +155,7 @@ def full_values(params: list[Any], dtypes: dict[int, torch.dtype]) -> Iterator[t
     forward computes with, and bf16 halves the bytes. One collective instead of one per parameter: on
     small models the per-call latency, not the bytes, dominates. Each value is built as it is reached:
     a consumer that packs each away holds one at a time."""
-    groups: dict[tuple[Any, ...], list[Any]] = {}
+    groups: dict[tuple[Any, ...], list[tuple[Any, tuple[int, ...]]]] = {}
     meshes: dict[int, tuple[tuple[Any, ...], list[int]]] = {}
     for p in params:
         if not is_dtensor(p) or not readable(p):
@@ -170,16 +170,18 @@ def full_values(params: list[Any], dtypes: dict[int, torch.dtype]) -> Iterator[t
         if list(local.shape) != _block(p, coords, order)[0]:
             continue  # not split as torch.chunk splits (padded storage): DTensor's own gather
         key = (key_of_mesh, dtypes.get(id(p), p.dtype), local.device, tuple(sorted(order)))
-        groups.setdefault(key, []).append(p)
-    for (_, dtype, device, dims), todo in groups.items():
-        yield from _gather_group(todo, dims, dtype, device)
+        groups.setdefault(key, []).append((p, order))
+    for (_, dtype, device, dims), split in groups.items():
+        yield from _gather_group(split, dims, dtype, device)
 
 
-def _gather_group(todo: list[Any], dims: tuple[int, ...], dtype: torch.dtype,
+def _gather_group(split: list[tuple[Any, tuple[int, ...]]], dims: tuple[int, ...], dtype: torch.dtype,
                   device: torch.device) -> Iterator[tuple[Any, torch.Tensor]]:
-    """Full values of ``todo``, each split over mesh dimensions ``dims`` (in its own order and tensor
-    dimensions): one all-gather over the ranks along ``dims`` (``flat_group``: rank ``k`` there is the
-    ``k``-th coordinate, row-major over them), then each value put together from every rank's block."""
+    """Full values of the parameters of ``split``, each cut over mesh dimensions ``dims`` in its own
+    order (given beside it) and along its own tensor dimensions: one all-gather over the ranks along
+    ``dims`` (``flat_group``: rank ``k`` there is the ``k``-th coordinate, row-major over them), then
+    each value put together from every rank's block."""
+    todo = [p for p, _ in split]
     mesh = todo[0].device_mesh
     with torch.no_grad():
         locals_ = [local_tensor(p).to(dtype) for p in todo]
@@ -195,7 +197,7 @@ def _gather_group(todo: list[Any], dims: tuple[int, ...], dtype: torch.dtype,
             coords[d], k = k % n, k // n
         everyone.append(coords)
     # Every rank's block of each parameter; the first rank's is the largest (each cut's first chunk is).
-    blocks = [[_block(p, coords, _split_order(p) or ()) for coords in everyone] for p in todo]
+    blocks = [[_block(p, coords, order) for coords in everyone] for p, order in split]
     slots = [max(math.prod(shape) for shape, _ in per_rank) for per_rank in blocks]
     total = sum(slots)
     with torch.no_grad():
