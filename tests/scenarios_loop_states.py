@@ -31,6 +31,8 @@ STATES = ("no_grad_forward", "train_forward", "between_backward_and_step")
 BUCKET = 20_000  # several buckets for the tiny model
 OPS = ("gathered", "generation", "named_full_parameters", "full_state_dict", "stream_full_parameters", "copy_to",
        "save_pretrained+load")
+# A PEFT stack's own: its adapters saved alone and loaded back (the operations above run on the bare ones).
+PEFT_OPS = ("full_state_dict", "save_adapters+load")
 
 
 class _Step:
@@ -132,7 +134,13 @@ def _ops(wm: Any, want: dict[str, torch.Tensor], tmp: str) -> dict[str, Callable
         wm.load(directory)  # the same values back: nothing may change
         return _same(wm.full_state_dict(rank0_only=False), want)
 
-    return {"gathered": gathered, "generation": generation,
+    def adapters() -> list[str]:
+        directory = os.path.join(tmp, "adapters")
+        wm.save_pretrained(directory, adapters_only=True)
+        wm.load(directory)  # the same adapters back: nothing may change
+        return _same(wm.full_state_dict(rank0_only=False), want)
+
+    return {"gathered": gathered, "generation": generation, "save_adapters+load": adapters,
             "named_full_parameters": lambda: _same(dict(wm.named_full_parameters()), want),
             "full_state_dict": lambda: _same(wm.full_state_dict(rank0_only=False), want),
             "stream_full_parameters": stream, "copy_to": copy_to, "save_pretrained+load": save_and_load}
@@ -161,7 +169,7 @@ def loop_states(spec: str, precision: str = "fp32", topology: str = "flat") -> d
     for state in STATES:
         obs: dict[str, Any] = {}
         moved = []
-        for op in OPS:
+        for op in PEFT_OPS if "peft" in spec else OPS:
             finish = _enter(state, step)
             try:
                 obs[op] = _ops(wm, want, tmp)[op]()

@@ -15,7 +15,8 @@ from wrapkit.cli._ops import OPS
 
 EXPECTED_ROWS = ["plain", "dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "tp"]
 # Refused as documented: tensor parallelism keeps no plan to build a frozen copy from.
-TP_REFUSED = {("tp", "prepare_reference")}
+# A frozen copy of a tensor-parallel model, and PEFT on one, are refused as documented.
+TP_REFUSED = {("tp", "prepare_reference"), ("tp", "adapters")}
 
 
 def test_doctor_all_backends_pass(tmp_path: Path) -> None:
@@ -40,7 +41,7 @@ def test_doctor_all_backends_pass(tmp_path: Path) -> None:
     if deepspeed_moves_states():
         assert refused == TP_REFUSED, refused
     for backend, op in refused:
-        why = "cannot build a frozen copy" if backend == "tp" else "offload_states"
+        why = {"prepare_reference": "cannot build a frozen copy", "adapters": "PEFT"}.get(op, "offload_states")
         assert f"{backend}/{op}: " in table and why in data["results"][backend][op]["refused"], table
     # Backends across, operations down, within 100 columns.
     header = next(line for line in table.splitlines() if line.startswith("(ms)"))

@@ -14,7 +14,7 @@ from wrapkit.cli._models import BACKENDS
 
 FLAT_CASES = [{"spec": b} for b in BACKENDS if b != "dp"] + [
     {"spec": b, "precision": "bf16"} for b in ("fsdp", "fsdp2", "zero3")
-]
+] + [{"spec": "fsdp2>peft"}, {"spec": "fsdp>peft", "precision": "bf16"}, {"spec": "zero3>peft", "precision": "bf16"}]
 TOPOLOGY_CASES = [
     {"spec": "fsdp2", "topology": "hsdp"}, {"spec": "fsdp", "topology": "hybrid-groups"},
     {"spec": "zero3", "topology": "subgroup"}, {"spec": "fsdp2", "topology": "submesh", "precision": "bf16"},
@@ -27,7 +27,8 @@ def check(per_rank: list[dict[str, Any]], case: dict[str, Any]) -> None:
         for state in sl.STATES:
             where = f"rank {rank}, {case}, {state}"
             got = obs[state]
-            wrong = {op: r for op, r in got.items() if op in sl.OPS and r != []}
+            wrong = {op: r for op, r in got.items() if op in sl.OPS + sl.PEFT_OPS and r != []}
+            assert any(op in got for op in sl.PEFT_OPS if op not in sl.OPS) == ("peft" in case["spec"]), got
             assert not wrong, f"{where}: {wrong}"
             assert got["step_moved_weights"], f"{where}: the step after the operations changed nothing"
         assert obs["loss_finite"], f"rank {rank}, {case}: the loss is not finite after the steps"

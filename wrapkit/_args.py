@@ -9,7 +9,7 @@ from typing import Any
 
 from ._errors import ArgumentError
 
-__all__ = ["flag", "path"]
+__all__ = ["flag", "path", "names"]
 
 
 def flag(value: Any, name: str, where: str) -> bool:
@@ -23,3 +23,14 @@ def path(value: Any, name: str, where: str) -> str:
         raise ArgumentError(f"{where}({name}=...) takes a path (str or os.PathLike), got {value!r} "
                             f"({type(value).__name__})")
     return os.fspath(value)
+
+
+def names(value: Any, name: str, where: str) -> list[str] | None:
+    """None, or a sequence of names (one ``str`` is taken as one name)."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ArgumentError(f"{where}({name}=...) takes a list of names (str), got {value!r} ({type(value).__name__})")

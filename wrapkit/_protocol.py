@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -216,12 +216,16 @@ class WrappedModel(Protocol):
         ...
 
     def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
-                        merge_adapters: bool = False) -> None:
-        """Sharded safetensors files + index in the Hugging Face layout, streamed, atomic per directory."""
+                        merge_adapters: bool = False, *, adapters_only: bool = False,
+                        adapter_names: Sequence[str] | None = None) -> None:
+        """Sharded safetensors files + index in the Hugging Face layout, streamed, atomic per directory;
+        ``adapters_only``: PEFT's adapter layout, every rank's rows in it."""
         ...
 
-    def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None) -> None:
-        """Load a safetensors file or a ``save_pretrained`` directory, each rank reading only its slices."""
+    def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None,
+             adapter_name: str | None = None) -> None:
+        """Load a safetensors file, a ``save_pretrained`` directory or a PEFT adapter directory, each rank
+        reading only its slices."""
         ...
 
     def copy_to(self, target: WrappedModel, alpha: float = 1.0) -> None:

@@ -17,8 +17,13 @@ import torch
 
 from ._errors import StateDictError
 
-__all__ = ["SAFETENSORS_DTYPES", "safetensors_name", "torch_dtype", "write_file", "write_file_atomic",
-           "fsync_dir", "temporary_dir", "sweep", "commit_dir"]
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "SAFETENSORS_DTYPES", "safetensors_name", "torch_dtype", "write_file",
+           "write_file_atomic", "fsync_dir", "temporary_dir", "sweep", "commit_dir"]
+
+
+# The Hugging Face layout's file names: the index of a sharded checkpoint, and a checkpoint of one file.
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
 
 
 def _table() -> dict[str, torch.dtype]:

@@ -9,7 +9,7 @@ operations, so no layer imports one above it.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, cast
 
@@ -19,6 +19,7 @@ from . import (
     _args,
     checkpoint,
     full_parameters,
+    peft_checkpoint,
     placement,
     pretrained,
     reading,
@@ -30,6 +31,7 @@ from . import (
     view,
 )
 from ._agree import Call
+from ._errors import ArgumentError
 from ._protocol import Handle, WrappedModel
 from ._registry import as_adapter, copy_target
 from .adapters import Adapter
@@ -213,7 +215,8 @@ class Wrapped(Handle):
         checkpoint.save(self._below, _args.path(path, "path", "save"))
 
     def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
-                        merge_adapters: bool = False) -> None:
+                        merge_adapters: bool = False, *, adapters_only: bool = False,
+                        adapter_names: Sequence[str] | None = None) -> None:
         """Write a Hugging Face layout checkpoint into ``directory``: ``model-0000k-of-0000n.safetensors``
         files of at most ``max_shard_size`` each, ``model.safetensors.index.json``, and the model's
         ``config.json`` / ``generation_config.json``. Collective.
@@ -223,11 +226,31 @@ class Wrapped(Handle):
         its shards. Atomic per directory: everything is written to a temporary directory that
         replaces ``directory`` only when complete. ``merge_adapters`` folds LoRA in, layer by
         layer, under the base model's names (then ``from_pretrained`` of the base class loads it).
-        """
-        pretrained.save_pretrained(self._below, _args.path(directory, "directory", "save_pretrained"), max_shard_size,
-                                   _args.flag(merge_adapters, "merge_adapters", "save_pretrained"))
 
-    def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None) -> None:
+        ``adapters_only=True`` (a PEFT model) writes PEFT's own layout instead, for the adapters in
+        ``adapter_names`` (default: every adapter): ``adapter_model.safetensors`` and
+        ``adapter_config.json``, ``default`` at the top and any other in a subdirectory named after
+        it, each matrix whole whatever the backend. ``peft.PeftModel.from_pretrained(base, directory)``
+        loads it, and so does ``load(directory)``.
+        """
+        where = "save_pretrained"
+        only = _args.flag(adapters_only, "adapters_only", where)
+        merge = _args.flag(merge_adapters, "merge_adapters", where)
+        path = _args.path(directory, "directory", where)
+        if not only:
+            if adapter_names is not None:
+                raise ArgumentError("save_pretrained(adapter_names=...) selects adapters to save with "
+                                    "adapters_only=True; pass adapters_only=True, or leave adapter_names out")
+            pretrained.save_pretrained(self._below, path, max_shard_size, merge)
+            return
+        if merge:
+            raise ArgumentError("save_pretrained(adapters_only=True, merge_adapters=True) asks for the adapters "
+                                "alone and for them folded into the base weights; pass one of the two")
+        names = _args.names(adapter_names, "adapter_names", where)
+        peft_checkpoint.save_adapters(self._below, path, names)
+
+    def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None,
+             adapter_name: str | None = None) -> None:
         """Load a checkpoint: a safetensors file (``save``) or a directory (``save_pretrained``, or any
         Hugging Face layout with canonical names). Collective.
 
@@ -235,8 +258,14 @@ class Wrapped(Handle):
         or whole parameters where unsharded). With ``src_rank=r`` rank ``r`` alone reads and
         sends each tensor to the others, for nodes without shared storage. Every missing,
         unexpected or mis-shaped key, and every unreadable file, is reported on every rank
-        before anything is written (``StateDictError``)."""
-        reading.load(self._below, _args.path(path, "path", "load"), _args.flag(strict, "strict", "load"), src_rank)
+        before anything is written (``StateDictError``).
+
+        A directory of PEFT adapters (``save_pretrained(adapters_only=True)`` or PEFT's own) loads
+        into the adapters of the same names and nothing else; ``adapter_name`` loads one adapter's
+        files (at the top of ``path``, or in its subdirectory) into the adapter of that name. A
+        config that differs from the live adapter's (rank, target modules, alpha, ...) is refused."""
+        reading.load(self._below, _args.path(path, "path", "load"), _args.flag(strict, "strict", "load"), src_rank,
+                     adapter_name)
 
     def copy_to(self, target: Any, alpha: float = 1.0) -> None:
         """``target = alpha*self + (1-alpha)*target``, by canonical name, any backend to any backend."""
@@ -299,9 +328,11 @@ class AdapterDisabledView(Wrapped):
         view.refuse(self._below, Call.of("load_full_state_dict", strict=strict),
                     "load_full_state_dict() into it")
 
-    def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None) -> None:
+    def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None,
+             adapter_name: str | None = None) -> None:
         """Refused: it would write the policy's weights."""
-        view.refuse(self._below, Call.of("load", strict=strict, src_rank=src_rank), "load() into it")
+        view.refuse(self._below, Call.of("load", strict=strict, src_rank=src_rank, adapter_name=adapter_name),
+                    "load() into it")
 
     def copy_to(self, target: Any, alpha: float = 1.0) -> None:
         """``target = alpha*base + (1-alpha)*target``, into a model of the base architecture."""

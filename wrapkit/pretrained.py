@@ -18,7 +18,7 @@ import json
 import logging
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -27,14 +27,14 @@ from . import _safetensors
 from ._agree import Call, any_over_models, broadcast_object, enter, first_replica, models_group, raise_agreed
 from ._errors import ArgumentError, StateDictError, WrapkitError
 from ._memory import parse_size
+from ._safetensors import INDEX_NAME
 from .layers.peft import lora_fold_stream
-from .reading import INDEX_NAME
 from .state_dict import lora_fold_plan
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
 
-__all__ = ["save_pretrained", "INDEX_NAME"]
+__all__ = ["save_pretrained", "INDEX_NAME", "open_directory", "commit_directory"]
 
 _log = logging.getLogger(__name__.rpartition(".")[0] or __name__)
 
@@ -144,36 +144,16 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
 
     # Every rank cuts the stream into files the same way, so the size and the merge must match; the
     # directory need not (without shared storage, rank 0 writes everything).
-    directory = os.path.abspath(os.fspath(directory))
-    parent = os.path.dirname(directory)
-    rank0 = wm.rank == 0 and first_replica(wm)
     problems: list[str] = list(refused)
     limit, size_given = 1, max_shard_size
     try:
         limit = size_given = parse_size(max_shard_size, "max_shard_size")
     except ArgumentError as exc:
         problems.append(str(exc))
-    if not os.path.isdir(parent):
-        problems.append(f"directory {parent!r} does not exist; create it first")
-    elif os.path.exists(directory) and not os.path.isdir(directory):
-        problems.append(f"{directory!r} is a file; pass a directory path")
-    tmp = ""
-    if rank0 and not problems:
-        try:
-            tmp = _safetensors.temporary_dir(directory)
-        except OSError as exc:
-            problems.append(f"cannot create a temporary directory beside {directory!r}: {exc}")
     call = Call.of("save_pretrained", max_shard_size=size_given, merge_adapters=merge_adapters)
-    try:
-        [agreed] = enter(call, wm, flags=[bool(problems)], invalid=1)
-        raise_agreed(problems, f"save_pretrained to {directory!r}",
-                     "Pass a directory whose parent exists and is writable, and a size such as '5GB'.", wm,
-                     agreed=agreed)
-    except BaseException:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    tmp = _share(tmp, wm)
+    directory, tmp = open_directory(wm, directory, call, problems,
+                                    "Pass a directory whose parent exists and is writable, and a size such as '5GB'.")
+    rank0 = wm.rank == 0 and first_replica(wm)
     # Writers: the first replica's ranks, when they all see the temporary directory (shared
     # storage); otherwise rank 0 alone writes every file.
     me = wm.rank if first_replica(wm) else -1
@@ -201,26 +181,66 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
             writer.close(k)
         writer.finish(n)
     error = writer.error if writer is not None else None
+
+    def finish(tmp: str) -> None:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {name: _file_name(f, n) for name, f in weight_map.items()}}
+        with open(os.path.join(tmp, INDEX_NAME), "w") as f:
+            json.dump(index, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        _config_files(wm, tmp, base_keys)
+
+    commit_directory(wm, "save_pretrained", directory, tmp, error, finish)
+
+
+def open_directory(wm: Adapter, directory: str | os.PathLike[str], call: Call, problems: list[str],
+                   fix: str) -> tuple[str, str]:
+    """The start of a save into a directory, collective: ``directory`` checked, a temporary
+    directory made beside it by the writing rank, ``call`` entered, and every problem (``problems``
+    and those found here) raised alike on every rank. Returns the absolute directory and the
+    temporary one, the same on every rank."""
+    directory = os.path.abspath(os.fspath(directory))
+    parent = os.path.dirname(directory)
+    rank0 = wm.rank == 0 and first_replica(wm)
+    if not os.path.isdir(parent):
+        problems.append(f"directory {parent!r} does not exist; create it first")
+    elif os.path.exists(directory) and not os.path.isdir(directory):
+        problems.append(f"{directory!r} is a file; pass a directory path")
+    tmp = ""
+    if rank0 and not problems:
+        try:
+            tmp = _safetensors.temporary_dir(directory)
+        except OSError as exc:
+            problems.append(f"cannot create a temporary directory beside {directory!r}: {exc}")
+    try:
+        [agreed] = enter(call, wm, flags=[bool(problems)], invalid=1)
+        raise_agreed(problems, f"{call.op} to {directory!r}", fix, wm, agreed=agreed)
+    except BaseException:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return directory, _share(tmp, wm)
+
+
+def commit_directory(wm: Adapter, op: str, directory: str, tmp: str, error: BaseException | None,
+                     finish: Callable[[str], None]) -> None:
+    """The end of a save into a directory, collective: unless some rank failed (``error`` on this
+    one), the writing rank completes ``tmp`` with ``finish(tmp)`` and swaps it in. On any failure the
+    temporary directory goes, the previous checkpoint stays, and every rank raises ``StateDictError``."""
+    rank0 = wm.rank == 0 and first_replica(wm)
     if not any_over_models(error is not None, wm) and rank0:
         try:
-            index = {"metadata": {"total_size": total},
-                     "weight_map": {name: _file_name(f, n) for name, f in weight_map.items()}}
-            with open(os.path.join(tmp, INDEX_NAME), "w") as f:
-                json.dump(index, f, indent=2, sort_keys=True)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            _config_files(wm, tmp, base_keys)
+            finish(tmp)
             _safetensors.commit_dir(tmp, directory)
         except Exception as exc:
             error = exc
-    failed = any_over_models(error is not None, wm)
-    if failed:
+    if any_over_models(error is not None, wm):
         if rank0:
             shutil.rmtree(tmp, ignore_errors=True)
         cause = f"{type(error).__name__}: {error}" if error is not None else "see the writing rank's error"
         raise StateDictError(
-            f"save_pretrained could not write {directory!r} ({cause}); any earlier checkpoint there is "
-            "untouched and the temporary directory was removed. Check the free space and permissions."
+            f"{op} could not write {directory!r} ({cause}); any earlier checkpoint there is untouched and the "
+            "temporary directory was removed. Check the free space and permissions."
         ) from error
-

@@ -25,7 +25,8 @@ from ._agree import Call, broadcast_object, enter, models_group, raise_agreed
 from ._errors import StateDictError
 from ._imports import require
 from ._module_internals import init_weights, own_buffers
-from ._safetensors import SAFETENSORS_DTYPES, torch_dtype
+from ._safetensors import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, torch_dtype
+from .peft_checkpoint import AdapterCheckpoint, adapter_files, adapter_shapes
 from .state_dict import check_entries, expected_shapes
 
 if TYPE_CHECKING:
@@ -33,8 +34,6 @@ if TYPE_CHECKING:
 
 __all__ = ["load", "Catalog"]
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 _log = logging.getLogger(__name__.rpartition(".")[0] or __name__)
 
 
@@ -43,11 +42,12 @@ class Catalog:
     reads of element ranges. Opening it checks every file; ``StateDictError`` if one is missing,
     truncated or corrupt."""
 
-    def __init__(self, path: str, stack: ExitStack) -> None:
+    def __init__(self, path: str, stack: ExitStack, adapters: AdapterCheckpoint | None = None) -> None:
         st = require("safetensors", feature="loading a safetensors checkpoint", extra="transformers")
-        files = self._files(path)
+        # An adapter checkpoint's keys are PEFT's saved ones: each file's are renamed to the model's.
+        files = self._files(path) if adapters is None else dict.fromkeys(adapters.files)
         self.bytes_read = 0  # what the reads below took from the files
-        self.where: dict[str, Any] = {}
+        self.where: dict[str, tuple[Any, str]] = {}  # name -> (open file, its key there)
         self.entries: dict[str, tuple[tuple[int, ...], str]] = {}
         for file, names in files.items():
             try:
@@ -55,8 +55,9 @@ class Catalog:
                 keys = list(handle.keys())
                 for key in keys:
                     piece = handle.get_slice(key)
-                    self.entries[key] = (tuple(piece.get_shape()), piece.get_dtype())
-                    self.where[key] = handle
+                    name = key if adapters is None else adapters.rename(file, key)
+                    self.entries[name] = (tuple(piece.get_shape()), piece.get_dtype())
+                    self.where[name] = (handle, key)
             except Exception as exc:  # safetensors raises its own error type (and OSError for I/O)
                 raise StateDictError(
                     f"{file!r} is not a readable safetensors file ({type(exc).__name__}: {exc}); it is truncated "
@@ -103,17 +104,19 @@ class Catalog:
         """Elements ``[start, start + numel)`` of the flattened tensor ``name``: only the rows that
         cover them are read."""
         shape, _ = self.entries[name]
+        handle, key = self.where[name]
         if len(shape) == 0:
-            scalar: torch.Tensor = self.where[name].get_tensor(name)
+            scalar: torch.Tensor = handle.get_tensor(key)
             return scalar.reshape(-1)
         row = math.prod(shape[1:])
         first, last = start // row, (start + numel + row - 1) // row
-        rows: torch.Tensor = self.where[name].get_slice(name)[first:last]
+        rows: torch.Tensor = handle.get_slice(key)[first:last]
         self.bytes_read += rows.numel() * rows.element_size()
         return rows.reshape(-1)[start - first * row: start - first * row + numel]
 
     def full(self, name: str) -> torch.Tensor:
-        out: torch.Tensor = self.where[name].get_tensor(name)
+        handle, key = self.where[name]
+        out: torch.Tensor = handle.get_tensor(key)
         self.bytes_read += out.numel() * out.element_size()
         return out
 
@@ -138,8 +141,10 @@ def dtype_problems(entries: dict[str, tuple[tuple[int, ...], str]], path: str) -
             "convert them, or load with a torch that has that dtype"]
 
 
-def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_rank: int | None = None) -> None:
-    """Load a checkpoint (file or directory) into ``wm``; see the module docstring. Collective."""
+def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_rank: int | None = None,
+         adapter_name: str | None = None) -> None:
+    """Load a checkpoint (file or directory, or a PEFT adapter directory) into ``wm``; see the module
+    docstring. Collective."""
     path = os.fspath(path)
     use, group = models_group(wm)
     problems: list[str] = []
@@ -148,8 +153,12 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
         problems.append(f"src_rank={src_rank!r} is not a rank of this group of {wm.world_size}; pass None (every "
                         f"rank reads) or a rank in 0..{wm.world_size - 1}")
         src_rank = None
+    if adapter_name is not None and (not isinstance(adapter_name, str) or not adapter_name):
+        problems.append(f"adapter_name={adapter_name!r} is not an adapter's name; pass the name of one of the PEFT "
+                        "model's adapters, or None")
+        adapter_name = None
     # The path is each rank's own (nodes may hold copies at different places); how it is read is not.
-    call = Call.of("load", strict=strict, src_rank=given)
+    call = Call.of("load", strict=strict, src_rank=given, adapter_name=adapter_name)
     broadcast = use and src_rank is not None
     reads = not broadcast or wm.rank == src_rank
     agreed: bool | None = None
@@ -161,29 +170,48 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
     with ExitStack() as stack:
         catalog: Catalog | None = None
         entries: dict[str, tuple[tuple[int, ...], str]] = {}
+        adapters: list[str] | None = None  # the PEFT adapters an adapter checkpoint holds
+        mismatches: list[str] = []  # of their configs against the live ones: reported with the keys'
         if reads and not problems:
             try:
-                catalog = Catalog(path, stack)
-                entries = catalog.entries
+                found = adapter_files(wm, path, adapter_name)
+                if found is not None:
+                    adapters, problems, mismatches = found.adapters, found.problems, found.mismatches
+                if not problems:
+                    catalog = Catalog(path, stack, found)
+                    entries = catalog.entries
             except StateDictError as exc:
                 problems.append(str(exc))
         if broadcast:
             # The reader's verdict and headers go to every rank (also when it could not read: every
             # rank must enter the broadcast), and each checks them against its model.
-            problems, entries = broadcast_object((problems, entries), src_rank or 0, group)
+            problems, entries, adapters, mismatches = broadcast_object((problems, entries, adapters, mismatches),
+                                                                       src_rank or 0, group)
         meta = _on_meta(wm)
         if not problems:
             shapes: dict[str, tuple[int, ...] | None] = {k: v[0] for k, v in entries.items()}
-            expected = expected_shapes(wm)
+            if adapters is None:
+                expected, names = expected_shapes(wm), (f"the checkpoint {path!r}", "the model")
+            else:
+                # Only the adapters' tensors are compared, and written: the base weights stay as they are.
+                expected = adapter_shapes(wm, adapters)
+                names = (f"the adapter checkpoint {path!r}", "the model's adapters")
             problems = dtype_problems(entries, path)
-            problems += check_entries(shapes, expected, strict, (f"the checkpoint {path!r}", "the model"))
-            if meta is not None:
+            problems += check_entries(shapes, expected, strict, names)
+            if meta is not None and adapters is not None:
+                problems.append("the model was created on the meta device: load its base weights before the "
+                                "adapters (wm.load(base_checkpoint)), which an adapter checkpoint does not hold")
+            elif meta is not None:
                 problems += _meta_problems(wm, meta, [k for k in expected if k not in entries])
+        problems = mismatches + problems
         if not broadcast:
             [agreed] = enter(call, wm, flags=[bool(problems)], invalid=1)
-        raise_agreed(problems, f"load {path!r} into {' > '.join(wm.stack)}",
-                     "Pass a checkpoint of this architecture (written by save() or save_pretrained() of such a "
-                     "model); strict=False skips missing and unexpected keys, never a wrong shape.", wm,
+        fix = ("Pass a checkpoint of this architecture (written by save() or save_pretrained() of such a model); "
+               "strict=False skips missing and unexpected keys, never a wrong shape.")
+        if adapters is not None:
+            fix = ("Pass an adapter directory saved from adapters of this configuration "
+                   "(save_pretrained(adapters_only=True), or PEFT's own save_pretrained).")
+        raise_agreed(problems, f"load {path!r} into {' > '.join(wm.stack)}", fix, wm,
                      agreed=None if broadcast else agreed)
         if meta is not None:
             _materialize(wm, meta)

@@ -333,6 +333,11 @@ class Adapter:
         for p in params:
             yield p, p.detach()
 
+    def gather_exported(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """``gather_many`` for a checkpoint: each value as ``gather_each`` exports it, where the backend
+        keeps a truer copy than the module's weights (a 16-bit engine's fp32 masters)."""
+        return self.gather_many(params)
+
     def full_parameter_bytes(self) -> int:
         """Bytes that every parameter, gathered, takes in the dtype the backend computes in."""
         return sum(self.global_numel(p) * p.element_size() for p in self._unique_parameters())

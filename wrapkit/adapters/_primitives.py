@@ -141,6 +141,10 @@ class BackendPrimitives(Protocol):
         """``(parameter, full value in its own dtype)`` for whole units, in one collective where sharded."""
         ...
 
+    def gather_exported(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """``gather_many`` as a checkpoint holds the values: those the optimizer steps (fp32 masters)."""
+        ...
+
     def gather_full(self, modifier_rank: int | None) -> contextlib.AbstractContextManager[Any]:
         """Every parameter full inside; writes on ``modifier_rank`` kept on exit; yields a ``Replace`` or None."""
         ...

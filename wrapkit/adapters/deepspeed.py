@@ -290,6 +290,16 @@ class DeepSpeedAdapter(ShardedAdapter):
                 return False
         return True
 
+    def gather_exported(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        # A checkpoint holds what the optimizer steps: the fp32 masters of the trained parameters, one
+        # parameter at a time (each a collective under ZeRO 1-3); the module's weights where there are none.
+        master = self._masters()
+        if master is None:
+            yield from self.gather_many(params)
+            return
+        for p in params:
+            yield p, self._full(p, master)
+
     def gather_many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         # The module's own weights (16-bit in a bf16 engine), not the optimizer's masters: what a
         # forward computes with, and what an inference engine is fed.

@@ -23,8 +23,8 @@ import torch
 from ..adapters._likeness import block_classes
 from ..adapters.fsdp2 import fully_shard_per_block
 
-__all__ = ["tiny_llama", "toy_model", "build", "parse_stack", "ds_config", "BACKENDS", "block_classes",
-           "PRECISIONS", "TOPOLOGIES", "supports"]
+__all__ = ["tiny_llama", "toy_model", "fill_adapters", "build", "parse_stack", "ds_config", "BACKENDS", "block_classes",
+           "PRECISIONS", "TOPOLOGIES", "INDEPENDENT", "supports"]
 
 BACKENDS = ("plain", "dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "tp")
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -40,6 +40,8 @@ TOPOLOGIES = {
     "hsdp-tp": "FSDP2 over (replicate, shard) of a (replicate, shard, tp) mesh, tensor parallel over tp: "
                "a (2, 1, 2) stand-in for the 3-D layout on four ranks",
 }
+# The layouts that train one model on each half of the ranks (no replicas between them).
+INDEPENDENT = frozenset({"submesh", "subgroup"})
 _DEEPSPEED = {"zero0", "zero1", "zero2", "zero3"}
 _TOPOLOGY_BACKENDS = {"hsdp": {"fsdp", "fsdp2"}, "hybrid-groups": {"fsdp"}, "hybrid-zero2": {"fsdp"},
                       "submesh": {"fsdp2"}, "tp": {"fsdp2"}, "hsdp-tp": {"fsdp2"},
@@ -100,6 +102,17 @@ class ToyModel(torch.nn.Module):
             x = b(x)
         out: torch.Tensor = self.head(x)
         return out
+
+
+def fill_adapters(model: torch.nn.Module, seed: int, zeroed: bool = False) -> torch.nn.Module:
+    """Every LoRA matrix of ``model`` random from ``seed`` (distinct in each row, so that no rank's slice
+    passes for another's), or zero; returns ``model``."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.zeros(p.shape) if zeroed else torch.randn(p.shape, generator=gen))
+    return model
 
 
 def toy_model(seed: int = 0) -> torch.nn.Module:

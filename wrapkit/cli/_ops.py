@@ -286,6 +286,63 @@ def _copy_to(wm: Any, ctx: dict[str, Any]) -> None:
     _assert_equal(wm.full_state_dict(rank0_only=False), original, "restoring by copy_to", ctx["weight_tol"])
 
 
+def _lora(base: torch.nn.Module, seed: int, zeroed: bool) -> torch.nn.Module:
+    """``base`` with LoRA on q/v, every matrix random (or zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    from ._models import fill_adapters
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    return fill_adapters(get_peft_model(base, config), seed, zeroed)
+
+
+def _adapters(wm: Any, ctx: dict[str, Any]) -> None:
+    """This backend's PEFT stack: its adapters saved alone in PEFT's layout, loaded by PEFT onto a fresh
+    base model, and resumed into zeroed adapters, every value exact."""
+    import os
+
+    import torch.distributed as dist
+
+    from .._errors import UnsupportedModelError
+    from .._imports import is_available
+    from .._wrapped import adapt
+    from ._models import INDEPENDENT, build
+
+    if not ctx["has_config"] or not is_available("peft"):
+        raise Refused("needs transformers and peft")
+
+    def wrapped(seed: int, zeroed: bool) -> Any:
+        def wrap(spec: str, model: torch.nn.Module) -> torch.nn.Module:
+            return build(spec, model=model, device=ctx["device"], precision=ctx["precision"],
+                         topology=ctx["topology"])
+
+        if ctx["backend"] == "tp":  # the plan splits plain Linear layers: PEFT goes on after it
+            return adapt(_lora(wrap("tp", _fresh_model(ctx, 0)), seed, zeroed))
+        return adapt(wrap(ctx["backend"], _lora(_fresh_model(ctx, 0), seed, zeroed)))
+
+    try:
+        trained = wrapped(1, zeroed=False)
+    except UnsupportedModelError as exc:  # PEFT on a tensor-parallel model
+        raise Refused(str(exc).split(";")[0]) from exc
+    want = {k: v for k, v in trained.full_state_dict(rank0_only=False).items() if "lora_" in k}
+    with _shared_tmpdir(wm) as directory:
+        # One directory per model: the layouts that train a model on each half of the ranks save two.
+        model = dist.get_rank() // 2 if ctx["topology"] in INDEPENDENT and dist.is_initialized() else 0
+        path = os.path.join(directory, f"adapters-{model}")
+        trained.save_pretrained(path, adapters_only=True)
+        if trained.rank == 0:
+            from peft import PeftModel
+
+            loaded = PeftModel.from_pretrained(_fresh_model(ctx, 0), path, autocast_adapter_dtype=False)
+            got = {k: v for k, v in loaded.state_dict().items() if "lora_" in k}
+            _assert_equal(got, {k: v.to(got[k].dtype) if k in got else v for k, v in want.items()},
+                          "PeftModel.from_pretrained of the saved adapters")
+        resumed = wrapped(0, zeroed=True)
+        resumed.load(path)
+        got = {k: v for k, v in resumed.full_state_dict(rank0_only=False).items() if "lora_" in k}
+        _assert_equal(got, want, "the adapters loaded back")
+
+
 def _sleep_wake(wm: Any, ctx: dict[str, Any]) -> None:
     """The training state off the device and back: all of it on the CPU while asleep, the same values
     and modes after ``wake()``. (An engine brings its own optimizer; other backends sleep without one.)"""
@@ -330,5 +387,6 @@ OPS: list[tuple[str, Op]] = [
     ("save/load", _save_load),
     ("save_pretrained", _save_pretrained),
     ("copy_to", _copy_to),
+    ("adapters", _adapters),
     ("sleep/wake", _sleep_wake),
 ]

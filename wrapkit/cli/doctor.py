@@ -96,6 +96,8 @@ def setup_backend(backend: str, use_llama: bool, device: str = "cpu", dtype: str
         "expected_parameters": sum(p.numel() for p in plain.parameters()),
         "has_config": use_llama,
         "device": device,
+        "precision": dtype,
+        "topology": topology,
         "output_tol": _TOLERANCES[dtype][0],
         "weight_tol": _TOLERANCES[dtype][1],
     }

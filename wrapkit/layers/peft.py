@@ -9,6 +9,9 @@ know about PEFT's injected layers: how to run the model with the adapters off
 from __future__ import annotations
 
 import contextlib
+import enum
+import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -16,11 +19,13 @@ import torch
 
 from .._errors import UnsupportedModelError
 from .._imports import is_instance
+from .._module_internals import own_buffers, own_parameters
 from .._names import canonical_name
 from ._layer import Layer
 
 __all__ = ["PeftLayer", "adapters_off", "base_key_map", "merged_layers", "LoraFoldPlan", "fold_plan",
-           "fold_state_dict", "lora_layer_keys", "lora_fold_stream"]
+           "fold_state_dict", "lora_layer_keys", "lora_fold_stream", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG",
+           "ADAPTER_PICKLE", "saved_key_map", "write_adapter_config", "config_problems"]
 
 
 class PeftLayer(Layer):
@@ -204,3 +209,115 @@ def lora_fold_stream(plan: LoraFoldPlan | None,
                 del pieces[k]
             if (new := plan.rename(keys[0])) is not None:
                 yield new, weight
+
+
+# -- adapter checkpoints: PEFT's own file layout ---------------------------------------------------
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_PICKLE = "adapter_model.bin"  # PEFT's layout with safe_serialization=False
+
+
+def saved_key_map(peft_model: torch.nn.Module, adapter_name: str) -> dict[str, str]:
+    """Canonical key -> the key PEFT writes for it in ``adapter_name``'s ``adapter_model.safetensors``,
+    for every tensor PEFT saves of that adapter (LoRA matrices, ``modules_to_save`` copies, biases or
+    embeddings where its config says so).
+
+    The selection and the renaming are PEFT's own: ``get_peft_model_state_dict`` is handed a stand-in
+    for every tensor of the model, and the stand-ins it returns are recognised by identity. So the
+    mapping follows the installed PEFT, and nothing is gathered to compute it. ``UnsupportedModelError``
+    for adapters PEFT computes rather than selects (prompt learning, trainable tokens)."""
+    from peft.utils import get_peft_model_state_dict
+
+    model: Any = peft_model
+    config = model.peft_config[adapter_name]
+    if getattr(config, "is_prompt_learning", False):
+        raise UnsupportedModelError(
+            f"adapter {adapter_name!r} is {config.peft_type} prompt learning, whose saved embeddings PEFT computes "
+            "from the prompt encoder; adapters_only saves adapters that PEFT injects as layers (LoRA and the like)."
+        )
+    # The keys as the modules name them (wrappers' infixes included), for PEFT matches them against
+    # its layers' module names; the file gets them without.
+    stand_ins: dict[str, torch.Tensor] = {}
+    canonical: dict[int, str] = {}
+    for mod_name, mod in peft_model.named_modules(remove_duplicate=False):
+        for name, _ in [*own_parameters(mod), *own_buffers(mod, persistent=True)]:
+            key = f"{mod_name}.{name}" if mod_name else name
+            t = stand_ins[key] = torch.empty(0, device="meta")
+            canonical[id(t)] = canonical_name(key)
+    # Offline for the call: with a Hub model id in the config, PEFT would ask the Hub whether the vocabulary
+    # was resized, and ranks that got different answers would select different tensors, then gather
+    # different units. Embeddings go in where the config targets them, as PEFT decides without the Hub.
+    with _offline(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        selected = get_peft_model_state_dict(model, state_dict=stand_ins, adapter_name=adapter_name)
+    out: dict[str, str] = {}
+    computed = []
+    for saved, t in selected.items():
+        own = canonical.get(id(t))
+        if own is None:
+            computed.append(saved)
+        else:
+            out[own] = canonical_name(saved)
+    if computed:
+        raise UnsupportedModelError(
+            f"PEFT computes {len(computed)} saved tensor(s) of adapter {adapter_name!r} ({', '.join(computed[:3])}) "
+            "instead of taking them from the model's parameters; adapters_only cannot gather those. Save with "
+            "PEFT's own save_pretrained on an unsharded model."
+        )
+    return out
+
+
+@contextlib.contextmanager
+def _offline() -> Iterator[None]:
+    before = os.environ.get("HF_HUB_OFFLINE")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["HF_HUB_OFFLINE"]
+        else:
+            os.environ["HF_HUB_OFFLINE"] = before
+
+
+def write_adapter_config(peft_model: torch.nn.Module, adapter_name: str, directory: str) -> None:
+    """``adapter_config.json`` of ``adapter_name`` into ``directory``, as PEFT's ``save_pretrained``
+    leaves it: marked for inference, naming the base model where it knows it."""
+    import copy
+
+    model: Any = peft_model
+    config = copy.deepcopy(model.peft_config[adapter_name])
+    config.inference_mode = True
+    base = model.get_base_model()
+    if getattr(config, "base_model_name_or_path", None) is None:
+        config.base_model_name_or_path = getattr(base, "name_or_path", None) or None
+    mapping = None
+    if getattr(config, "task_type", None) is None:  # AutoPeftModel finds the base class from this
+        mapping = {"base_model_class": type(base).__name__, "parent_library": type(base).__module__}
+    config.save_pretrained(directory, auto_mapping_dict=mapping)
+
+
+# The fields of an adapter's config that decide its tensors' shapes or what the layers compute with them:
+# loading weights saved under other values would be silently wrong.
+_COMPARED = ("peft_type", "r", "lora_alpha", "target_modules", "exclude_modules", "rank_pattern", "alpha_pattern",
+             "use_rslora", "use_dora", "bias", "fan_in_fan_out", "modules_to_save", "layers_to_transform")
+
+
+def _normal(value: Any) -> Any:
+    if isinstance(value, (set, frozenset, list, tuple)):
+        return sorted(map(str, value))
+    return value.value if isinstance(value, enum.Enum) else value  # PeftType as JSON holds it
+
+
+def config_problems(peft_model: torch.nn.Module, adapter_name: str, saved: Mapping[str, Any], where: str) -> list[str]:
+    """Each field of the saved ``adapter_config.json`` (``saved``) that differs from the live adapter's."""
+    model: Any = peft_model
+    live = model.peft_config[adapter_name].to_dict()
+    out = []
+    for field in _COMPARED:
+        if field not in live and field not in saved:
+            continue
+        theirs, ours = _normal(saved.get(field)), _normal(live.get(field))
+        if theirs != ours:
+            out.append(f"adapter {adapter_name!r}: {field} is {theirs!r} in {where}, {ours!r} in the model")
+    return out
