@@ -29,17 +29,18 @@ PRELOAD = ("transformers", "peft", "deepspeed")
 
 
 @pytest.fixture(scope="session")
-def group() -> Iterator[WorkerGroup]:
-    """Two gloo ranks shared by every distributed test; restarted after a failure kills it."""
-    g = WorkerGroup(world_size=2, backend="gloo", preload=PRELOAD)
+def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerGroup]:
+    """Two gloo ranks shared by every distributed test; restarted after a failure kills it. Their output
+    goes to log files, whose end a rank's death reports (a native crash prints its stacks there)."""
+    g = WorkerGroup(world_size=2, backend="gloo", preload=PRELOAD, log_dir=str(tmp_path_factory.mktemp("group")))
     yield g
     g.close()
 
 
 @pytest.fixture(scope="session")
-def group4() -> Iterator[WorkerGroup]:
+def group4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerGroup]:
     """Four gloo ranks, standing in for two nodes of two devices (the multi-node layouts)."""
-    g = WorkerGroup(world_size=4, backend="gloo", preload=PRELOAD)
+    g = WorkerGroup(world_size=4, backend="gloo", preload=PRELOAD, log_dir=str(tmp_path_factory.mktemp("group4")))
     yield g
     g.close()
 

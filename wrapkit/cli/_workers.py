@@ -10,8 +10,10 @@ group, which is restarted on the next call: a bug fails instead of hanging.
 
 from __future__ import annotations
 
+import faulthandler
 import importlib
 import os
+import signal
 import socket
 import time
 import traceback
@@ -50,6 +52,9 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, preload: S
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.close(fd)
+    # A crash in native code (a segfault, an abort in a library's thread) prints every thread's Python
+    # stack to stderr before the process dies, so the report says where it was.
+    faulthandler.enable(all_threads=True)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -157,7 +162,7 @@ class WorkerGroup:
                     try:
                         status, value = conn.recv()
                     except EOFError:
-                        status, value = "err", f"rank {rank} exited (code {self._procs[rank].exitcode})"
+                        status, value = "err", self._death(rank)
                     pending.discard(rank)
                     if status == "err":
                         errors[rank] = value
@@ -167,7 +172,7 @@ class WorkerGroup:
                         results[rank] = value
                 elif not self._procs[rank].is_alive():
                     pending.discard(rank)
-                    errors[rank] = f"rank {rank} died (exit code {self._procs[rank].exitcode})"
+                    errors[rank] = self._death(rank)
                     deadline = min(deadline, time.monotonic() + 15.0)
         if pending or errors:
             timed_out = sorted(pending)
@@ -177,6 +182,37 @@ class WorkerGroup:
                 parts.append(f"{what} did not finish within {timeout:.0f} s on rank(s) {timed_out}; group killed")
             raise WorkerError("\n".join(parts))
         return results
+
+    def _death(self, rank: int) -> str:
+        """How rank ``rank``'s process ended, once it has (its pipe closes a moment before)."""
+        proc = self._procs[rank]
+        proc.join(timeout=5.0)
+        code = proc.exitcode
+        if code is None:
+            return f"rank {rank} closed its pipe and is still running"
+        if code >= 0:
+            return f"rank {rank} exited with code {code}" + self._log_tail(rank)
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        why = {"SIGKILL": " (the kernel's out-of-memory killer sends it: check free memory)",
+               "SIGSEGV": " (a crash in native code: its stack is on the rank's stderr)",
+               "SIGABRT": " (an abort in native code: its stack is on the rank's stderr)"}.get(name, "")
+        return f"rank {rank} was killed by {name}{why}" + self._log_tail(rank)
+
+    def _log_tail(self, rank: int, limit: int = 4000) -> str:
+        """The end of a dead rank's log, where the group keeps one: a native crash's stacks are there."""
+        if self.log_dir is None:
+            return ""
+        try:
+            with open(os.path.join(self.log_dir, f"rank{rank}.log"), "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - limit))
+                tail = f.read().decode(errors="replace").strip()
+        except OSError:
+            return ""
+        return f"\n--- the end of rank {rank}'s output ---\n{tail}" if tail else ""
 
     def close(self, force: bool = False) -> None:
         for conn, proc in zip(self._conns, self._procs, strict=True):

@@ -1,0 +1,36 @@
+"""The worker group the doctor and the tests run scenarios on: a rank that dies says how."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from wrapkit.cli._workers import WorkerError, WorkerGroup
+
+
+def die_on_rank_1(sig: int) -> int:
+    """Rank 1 dies by ``sig`` while rank 0 waits for it in a collective."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), sig)
+    dist.barrier()
+    return dist.get_rank()
+
+
+@pytest.mark.parametrize("sig, hint", [(signal.SIGSEGV, "native code"), (signal.SIGKILL, "out-of-memory")])
+def test_a_rank_killed_by_a_signal_is_named_with_its_stack(tmp_path: Path, sig: int, hint: str) -> None:
+    with WorkerGroup(world_size=2, log_dir=str(tmp_path)) as g:
+        assert g.run(die_on_rank_1, 0, timeout=60) == [0, 1]  # signal 0 only checks the process exists
+        with pytest.raises(WorkerError) as info:
+            g.run(die_on_rank_1, int(sig), timeout=60)
+    message = str(info.value)
+    assert f"rank 1 was killed by {signal.Signals(sig).name}" in message and hint in message
+    assert "failed on rank 0" in message  # the survivor's error is reported beside it
+    log = (tmp_path / "rank1.log").read_text()
+    if sig == signal.SIGSEGV:  # a handler can run: faulthandler prints where the rank was
+        assert "Fatal Python error" in log and "die_on_rank_1" in log
+        assert "die_on_rank_1" in message.split("the end of rank 1's output")[1]  # and the report shows it
