@@ -164,12 +164,18 @@ def _storages(state: list[tuple[str, torch.Tensor]]) -> set[int]:
 
 
 def sleep_case(spec: str, level: int, precision: str = "fp32", topology: str = "flat",
-               steps: int = 3) -> dict[str, Any]:
+               steps: int = 3, baselines: dict[Any, list[float]] | None = None) -> dict[str, Any]:
     """Train ``steps`` steps twice from the same weights, once with a sleep/wake cycle in every step
     (level 1: between backward and step, so the gradients must come back; level 2: after the step),
-    and report both runs' losses and what sleep moved."""
+    and report both runs' losses and what sleep moved. ``baselines`` keeps the run without cycles
+    for the next level of the same model (it does not depend on the level)."""
     obs: dict[str, Any] = {"losses": {}, "moved_all": [], "grads_after_sleep": [], "reports": []}
+    plain_run = (spec, precision, topology, steps)
+    if baselines is not None and plain_run in baselines:
+        obs["losses"]["False"] = baselines[plain_run]
     for cycle in (False, True):
+        if str(cycle) in obs["losses"]:
+            continue
         wm = wrapkit.adapt(build(spec, seed=5, precision=precision, topology=topology))
         engine = wm.backend == "deepspeed"
         opt = None if engine else torch.optim.AdamW([p for p in wm.module.parameters() if p.requires_grad], lr=1e-2)
@@ -196,6 +202,8 @@ def sleep_case(spec: str, level: int, precision: str = "fp32", topology: str = "
                 opt.zero_grad(set_to_none=True)
         obs["losses"][str(cycle)] = losses
         obs["device_after"] = str(wm.device)
+    if baselines is not None:
+        baselines[plain_run] = obs["losses"]["False"]
     return obs
 
 
@@ -219,9 +227,10 @@ def _nap(wm: Any, opt: Any, level: int, obs: dict[str, Any]) -> None:
 
 def sleep_cases(cases: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    baselines: dict[Any, list[float]] = {}
     for c in cases:
         try:
-            out[repr(sorted(c.items()))] = sleep_case(**c)
+            out[repr(sorted(c.items()))] = sleep_case(**c, baselines=baselines)
         except wrapkit.WrapkitError as exc:
             out[repr(sorted(c.items()))] = {"error": f"{type(exc).__name__}: {exc}"}
     return out

@@ -11,10 +11,12 @@ group, which is restarted on the next call: a bug fails instead of hanging.
 from __future__ import annotations
 
 import faulthandler
+import gc
 import importlib
 import os
 import signal
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -42,6 +44,25 @@ def _resolve(target: str) -> Callable[..., Any]:
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj  # type: ignore[no-any-return]
+
+
+def _settle() -> None:
+    """Between scenarios: let go of what the last one left behind, and keep what lives on out of the
+    garbage collector's full passes.
+
+    DeepSpeed's ZeRO-3 keeps every engine's module in a module-level list (``FWD_MODULE_STACK``) for
+    good; nothing runs a forward between scenarios, so the list holds only those. What still lives on
+    after a collection (the libraries, and models the libraries hold on to by other ways) is frozen:
+    in a worker that had run the test suite, each full collection walked 1.5 million objects, and
+    later scenarios ran up to 3.5x slower than alone.
+    """
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    stack = getattr(offload, "FWD_MODULE_STACK", None)
+    if isinstance(stack, list):
+        stack.clear()
+    gc.collect()
+    # The imported libraries and anything still alive are moved out of the collected generations.
+    gc.freeze()
 
 
 def _worker_main(rank: int, world_size: int, port: int, backend: str, preload: Sequence[str], conn: Any,
@@ -76,6 +97,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, preload: S
                 importlib.import_module(name)
             except ImportError:
                 pass
+        _settle()
         conn.send(("ready", None))
     except BaseException:
         conn.send(("err", traceback.format_exc()))
@@ -90,9 +112,11 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, preload: S
         target, args, kwargs = msg
         try:
             result = _resolve(target)(*args, **kwargs)
-            conn.send(("ok", result))
+            reply = ("ok", result)
         except BaseException:
-            conn.send(("err", traceback.format_exc()))
+            reply = ("err", traceback.format_exc())
+        _settle()
+        conn.send(reply)
     try:
         import torch.distributed as dist
 
