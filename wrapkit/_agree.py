@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 __all__ = [
     "Call", "enter", "CHECK_ENV", "checking", "is_distributed", "agree_flags", "agree_any", "settle",
     "check_modifier_rank",
-    "models_group", "agree_over_models", "any_over_models", "raise_agreed", "first_replica", "broadcast_object",
+    "models_group", "agree_over_models", "any_over_models", "raise_agreed", "first_replica", "writes_files",
+    "broadcast_object",
 ]
 
 
@@ -278,6 +279,12 @@ def first_replica(wm: Adapter) -> bool:
     """Whether this rank belongs to the first copy of a model replicated across groups (HSDP):
     the copy whose rank 0 writes files for all of them. True without replicas."""
     return all(dist.get_rank(group) == 0 for group in wm.replica_groups())
+
+
+def writes_files(wm: Adapter) -> bool:
+    """Whether this rank writes a model's files: rank 0 of its first copy, one writer however many
+    replicas there are."""
+    return wm.rank == 0 and first_replica(wm)
 
 
 def any_over_models(flag: bool, *wms: Adapter) -> bool:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from . import _args
-from ._agree import Call, any_over_models, enter, first_replica, raise_agreed
+from ._agree import Call, any_over_models, enter, raise_agreed, writes_files
 from ._errors import StateDictError
 from ._imports import require
 from ._safetensors import write_file_atomic
@@ -32,7 +32,7 @@ def save(wm: Adapter, path: str | os.PathLike[str]) -> None:
     partial file at ``path``. Returns on every rank once the file is in place.
     """
     path = os.fspath(path)
-    writer = wm.rank == 0 and first_replica(wm)  # one file writer, however many replicas
+    writer = writes_files(wm)
     problems: list[str] = []
     if writer:
         directory = os.path.dirname(os.path.abspath(path))

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _safetensors
-from ._agree import Call, first_replica
+from ._agree import Call, writes_files
 from ._errors import UnsupportedModelError
 from ._safetensors import INDEX_NAME, SINGLE_NAME
 from .layers.peft import (
@@ -90,7 +90,7 @@ def save_adapters(wm: Adapter, directory: str | os.PathLike[str], adapter_names:
     call = Call.of("save_pretrained", adapters_only=True, adapter_names=tuple(names))
     directory, tmp = open_directory(wm, directory, call, problems,
                                     "Pass a directory whose parent exists, and adapter names the model has.")
-    rank0 = wm.rank == 0 and first_replica(wm)
+    rank0 = writes_files(wm)
     wanted = {key for m in maps.values() for key in m}
     values = _gather(wm, wanted, keep=rank0)
 

@@ -24,7 +24,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from . import _safetensors
-from ._agree import Call, any_over_models, broadcast_object, enter, first_replica, models_group, raise_agreed
+from ._agree import (
+    Call,
+    any_over_models,
+    broadcast_object,
+    enter,
+    first_replica,
+    models_group,
+    raise_agreed,
+    writes_files,
+)
 from ._errors import ArgumentError, StateDictError, WrapkitError
 from ._memory import parse_size
 from ._safetensors import INDEX_NAME
@@ -153,7 +162,7 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
     call = Call.of("save_pretrained", max_shard_size=size_given, merge_adapters=merge_adapters)
     directory, tmp = open_directory(wm, directory, call, problems,
                                     "Pass a directory whose parent exists and is writable, and a size such as '5GB'.")
-    rank0 = wm.rank == 0 and first_replica(wm)
+    rank0 = writes_files(wm)
     # Writers: the first replica's ranks, when they all see the temporary directory (shared
     # storage); otherwise rank 0 alone writes every file.
     me = wm.rank if first_replica(wm) else -1
@@ -203,7 +212,7 @@ def open_directory(wm: Adapter, directory: str | os.PathLike[str], call: Call, p
     temporary one, the same on every rank."""
     directory = os.path.abspath(os.fspath(directory))
     parent = os.path.dirname(directory)
-    rank0 = wm.rank == 0 and first_replica(wm)
+    rank0 = writes_files(wm)
     if not os.path.isdir(parent):
         problems.append(f"directory {parent!r} does not exist; create it first")
     elif os.path.exists(directory) and not os.path.isdir(directory):
@@ -229,7 +238,7 @@ def commit_directory(wm: Adapter, op: str, directory: str, tmp: str, error: Base
     """The end of a save into a directory, collective: unless some rank failed (``error`` on this
     one), the writing rank completes ``tmp`` with ``finish(tmp)`` and swaps it in. On any failure the
     temporary directory goes, the previous checkpoint stays, and every rank raises ``StateDictError``."""
-    rank0 = wm.rank == 0 and first_replica(wm)
+    rank0 = writes_files(wm)
     if not any_over_models(error is not None, wm) and rank0:
         try:
             finish(tmp)
