@@ -267,3 +267,42 @@ def topologies() -> dict[str, Any]:
     out["fsdp2/cp"] = {"world_size": cp.world_size, "data_parallel": (cp.data_parallel_rank, cp.data_parallel_size),
                        "exact": all(torch.equal(v, want[k]) for k, v in cp.full_state_dict(rank0_only=False).items())}
     return out
+
+
+# -- nothing kept alive ----------------------------------------------------------------------
+_DROPPED: dict[str, Any] = {}  # spec -> weak references to what a scenario built and dropped
+
+
+def use_and_drop(specs: list[str]) -> None:
+    """Build each spec, run the operations a trainer runs on it, and drop everything but weak
+    references to the model, its wrapper and its reference model."""
+    import weakref
+
+    import wrapkit
+    from wrapkit.cli._models import build
+
+    tokens = torch.arange(16).reshape(2, 8) % 128
+    for spec in specs:
+        module = build(spec, seed=1)
+        wm = wrapkit.adapt(module)
+        ref = wrapkit.prepare_reference(wm)
+        wm(input_ids=tokens, labels=tokens).loss.backward()
+        wm.full_state_dict()
+        for _bucket in wm.stream_full_parameters():
+            pass
+        with wm.generation() as m:
+            m.generate(tokens[:1], max_new_tokens=2, do_sample=False)
+        with wm.gathered():
+            pass
+        if "peft" not in spec:  # a PEFT policy's reference is its adapter-disabled view, no weights of its own
+            wm.copy_to(ref, alpha=0.5)
+        _DROPPED[spec] = [weakref.ref(o) for o in (module, wm.unwrap(), wm, ref)]
+        del module, wm, ref, m
+
+
+def kept_alive() -> dict[str, list[bool]]:
+    """Which of the dropped objects are still alive, after a collection."""
+    import gc
+
+    gc.collect()
+    return {spec: [r() is not None for r in refs] for spec, refs in _DROPPED.items()}
