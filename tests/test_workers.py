@@ -37,7 +37,6 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_stack(tmp_path: Path, sig: 
         assert "die_on_rank_1" in message.split("the end of rank 1's output")[1]  # and the report shows it
 
 
-
 def build_zero3() -> None:
     """Build a ZeRO-3 model, run a training forward and backward, and drop it."""
     import torch
