@@ -28,6 +28,7 @@ OUTSIDE_ADAPTERS = {
     ("_module_internals.py", "_modules"),
     ("_module_internals.py", "_non_persistent_buffers_set"),
     ("_module_internals.py", "_parameters"),
+    ("_module_internals.py", "_weight_conversions"),
     ("_torch_ops.py", "_C"),
     ("_torch_ops.py", "_nn"),
     ("cli/_models.py", "_HYBRID_SHARD_ZERO2"),

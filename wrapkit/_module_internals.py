@@ -87,6 +87,13 @@ def init_weights(model: torch.nn.Module) -> Callable[[torch.nn.Module], None] | 
     return init if callable(init) else None
 
 
+def recorded_conversions(model: torch.nn.Module) -> list[Any] | None:
+    """The weight conversions transformers' ``from_pretrained`` loaded ``model`` with (it records them
+    on the model, and its save reverts them); None for a model built otherwise."""
+    found = getattr(model, "_weight_conversions", None)
+    return list(found) if found is not None else None
+
+
 def lerp_all_(dsts: list[torch.Tensor], srcs: list[torch.Tensor], alpha: float) -> None:
     """``dst = dst * (1 - alpha) + src * alpha`` for every pair, as two fused passes over the lists."""
     torch._foreach_mul_(dsts, 1.0 - alpha)

@@ -196,10 +196,11 @@ class WrappedModel(Protocol):
 
     def stream_full_parameters(self, bucket_bytes: int = 512 * 2**20, dtype: torch.dtype | None = None,
                                merge_adapters: bool = False, *, keep_dtype: Callable[[str], bool] | None = None,
-                               dst_rank: int | None = None) -> Iterator[Bucket]:
-        """Buckets ``(flat uint8 tensor, [(canonical_name, shape, dtype, offset)])`` of the full weights, each
-        gathered in one collective; ``dtype`` converts (not where ``keep_dtype(name)``); ``merge_adapters`` folds
-        LoRA layer by layer; ``dst_rank``: only that global rank gets buckets. Every rank iterates to the end."""
+                               dst_rank: int | None = None, layout: str = "hub") -> Iterator[Bucket]:
+        """Buckets ``(flat uint8 tensor, [(name, shape, dtype, offset)])`` of the full weights, each
+        gathered in one collective, in the Hub's layout (``layout="runtime"``: the module's names and tensors);
+        ``dtype`` converts (not where ``keep_dtype(name)``); ``merge_adapters`` folds LoRA layer by layer;
+        ``dst_rank``: only that global rank gets buckets. Every rank iterates to the end."""
         ...
 
     # -- weights in and out ----------------------------------------------------------

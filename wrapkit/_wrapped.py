@@ -179,20 +179,25 @@ class Wrapped(Handle):
     def stream_full_parameters(self, bucket_bytes: int = streaming.DEFAULT_BUCKET_BYTES,
                                dtype: torch.dtype | None = None, merge_adapters: bool = False, *,
                                keep_dtype: Callable[[str], bool] | None = None,
-                               dst_rank: int | None = None) -> Iterator[streaming.Bucket]:
+                               dst_rank: int | None = None, layout: str = "hub") -> Iterator[streaming.Bucket]:
         """The full parameters in buckets of about ``bucket_bytes``, each gathered in one collective:
         ``Bucket(flat, entries)``, a flat ``uint8`` tensor on the compute device and its
-        ``(canonical_name, shape, dtype, offset)`` entries (``bucket.named_tensors()`` gives views).
+        ``(name, shape, dtype, offset)`` entries (``bucket.named_tensors()`` gives views).
 
-        Names are ``named_full_parameters()``'s; values are the weights the module holds (a bf16
-        engine's bf16 weights, not its fp32 masters). ``dtype`` converts floating tensors, except
-        those whose name ``keep_dtype`` accepts. ``merge_adapters`` folds LoRA in one layer at a
-        time, under the base model's names. With ``dst_rank`` (a global rank) only that rank gets
-        buckets; the others still iterate to the end, which drives the collectives. Every rank
-        must iterate equally far. Beyond its shards a rank holds about two buckets.
+        ``layout="hub"`` (the default) gives the checkpoint's names and tensors, as transformers'
+        ``save_pretrained`` writes them and vLLM's and SGLang's ``load_weights`` take them: experts
+        per expert, the Hub's prefixes, each tied weight once. ``layout="runtime"`` gives
+        ``named_full_parameters()``'s names and tensors, for a module of the same class. Values are
+        the weights the module holds (a bf16 engine's bf16 weights, not its fp32 masters).
+
+        ``dtype`` converts floating tensors, except those whose name ``keep_dtype`` accepts.
+        ``merge_adapters`` folds LoRA in one layer at a time, under the base model's names. With
+        ``dst_rank`` (a global rank) only that rank gets buckets; the others still iterate to the
+        end, which drives the collectives. Every rank must iterate equally far. Beyond its shards a
+        rank holds about two buckets.
         """
         return streaming.stream_full_parameters(self._below, bucket_bytes, dtype, merge_adapters,
-                                                keep_dtype=keep_dtype, dst_rank=dst_rank)
+                                                keep_dtype=keep_dtype, dst_rank=dst_rank, layout=layout)
 
     # -- weights in and out (state_dict.py, checkpoint.py, sync.py) ----------------
     def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:

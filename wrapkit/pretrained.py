@@ -35,6 +35,7 @@ from ._agree import (
     writes_files,
 )
 from ._errors import ArgumentError, StateDictError, WrapkitError
+from ._hub_layout import HubLayout
 from ._memory import parse_size
 from ._safetensors import INDEX_NAME
 from .layers.peft import lora_fold_stream
@@ -137,7 +138,8 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
                     merge_adapters: bool = False) -> None:
     """Write every parameter and persistent buffer as ``model-0000k-of-0000n.safetensors`` files plus
     ``model.safetensors.index.json`` (and the model's ``config.json`` and ``generation_config.json``)
-    into ``directory``, atomically. Collective; see the module docstring."""
+    into ``directory``, atomically, in the Hub's layout (``_hub_layout``: the names, tensors and tied
+    weights transformers' own ``save_pretrained`` writes). Collective; see the module docstring."""
     refused: list[str] = []
     try:
         plan = lora_fold_plan(wm) if merge_adapters else None
@@ -146,10 +148,16 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
     # The names are the base model's (and its config files go along) when merged, or without PEFT.
     base_keys = plan is not None or wm.merge_root() is None
 
-    def entries() -> Iterator[tuple[str, torch.Tensor]]:
+    # In the Hub's layout (transformers' own save's names and tensors) where the keys are the base model's.
+    layout = HubLayout.of(wm.unwrap(keep_peft=False)) if base_keys else None
+
+    def runtime() -> Iterator[tuple[str, torch.Tensor]]:
         # Parameters gathered one at a time, LoRA merged layer by layer with a plan; then buffers.
         yield from lora_fold_stream(plan, wm.gather_each())
         yield from lora_fold_stream(plan, wm.named_live(parameters=False))
+
+    def entries() -> Iterator[tuple[str, torch.Tensor]]:
+        return runtime() if layout is None else layout.export(runtime())
 
     # Every rank cuts the stream into files the same way, so the size and the merge must match; the
     # directory need not (without shared storage, rank 0 writes everything).

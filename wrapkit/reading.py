@@ -15,6 +15,7 @@ import json
 import logging
 import math
 import os
+from collections.abc import Iterable
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +24,7 @@ import torch.distributed as dist
 
 from ._agree import Call, broadcast_object, enter, models_group, raise_agreed
 from ._errors import StateDictError
+from ._hub_layout import Converted, HubLayout
 from ._imports import require
 from ._module_internals import init_weights, own_buffers
 from ._safetensors import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, torch_dtype
@@ -42,7 +44,8 @@ class Catalog:
     reads of element ranges. Opening it checks every file; ``StateDictError`` if one is missing,
     truncated or corrupt."""
 
-    def __init__(self, path: str, stack: ExitStack, adapters: AdapterCheckpoint | None = None) -> None:
+    def __init__(self, path: str, stack: ExitStack, adapters: AdapterCheckpoint | None = None,
+                 layout: HubLayout | None = None, runtime: Iterable[str] = ()) -> None:
         st = require("safetensors", feature="loading a safetensors checkpoint", extra="transformers")
         # An adapter checkpoint's keys are PEFT's saved ones: each file's are renamed to the model's.
         files = self._files(path) if adapters is None else dict.fromkeys(adapters.files)
@@ -67,6 +70,28 @@ class Catalog:
             if absent:
                 raise StateDictError(f"the index of {path!r} puts {absent[:3]} in {file!r}, which lacks them; "
                                      "the checkpoint is incomplete: save it again")
+        self.converted: dict[str, Converted] = {}
+        self._kept: tuple[str, torch.Tensor] | None = None  # the last converted tensor built whole
+        self._raw_where = self.where
+        if layout is not None:
+            self._to_runtime(path, layout, runtime)
+
+    def _to_runtime(self, path: str, layout: HubLayout, runtime: Iterable[str]) -> None:
+        """Checkpoint names and tensors in the Hub's layout seen under the model's runtime names."""
+        raw, where = self.entries, self._raw_where
+        renamed, converted = layout.imports(raw, runtime)
+        self.entries = {name: raw[key] for name, key in renamed.items()}
+        self.where = {name: where[key] for name, key in renamed.items()}
+        for name, conv in converted.items():
+            shape = conv.shape(raw)
+            if shape is None:
+                keys = conv.keys()
+                raise StateDictError(
+                    f"the checkpoint {path!r} holds {len(keys)} tensor(s) that transformers builds "
+                    f"{name!r} from ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}), but their shapes "
+                    "do not convert: the checkpoint is of another configuration of this architecture")
+            self.entries[name] = (shape, raw[conv.keys()[0]][1])
+            self.converted[name] = conv
 
     @staticmethod
     def _files(path: str) -> dict[str, list[str] | None]:
@@ -104,17 +129,36 @@ class Catalog:
         """Elements ``[start, start + numel)`` of the flattened tensor ``name``: only the rows that
         cover them are read."""
         shape, _ = self.entries[name]
-        handle, key = self.where[name]
-        if len(shape) == 0:
+        conv = self.converted.get(name)
+        if conv is None and len(shape) == 0:
+            handle, key = self.where[name]
             scalar: torch.Tensor = handle.get_tensor(key)
             return scalar.reshape(-1)
         row = math.prod(shape[1:])
         first, last = start // row, (start + numel + row - 1) // row
-        rows: torch.Tensor = handle.get_slice(key)[first:last]
-        self.bytes_read += rows.numel() * rows.element_size()
+        rows: torch.Tensor
+        if conv is None:
+            handle, key = self.where[name]
+            rows = handle.get_slice(key)[first:last]
+            self.bytes_read += rows.numel() * rows.element_size()
+        elif conv.stacks_rows():  # only the experts of these rows are read
+            rows = conv.rows(self._source, first, last)
+        else:
+            rows = self.full(name)[first:last]
         return rows.reshape(-1)[start - first * row: start - first * row + numel]
 
+    def _source(self, key: str) -> torch.Tensor:
+        """A checkpoint tensor under its own key, whole."""
+        handle, key = self._raw_where[key]
+        out: torch.Tensor = handle.get_tensor(key)
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
     def full(self, name: str) -> torch.Tensor:
+        if name in self.converted:
+            if self._kept is None or self._kept[0] != name:  # several pieces of one rank read it in turn
+                self._kept = (name, self.converted[name].full(self._source))
+            return self._kept[1]
         handle, key = self.where[name]
         out: torch.Tensor = handle.get_tensor(key)
         self.bytes_read += out.numel() * out.element_size()
@@ -178,7 +222,9 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
                 if found is not None:
                     adapters, problems, mismatches = found.adapters, found.problems, found.mismatches
                 if not problems:
-                    catalog = Catalog(path, stack, found)
+                    # A checkpoint of the whole model may be in the Hub's layout: read under the runtime names.
+                    layout = HubLayout.of(wm.unwrap(keep_peft=False)) if found is None else None
+                    catalog = Catalog(path, stack, found, layout, expected_shapes(wm))
                     entries = catalog.entries
             except StateDictError as exc:
                 problems.append(str(exc))
@@ -192,6 +238,12 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
             shapes: dict[str, tuple[int, ...] | None] = {k: v[0] for k, v in entries.items()}
             if adapters is None:
                 expected, names = expected_shapes(wm), (f"the checkpoint {path!r}", "the model")
+                # Tied copies may be absent (transformers writes each tied weight once): loading what they
+                # are tied to fills them.
+                layout = HubLayout.of(wm.unwrap(keep_peft=False))
+                for name in layout.optional() if layout is not None else ():
+                    if name not in entries:
+                        expected.pop(name, None)
             else:
                 # Only the adapters' tensors are compared, and written: the base weights stay as they are.
                 expected = adapter_shapes(wm, adapters)

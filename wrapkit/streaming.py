@@ -24,15 +24,19 @@ import torch.distributed as dist
 
 from ._agree import Call, enter
 from ._errors import ArgumentError, WrapkitError
+from ._hub_layout import HubLayout
 from .layers.peft import LoraFoldPlan, lora_fold_stream, lora_layer_keys
 from .state_dict import lora_fold_plan
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
 
-__all__ = ["Bucket", "BucketEntry", "stream_full_parameters", "DEFAULT_BUCKET_BYTES"]
+__all__ = ["Bucket", "BucketEntry", "stream_full_parameters", "DEFAULT_BUCKET_BYTES", "LAYOUTS"]
 
 DEFAULT_BUCKET_BYTES = 512 * 2**20
+# The names and tensors a stream gives: the Hub's (what engines' ``load_weights`` and checkpoints take),
+# or the runtime module's (what a module of the same class loads as it is).
+LAYOUTS = ("hub", "runtime")
 # Every tensor starts on a 64-byte boundary of the bucket: any dtype can be viewed there, and
 # device copies out of it are aligned.
 _ALIGN = 64
@@ -82,10 +86,23 @@ def _layout(items: Iterable[tuple[str, tuple[int, ...], torch.dtype, int]]) -> t
     return entries, total
 
 
+def _pack(pending: list[tuple[str, torch.Tensor]], out_dtype: Callable[[str, torch.dtype], torch.dtype],
+          device: torch.device) -> Bucket:
+    """One bucket of ``pending`` tensors, each converted to its ``out_dtype``."""
+    entries, total = _layout((n, tuple(t.shape), out_dtype(n, t.dtype), id(t)) for n, t in pending)
+    flat = torch.empty(total, dtype=torch.uint8, device=device)
+    with torch.no_grad():
+        for (_, t), e in zip(pending, entries, strict=True):
+            _view(flat, e).copy_(t)
+    return Bucket(flat, entries)
+
+
 def _problem(bucket_bytes: object, dtype: object, merge_adapters: object, keep_dtype: object,
-             dst_rank: object) -> str | None:
+             dst_rank: object, layout: object = "hub") -> str | None:
     """What is wrong with the arguments on this rank, or None."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if layout not in LAYOUTS:
+        return f"layout={layout!r}: pass 'hub' (the checkpoint's names and tensors) or 'runtime' (the module's)"
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         return f"bucket_bytes={bucket_bytes!r}: pass a positive int (bytes), e.g. 512 * 2**20"
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -102,10 +119,10 @@ def _problem(bucket_bytes: object, dtype: object, merge_adapters: object, keep_d
 
 def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dtype: torch.dtype | None = None,
                            merge_adapters: bool = False, *, keep_dtype: Callable[[str], bool] | None = None,
-                           dst_rank: int | None = None) -> Iterator[Bucket]:
+                           dst_rank: int | None = None, layout: str = "hub") -> Iterator[Bucket]:
     """Buckets of the full parameters; see ``WrappedModel.stream_full_parameters``. A parameter that
     ``named_live`` does not name (the PEFT view's adapters) is gathered with its unit and left out."""
-    problem = _problem(bucket_bytes, dtype, merge_adapters, keep_dtype, dst_rank)
+    problem = _problem(bucket_bytes, dtype, merge_adapters, keep_dtype, dst_rank, layout)
     plan, refused = None, None
     if problem is None and merge_adapters:
         try:
@@ -113,7 +130,8 @@ def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES
         except WrapkitError as exc:  # raised after the entry, on every rank alike
             refused = exc
     call = Call.of("stream_full_parameters", bucket_bytes=bucket_bytes, dtype=str(dtype),
-                   merge_adapters=merge_adapters, keep_dtype=keep_dtype is not None, dst_rank=dst_rank)
+                   merge_adapters=merge_adapters, keep_dtype=keep_dtype is not None, dst_rank=dst_rank,
+                   layout=str(layout))
     [bad] = enter(call, wm, flags=[problem is not None], invalid=1)
     if bad:
         raise ArgumentError(f"stream_full_parameters() got an argument it does not take on at least one rank "
@@ -132,9 +150,16 @@ def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES
             return own
         return dtype
 
+    # The Hub's names and tensors where the names are the base model's (merged, or without PEFT).
+    hub = HubLayout.of(wm.unwrap(keep_peft=False)) if layout == "hub" and (
+        plan is not None or wm.merge_root() is None) else None
+
+    def converted(values: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(values) if hub is None else hub.export(values)
+
     units = wm.gather_units()
     if units is None:
-        yield from _from_each(wm, bucket_bytes, lora_fold_stream(plan, wm.gather_each()), out_dtype, mine)
+        yield from _from_each(wm, bucket_bytes, converted(lora_fold_stream(plan, wm.gather_each())), out_dtype, mine)
         return
     names: dict[int, list[str]] = {}
     for n, p in wm.named_live(buffers=False):
@@ -148,6 +173,10 @@ def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES
         if not mine:
             for _ in values:  # the collective, and nothing kept
                 pass
+            continue
+        if hub is not None:  # tensors converted to the checkpoint's, packed as they come
+            runtime = lora_fold_stream(plan, ((n, full) for p, full in values for n in names.get(id(p), ())))
+            yield _pack(list(hub.export(runtime)), out_dtype, wm.device)
             continue
         flat = torch.empty(total, dtype=torch.uint8, device=wm.device)
         slots = {e.name: e for e in entries}
@@ -222,12 +251,7 @@ def _from_each(wm: Adapter, bucket_bytes: int, values: Iterator[tuple[str, torch
     size = 0
 
     def pack() -> Bucket:
-        entries, total = _layout((n, tuple(t.shape), out_dtype(n, t.dtype), id(t)) for n, t in pending)
-        flat = torch.empty(total, dtype=torch.uint8, device=wm.device)
-        with torch.no_grad():
-            for (_, t), e in zip(pending, entries, strict=True):
-                _view(flat, e).copy_(t)
-        return Bucket(flat, entries)
+        return _pack(pending, out_dtype, wm.device)
 
     for name, value in values:
         if not mine:

@@ -68,7 +68,8 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     "torch.compile OptimizedModule": ("_orig_mod",),
     # Set by FSDP1 and FSDP2 on the modules they manage; cleared while a module runs bypassed (Bypass).
     "FSDP-managed module flag": FSDP_MANAGED,
-    "transformers PreTrainedModel": ("_init_weights", "_no_split_modules"),
+    # _weight_conversions: what from_pretrained converted the checkpoint with (the Hub's layout, _hub_layout.py).
+    "transformers PreTrainedModel": ("_init_weights", "_no_split_modules", "_weight_conversions"),
     # Where transformers distributed the model itself (tp_plan, distributed_config): the meshes it made.
     "transformers distributed model": ("_mesh_manager",),
     "ms-swift lazy module": ("_class_to_module",),

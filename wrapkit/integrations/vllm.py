@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .._errors import StateDictError, UnsupportedModelError
+from .._hub_layout import HubLayout
 from ..streaming import Bucket
 
 __all__ = ["load_into"]
@@ -32,7 +33,7 @@ def load_into(llm_or_model: Any, buckets: Iterable[Bucket]) -> list[str]:
     still read to its end (its collectives stay matched with the other ranks'), and then
     ``StateDictError`` lists what did not fit.
     """
-    feed = _feeder(llm_or_model)
+    feed, unfinished = _feeder(llm_or_model)
     loaded: list[str] = []
     problems: list[str] = []
     for bucket in buckets:
@@ -42,6 +43,8 @@ def load_into(llm_or_model: Any, buckets: Iterable[Bucket]) -> list[str]:
         if not problems:
             loaded += [name for name, _ in pairs]
         del pairs, bucket  # freed as soon as the caller's stream moves on
+    if not problems:
+        problems = [f"{name}: some of the checkpoint tensors it is built from never came" for name in unfinished()]
     if problems:
         raise StateDictError(f"load_into() cannot load into {type(llm_or_model).__name__}: "
                              + "; ".join(problems[:8]) + ("; ..." if len(problems) > 8 else "")
@@ -53,29 +56,37 @@ def load_into(llm_or_model: Any, buckets: Iterable[Bucket]) -> list[str]:
 Pairs = list[tuple[str, torch.Tensor]]
 
 
-def _feeder(target: Any) -> Callable[[Pairs], list[str]]:
-    """How ``target`` takes one bucket's pairs; each call returns what did not fit (nothing written then)."""
+def _feeder(target: Any) -> tuple[Callable[[Pairs], list[str]], Callable[[], list[str]]]:
+    """How ``target`` takes one bucket's pairs, each call returning what did not fit (nothing written
+    then); and what it still waits for at the end."""
     if callable(getattr(target, "apply_model", None)):  # a vllm.LLM: its model lives in the engine
         def to_engine(pairs: Pairs) -> list[str]:
             target.apply_model(lambda model: model.load_weights(pairs))
             return []
-        return to_engine
+        return to_engine, list
     if callable(getattr(target, "load_weights", None)):  # a vLLM model
         def to_model(pairs: Pairs) -> list[str]:
             target.load_weights(pairs)
             return []
-        return to_model
+        return to_model, list
     if isinstance(target, torch.nn.Module):
         own = dict(target.named_parameters(remove_duplicate=False)) | dict(target.named_buffers(remove_duplicate=False))
+        # A transformers module takes the Hub's layout too: renamed, and per-expert tensors fused once
+        # the last of a group is in.
+        layout = HubLayout.of(target)
+        importer = layout.importer({n: tuple(t.shape) for n, t in own.items()}) if layout is not None else None
 
         def by_name(pairs: Pairs) -> list[str]:
+            if importer is not None:
+                pairs = [made for name, t in pairs for made in
+                         ([(name, t)] if name in own else importer.feed(name, t))]
             problems = _misfits(own, pairs)
             if not problems:
                 with torch.no_grad():
                     for name, t in pairs:
                         own[name].copy_(t)
             return problems
-        return by_name
+        return by_name, importer.unfinished if importer is not None else list
     raise UnsupportedModelError(f"load_into() feeds a vllm.LLM, a model with load_weights(), or a torch.nn.Module; "
                                 f"got {type(target).__name__}. Pass the engine or the model to load.")
 

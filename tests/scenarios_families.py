@@ -1,0 +1,116 @@
+"""Scenarios for the model-family matrix: what wrapkit writes, reads and streams against what transformers'
+own ``save_pretrained`` writes for the same weights (the Hub's layout), on every backend (run on every
+rank of a worker group)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+import torch
+
+import wrapkit
+from wrapkit.cli._families import family_inputs, family_model
+from wrapkit.cli._models import build
+from wrapkit.integrations.vllm import load_into
+
+
+def _shared_dir() -> str:
+    import torch.distributed as dist
+
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+def _files(directory: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(os.listdir(directory)):
+        if f.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, f)))
+    return out
+
+
+def _differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], cast: bool = False) -> list[str]:
+    """What keeps ``got`` from being ``want`` bit for bit (``cast``: in ``got``'s dtypes)."""
+    out = [f"missing {k}" for k in sorted(set(want) - set(got))]
+    out += [f"unexpected {k}" for k in sorted(set(got) - set(want))]
+    for k in sorted(set(got) & set(want)):
+        w = want[k].to(got[k].dtype) if cast else want[k]
+        if got[k].dtype != w.dtype or got[k].shape != w.shape or not torch.equal(got[k], w):
+            out.append(f"{k}: {got[k].dtype} {tuple(got[k].shape)} vs {w.dtype} {tuple(w.shape)}")
+    return out
+
+
+def _wrapped(case: dict[str, Any], seed: int) -> Any:
+    return wrapkit.adapt(build(case["spec"], model=family_model(case["family"], seed),
+                               precision=case.get("precision", "fp32")))
+
+
+def _logits(wm: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad(), wm.generation() as inner:  # in eval mode: T5 drops out in training
+        out = inner(**{k: v.to(wm.device) for k, v in inputs.items()})
+    return out.logits.detach().float().cpu()  # type: ignore[no-any-return]
+
+
+def family_exchange(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """For each case ``{"family", "spec", "precision"}``: transformers' own save of the wrapped model's
+    weights is the oracle for wrapkit's ``save_pretrained`` (key set and values), for ``load`` (every
+    rank reading, and rank 0 reading for all), and for the default stream's names and values; both
+    stream layouts load into a fresh transformers module."""
+    import torch.distributed as dist
+
+    from tests._matrix import key
+
+    root = _shared_dir()
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    try:
+        for case in cases:
+            wm = _wrapped(case, 1)
+            fsd = wm.full_state_dict(rank0_only=False)
+            # A plain model is each process's own, and so is the directory it saves; every rank holds the
+            # same weights, so transformers' save (which writes from global rank 0 only) serves them all.
+            owner = rank if case["spec"] == "plain" else 0
+            base = os.path.join(root, "-".join(str(v) for v in case.values()))
+            ours, theirs = base + f"-wrapkit-{owner}", base + "-transformers"
+            if rank == 0:
+                oracle = family_model(case["family"], 0).to(next(iter(fsd.values())).dtype)
+                oracle.load_state_dict(fsd)
+                oracle.save_pretrained(theirs)
+            dist.barrier()
+            wm.save_pretrained(ours)
+            saved = _files(theirs)
+            obs: dict[str, Any] = {"rank": rank, "save": _differences(_files(ours), saved)}
+            inputs = family_inputs(wm.unwrap())
+            logits = _logits(wm, inputs)
+            for how, src_rank in (("each", None), ("src0", 0)):
+                target = _wrapped(case, 2)
+                target.load(theirs, src_rank=src_rank)
+                obs[f"load_{how}"] = _differences(target.full_state_dict(rank0_only=False), fsd)
+                obs[f"logits_{how}"] = float((_logits(target, inputs) - logits).abs().max())
+                inner = target.unwrap(keep_peft=False)
+                tied = getattr(inner, "all_tied_weights_keys", {}) or {}
+                if case["spec"] == "plain":
+                    obs[f"tied_{how}"] = all(inner.get_parameter(t) is inner.get_parameter(s) for t, s in tied.items())
+            streamed = {n: t.clone() for b in wm.stream_full_parameters(bucket_bytes=4096)
+                        for n, t in b.named_tensors()}
+            buffers = {wrapkit.canonical_name(b) for b, _ in wm.unwrap().named_buffers()}
+            params = {n for n in saved if n not in buffers}
+            obs["stream"] = _differences(streamed, {n: saved[n] for n in params}, cast=True)
+            for layout in ("hub", "runtime"):
+                fresh = family_model(case["family"], 3).to(next(iter(fsd.values())).dtype)
+                load_into(fresh, wm.stream_full_parameters(bucket_bytes=4096, layout=layout))
+                want = {n: fsd[n] for n, _ in fresh.named_parameters(remove_duplicate=False)}
+                got = dict(fresh.named_parameters(remove_duplicate=False))
+                obs[f"load_into_{layout}"] = _differences({n: t.detach() for n, t in got.items()}, want, cast=True)
+            out[key(case)] = obs
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    return out

@@ -1,0 +1,46 @@
+"""The model-family matrix: tied, mixture-of-experts, vision-language, encoder-decoder and reward models on
+every backend, exchanged in the Hub's layout (what transformers' own save writes) both ways."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests import _matrix as matrix
+from tests import scenarios_families as sc
+from wrapkit.cli._families import FAMILIES
+
+BACKENDS = ("plain", "ddp", "fsdp", "fsdp2", "zero3")
+CASES = [{"family": f, "spec": b, "precision": "fp32"} for f in FAMILIES if f != "llama" for b in BACKENDS]
+CASES += [{"family": f, "spec": b, "precision": "bf16"} for f in FAMILIES if f != "llama"
+          for b in ("fsdp", "fsdp2", "zero3")]
+
+
+@matrix.cases(CASES)
+def test_family_exchanges_in_the_hub_layout(request: pytest.FixtureRequest, group: Any, case: dict[str, Any]) -> None:
+    for obs in matrix.run(request, group, sc.family_exchange, timeout=900):
+        rank = obs["rank"]
+        assert obs["save"] == [], f"rank {rank}: save_pretrained differs from transformers' own save: {obs['save']}"
+        for how in ("each", "src0"):
+            assert obs[f"load_{how}"] == [], f"rank {rank}: load ({how}) of transformers' save: {obs[f'load_{how}']}"
+            assert obs[f"logits_{how}"] == 0.0, f"rank {rank}: the loaded model computes other logits"
+            assert obs.get(f"tied_{how}", True), f"rank {rank}: load ({how}) untied the tied weights"
+        assert obs["stream"] == [], f"rank {rank}: the default stream is not the Hub's layout: {obs['stream']}"
+        for layout in ("hub", "runtime"):
+            assert obs[f"load_into_{layout}"] == [], f"rank {rank}: load_into ({layout}): {obs[f'load_into_{layout}']}"
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen3-moe", "qwen2-vl", "qwen2-tied"])
+def test_a_model_from_pretrained_saves_with_the_conversions_it_was_loaded_with(tmp_path: Any, family: str) -> None:
+    """from_pretrained records the conversions it used (legacy renames included); wrapkit's save reverts
+    those, as transformers' own save does."""
+    import wrapkit
+    from wrapkit.cli._families import family_model
+
+    family_model(family, 4).save_pretrained(tmp_path / "hub")
+    loaded = type(family_model(family, 5)).from_pretrained(tmp_path / "hub")
+    assert getattr(loaded, "_weight_conversions", None) is not None or family == "qwen2-tied"
+    loaded.save_pretrained(tmp_path / "theirs")
+    wrapkit.adapt(loaded).save_pretrained(tmp_path / "ours")
+    assert sc._differences(sc._files(str(tmp_path / "ours")), sc._files(str(tmp_path / "theirs"))) == []

@@ -1,0 +1,102 @@
+"""Tiny models of the families people train, built from configs (nothing downloaded), for the doctor's
+``--model`` and the family matrix of the tests.
+
+Each family stands for a layout transformers treats apart: tied embeddings (Qwen2, Gemma 3, T5), experts
+fused at run time and stored per expert on the Hub (Qwen3-MoE, DeepSeek-V3) or fused in both (gpt-oss),
+vision-language prefixes that differ between run time and the Hub (Qwen2-VL, Llava), an encoder-decoder
+(T5), and a sequence-classification head (a reward model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["FAMILIES", "family_model", "family_inputs"]
+
+_TEXT: dict[str, Any] = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _llama(tf: Any) -> Any:
+    return tf.LlamaForCausalLM(tf.LlamaConfig(**_TEXT, tie_word_embeddings=False))
+
+
+def _qwen2_tied(tf: Any) -> Any:
+    return tf.Qwen2ForCausalLM(tf.Qwen2Config(**_TEXT, tie_word_embeddings=True))
+
+
+def _gemma3(tf: Any) -> Any:
+    return tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**_TEXT, head_dim=8))
+
+
+def _qwen3_moe(tf: Any) -> Any:
+    return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(**_TEXT, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=16, decoder_sparse_step=1))
+
+
+def _gpt_oss(tf: Any) -> Any:
+    return tf.GptOssForCausalLM(tf.GptOssConfig(**{**_TEXT, "intermediate_size": 32}, head_dim=8,
+                                                num_local_experts=4, num_experts_per_tok=2))
+
+
+def _deepseek_v3(tf: Any) -> Any:
+    # Multi-head latent attention has as many key/value heads as query heads.
+    return tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
+        **{**_TEXT, "num_key_value_heads": 4}, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8))
+
+
+def _qwen2_vl(tf: Any) -> Any:
+    return tf.Qwen2VLForConditionalGeneration(tf.Qwen2VLConfig(
+        text_config=dict(**_TEXT, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}, bos_token_id=1,
+                         eos_token_id=2),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=2,
+                           spatial_merge_size=1, temporal_patch_size=1, in_channels=3),
+        image_token_id=120, video_token_id=121, vision_start_token_id=122))
+
+
+def _llava(tf: Any) -> Any:
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                 image_size=16, patch_size=8, projection_dim=32)
+    return tf.LlavaForConditionalGeneration(tf.LlavaConfig(vision_config=vision, text_config=tf.LlamaConfig(**_TEXT),
+                                                           image_token_index=120))
+
+
+def _t5(tf: Any) -> Any:
+    return tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                     num_heads=4, decoder_start_token_id=0))
+
+
+def _llama_reward(tf: Any) -> Any:
+    return tf.LlamaForSequenceClassification(tf.LlamaConfig(**_TEXT, num_labels=1, pad_token_id=0))
+
+
+FAMILIES: dict[str, Callable[[Any], Any]] = {
+    "llama": _llama, "qwen2-tied": _qwen2_tied, "gemma3": _gemma3, "qwen3-moe": _qwen3_moe, "gpt-oss": _gpt_oss,
+    "deepseek-v3": _deepseek_v3, "qwen2-vl": _qwen2_vl, "llava": _llava, "t5": _t5, "llama-reward": _llama_reward,
+}
+
+
+def family_model(family: str, seed: int = 0) -> torch.nn.Module:
+    """A tiny transformers model of ``family`` (a key of ``FAMILIES``), seeded, in training mode."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILIES)}")
+    torch.manual_seed(seed)
+    model: torch.nn.Module = FAMILIES[family](transformers)
+    model.train()
+    return model
+
+
+def family_inputs(model: torch.nn.Module, batch: int = 2, length: int = 8) -> dict[str, torch.Tensor]:
+    """Keyword inputs for a text-only forward of ``model`` (decoder inputs too for an encoder-decoder)."""
+    ids = (torch.arange(batch * length).reshape(batch, length) * 7 + 3) % 100
+    inputs = {"input_ids": ids}
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = ids.flip(-1)
+    return inputs
