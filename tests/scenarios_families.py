@@ -97,6 +97,20 @@ def family_exchange(cases: list[dict[str, Any]]) -> dict[str, Any]:
                 tied = getattr(inner, "all_tied_weights_keys", {}) or {}
                 if case["spec"] == "plain":
                     obs[f"tied_{how}"] = all(inner.get_parameter(t) is inner.get_parameter(s) for t, s in tied.items())
+            # The runtime layout's own ways in: a full state dict, a copy and an EMA from the policy.
+            target = _wrapped(case, 2)
+            target.load_full_state_dict(fsd)
+            obs["load_full_state_dict"] = _differences(target.full_state_dict(rank0_only=False), fsd)
+            target = _wrapped(case, 2)
+            before = target.full_state_dict(rank0_only=False)
+            wm.copy_to(target, alpha=0.5)
+            ema = target.full_state_dict(rank0_only=False)
+            want = {k: v.lerp(fsd[k], 0.5) if v.is_floating_point() else fsd[k] for k, v in before.items()}
+            obs["ema"] = max(float((ema[k].double() - want[k].double()).abs().max()) for k in want)
+            wm.copy_to(target)
+            obs["copy_to"] = _differences(target.full_state_dict(rank0_only=False), fsd)
+            tied = getattr(target.unwrap(keep_peft=False), "all_tied_weights_keys", {}) or {}
+            obs["ema_tied"] = all(torch.equal(ema[t], ema[s]) for t, s in tied.items())
             streamed = {n: t.clone() for b in wm.stream_full_parameters(bucket_bytes=4096)
                         for n, t in b.named_tensors()}
             buffers = {wrapkit.canonical_name(b) for b, _ in wm.unwrap().named_buffers()}
@@ -113,4 +127,31 @@ def family_exchange(cases: list[dict[str, Any]]) -> dict[str, Any]:
         dist.barrier()
         if rank == 0:
             shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def family_references(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """For each case: ``prepare_reference(policy)`` of the family's model wrapped that way, its logits
+    beside the policy's (in eval mode), and the policy still training afterwards."""
+    import torch.distributed as dist
+
+    from tests._matrix import key
+
+    out: dict[str, Any] = {}
+    for case in cases:
+        wm = _wrapped(case, 1)
+        inputs = family_inputs(wm.unwrap())
+        want = _logits(wm, inputs)
+        obs: dict[str, Any] = {"rank": dist.get_rank()}
+        try:
+            ref = wrapkit.prepare_reference(wm)
+            with torch.no_grad():
+                got = ref(**{k: v.to(ref.device) for k, v in inputs.items()}).logits.detach().float().cpu()
+            obs["diff"] = float((got - want).abs().max())
+            obs["frozen"] = not any(p.requires_grad for p in ref.unwrap().parameters())
+        except Exception as exc:  # reported per case, so that one family's failure shows beside the others
+            import traceback
+
+            obs["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
+        out[key(case)] = obs
     return out

@@ -26,6 +26,9 @@ def test_family_exchanges_in_the_hub_layout(request: pytest.FixtureRequest, grou
             assert obs[f"load_{how}"] == [], f"rank {rank}: load ({how}) of transformers' save: {obs[f'load_{how}']}"
             assert obs[f"logits_{how}"] == 0.0, f"rank {rank}: the loaded model computes other logits"
             assert obs.get(f"tied_{how}", True), f"rank {rank}: load ({how}) untied the tied weights"
+        assert obs["load_full_state_dict"] == [] and obs["copy_to"] == [], (obs["load_full_state_dict"], obs["copy_to"])
+        tol = 1e-6 if case["precision"] == "fp32" else 1e-2
+        assert obs["ema"] <= tol and obs["ema_tied"], f"rank {rank}: the EMA is off by {obs['ema']} or untied"
         assert obs["stream"] == [], f"rank {rank}: the default stream is not the Hub's layout: {obs['stream']}"
         for layout in ("hub", "runtime"):
             assert obs[f"load_into_{layout}"] == [], f"rank {rank}: load_into ({layout}): {obs[f'load_into_{layout}']}"
@@ -44,3 +47,19 @@ def test_a_model_from_pretrained_saves_with_the_conversions_it_was_loaded_with(t
     loaded.save_pretrained(tmp_path / "theirs")
     wrapkit.adapt(loaded).save_pretrained(tmp_path / "ours")
     assert sc._differences(sc._files(str(tmp_path / "ours")), sc._files(str(tmp_path / "theirs"))) == []
+
+
+REFERENCE_CASES = [{"family": f, "spec": b, "precision": p} for f in FAMILIES if f != "llama"
+                   for b, p in [("plain", "fp32"), ("ddp", "fp32"), ("fsdp", "fp32"), ("fsdp2", "fp32"),
+                                ("zero3", "fp32"), ("zero3", "bf16")]]
+
+
+@matrix.cases(REFERENCE_CASES)
+def test_family_references(request: pytest.FixtureRequest, group: Any, case: dict[str, Any]) -> None:
+    """A reference (or reward model) prepared from the policy computes the policy's logits, on every family
+    and backend: under ZeRO-3 a Gemma 3 or sequence-classification reference had failed its first forward."""
+    for obs in matrix.run(request, group, sc.family_references, timeout=900):
+        assert "error" not in obs, f"rank {obs['rank']}: {obs.get('error')}"
+        tol = 0.0 if case["precision"] == "fp32" else 0.05
+        assert obs["diff"] <= tol, f"rank {obs['rank']}: the reference's logits differ by {obs['diff']}"
+        assert obs["frozen"]

@@ -5,7 +5,7 @@ shard holds."""
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,9 +27,11 @@ def block_classes(model: torch.nn.Module) -> set[type[torch.nn.Module]]:
     return {type(m) for m in model.modules() if type(m).__name__ in names}
 
 
-def skeleton(adapter: Adapter) -> torch.nn.Module:
-    """An uninitialised model of ``adapter``'s class, built from its config (weights come later)
-    in its parameters' dtype; built under whatever device or ``zero.Init`` context is active."""
+def skeleton(adapter: Adapter, initialise: bool = True) -> torch.nn.Module:
+    """A model of ``adapter``'s class, built from its config (weights come later) in its parameters'
+    dtype; built under whatever device or ``zero.Init`` context is active. ``initialise=False`` skips
+    transformers' weight initialisation (its ties are still made): under ``zero.Init`` the parameters
+    are empty partitions, which the initialisers of padding rows index (Gemma 3, reward models)."""
     inner = adapter.unwrap(keep_peft=False)
     cfg = getattr(inner, "config", None)
     if "peft" in adapter.stack or cfg is None:
@@ -40,8 +42,25 @@ def skeleton(adapter: Adapter) -> torch.nn.Module:
             f"{why}; pass ref_model (the model loaded again from its checkpoint)."
         )
     dtype = next((p.dtype for p in inner.parameters() if p.is_floating_point()), torch.float32)
-    model = type(inner)(copy.deepcopy(cfg))
+    skip = _no_init_weights() if not initialise else None
+    if skip is None:
+        model = type(inner)(copy.deepcopy(cfg))
+    else:
+        with skip():
+            model = type(inner)(copy.deepcopy(cfg))
+        tie = getattr(model, "tie_weights", None)
+        if callable(tie):
+            tie()
     return model.to(dtype)
+
+
+def _no_init_weights() -> Any:
+    """transformers' context that builds a model without initialising its weights, or None."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:
+        return None
+    return no_init_weights
 
 
 def copy_buffers(src: torch.nn.Module, dst: torch.nn.Module) -> None:

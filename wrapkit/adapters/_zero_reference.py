@@ -84,7 +84,7 @@ def zero3_copy(adapter: DeepSpeedAdapter, ds_config: dict[str, Any] | None) -> t
     cfg = reference_config(adapter.backend_object, ds_config)
     group = adapter.process_group()
     with deepspeed.zero.Init(config_dict_or_path=cfg, data_parallel_group=group):
-        model = skeleton(adapter)
+        model = skeleton(adapter, initialise=False)  # every weight is copied from the policy below
     theirs = dict(adapter.unwrap(keep_peft=False).named_parameters())
     pairs: list[tuple[Any, Any]] = [(theirs[name], p) for name, p in model.named_parameters()]
     # Same group, same sizes: partitions line up and are copied locally. Agreed first, as
