@@ -155,3 +155,67 @@ def family_references(cases: list[dict[str, Any]]) -> dict[str, Any]:
             obs["error"] = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-3000:]}"
         out[key(case)] = obs
     return out
+
+
+EXPERT_TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def lora_on_experts(family: str, seed: int, zeroed: bool = False) -> torch.nn.Module:
+    """A PEFT model of ``family`` with LoRA on its fused experts (PEFT's ``target_parameters``, the recipe for
+    gpt-oss and Qwen3-MoE), every LoRA matrix random from ``seed`` (or zero)."""
+    from peft import LoraConfig, get_peft_model
+
+    from wrapkit.cli._models import fill_adapters
+
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=[], target_parameters=EXPERT_TARGETS)
+    return fill_adapters(get_peft_model(family_model(family, 1), config), seed, zeroed)
+
+
+def expert_adapters(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """For each case ``{"family", "spec", "precision"}``: every merged export of a model with LoRA on its
+    experts against PEFT's ``merge_and_unload`` (and transformers' save of that), and the adapters alone
+    against PEFT's own save, then loaded back into zeroed adapters."""
+    import copy
+
+    import torch.distributed as dist
+
+    from tests._matrix import key
+
+    root = _shared_dir()
+    rank = dist.get_rank()
+    out: dict[str, Any] = {}
+    try:
+        for case in cases:
+            want: Any = lora_on_experts(case["family"], 7)
+            merged = copy.deepcopy(want).merge_and_unload()
+            oracle = {k: v.clone() for k, v in merged.state_dict().items()}
+            owner = rank if case["spec"] == "plain" else 0
+            base = os.path.join(root, "-".join(str(v) for v in case.values()))
+            if rank == 0:
+                merged.save_pretrained(base + "-merged-transformers")
+                want.save_pretrained(base + "-adapters-peft")
+            dist.barrier()
+            wm = wrapkit.adapt(build(case["spec"], model=lora_on_experts(case["family"], 7)))
+            obs: dict[str, Any] = {"rank": rank}
+            obs["full_state_dict"] = _differences(wm.full_state_dict(rank0_only=False, merge_adapters=True), oracle)
+            saved = _files(base + "-merged-transformers")
+            streamed = {n: t.clone() for b in wm.stream_full_parameters(bucket_bytes=4096, merge_adapters=True)
+                        for n, t in b.named_tensors()}
+            buffers = {n for n, _ in merged.named_buffers()}  # streams carry parameters only
+            obs["stream"] = _differences(streamed, {n: t for n, t in saved.items() if n not in buffers})
+            wm.save_pretrained(f"{base}-merged-wrapkit-{owner}", merge_adapters=True)
+            obs["save_merged"] = _differences(_files(f"{base}-merged-wrapkit-{owner}"), saved)
+            wm.save_pretrained(f"{base}-adapters-wrapkit-{owner}", adapters_only=True)
+            obs["save_adapters"] = _differences(_files(f"{base}-adapters-wrapkit-{owner}"),
+                                                _files(base + "-adapters-peft"))
+            live = {k: v for k, v in wm.full_state_dict(rank0_only=False).items() if "lora_" in k}
+            target = wrapkit.adapt(build(case["spec"], model=lora_on_experts(case["family"], 0, zeroed=True)))
+            target.load(base + "-adapters-peft")
+            obs["load_adapters"] = _differences(
+                {k: v for k, v in target.full_state_dict(rank0_only=False).items() if "lora_" in k}, live)
+            out[key(case)] = obs
+    finally:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(root, ignore_errors=True)
+    return out

@@ -63,3 +63,16 @@ def test_family_references(request: pytest.FixtureRequest, group: Any, case: dic
         tol = 0.0 if case["precision"] == "fp32" else 0.05
         assert obs["diff"] <= tol, f"rank {obs['rank']}: the reference's logits differ by {obs['diff']}"
         assert obs["frozen"]
+
+
+EXPERT_CASES = [{"family": f, "spec": b, "precision": "fp32"} for f in ("qwen3-moe", "gpt-oss", "deepseek-v3")
+                for b in BACKENDS]
+
+
+@matrix.cases(EXPERT_CASES)
+def test_lora_on_experts(request: pytest.FixtureRequest, group: Any, case: dict[str, Any]) -> None:
+    """PEFT's target_parameters on the fused experts: every merged export equals PEFT's merge_and_unload (in
+    the Hub's layout where transformers' save writes it), and the adapters alone PEFT's own save, both ways."""
+    for obs in matrix.run(request, group, sc.expert_adapters, timeout=900):
+        for what in ("full_state_dict", "stream", "save_merged", "save_adapters", "load_adapters"):
+            assert obs[what] == [], f"rank {obs['rank']}: {what}: {obs[what][:5]}"

@@ -127,7 +127,7 @@ def fold_plan(peft_root: torch.nn.Module) -> LoraFoldPlan:
                 problems.append(f"{canonical_name(mod_name)}: modules_to_save copies")
             continue
         name = canonical_name(mod_name)
-        if not is_instance(mod, "peft.tuners.lora.layer", "Linear"):
+        if not _foldable(mod):
             problems.append(f"{name}: {type(mod).__module__}.{type(mod).__name__}")
             continue
         for adapter in mod.active_adapters:
@@ -137,16 +137,35 @@ def fold_plan(peft_root: torch.nn.Module) -> LoraFoldPlan:
         layers.append((name, mod))
     if problems:
         raise UnsupportedModelError(
-            "full_state_dict(merge_adapters=True) folds in LoRA adapters of Linear layers only; this model has "
+            "full_state_dict(merge_adapters=True) folds in LoRA adapters of Linear layers and of parameters "
+            "(target_parameters) only; this model has "
             + "; ".join(problems)
             + ". Export with merge_adapters=False, or merge with PEFT's merge_and_unload() on an unsharded copy."
         )
     return LoraFoldPlan(base_key_map(peft_root), layers)
 
 
+def _foldable(mod: Any) -> bool:
+    return _param_wrapper(mod) or is_instance(mod, "peft.tuners.lora.layer", "Linear")
+
+
+def _param_wrapper(mod: Any) -> bool:
+    """PEFT's LoRA on a parameter (``target_parameters``, e.g. a MoE's fused 3-D experts)."""
+    return is_instance(mod, "peft.tuners.lora.layer", "ParamWrapper")
+
+
+def _base_key(name: str, mod: Any) -> str:
+    if not _param_wrapper(mod):
+        return f"{name}.base_layer.weight"
+    # The parameter sits on the innermost base layer: wrappers of several parameters of one module nest.
+    param = mod.get_param()
+    rel = next(n for n, p in mod.named_parameters(remove_duplicate=False) if p is param)
+    return canonical_name(f"{name}.{rel}")
+
+
 def _fold_keys(name: str, mod: Any) -> list[str]:
     """The entries a LoRA layer's merged weight is computed from: its base weight first."""
-    keys = [f"{name}.base_layer.weight"]
+    keys = [_base_key(name, mod)]
     if not mod.merged and not mod.disable_adapters:
         for adapter in mod.active_adapters:
             if adapter in mod.lora_A:
@@ -162,16 +181,33 @@ def _folded(mod: Any, keys: list[str], sd: Mapping[str, torch.Tensor]) -> torch.
     acc = weight.float()
     for a_key, b_key in zip(keys[1::2], keys[2::2], strict=True):
         adapter = a_key.rsplit(".", 2)[-2]
-        delta = sd[b_key].float() @ sd[a_key].float()
+        a, b = sd[a_key].float(), sd[b_key].float()
+        if weight.dim() == 3:  # a ParamWrapper over stacked experts
+            acc = acc + _experts_delta(mod, weight, a, b) * mod.scaling[adapter]
+            continue
+        delta = b @ a
         if mod.fan_in_fan_out:
             delta = delta.T
         acc = acc + delta * mod.scaling[adapter]
     return acc.to(weight.dtype).contiguous()
 
 
+def _experts_delta(mod: Any, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The update of a stacked (E, d1, d2) expert weight from LoRA matrices covering every expert:
+    ``a`` of shape (r * E, in) holds each expert's rank rows in turn, ``b`` of shape (out, r * E) each
+    expert's rank columns interleaved. PEFT orders a weight (E, out, in), unless its module says it
+    is transposed, and then (E, in, out)."""
+    experts = weight.shape[0]
+    a3 = a.reshape(experts, -1, a.shape[-1])  # (E, r, in)
+    b3 = b.reshape(b.shape[0], -1, experts)  # (out, r, E)
+    delta = torch.einsum("ore,eri->eoi", b3, a3)  # (E, out, in)
+    transposed = bool(getattr(mod.get_base_layer(), "is_transposed", False))
+    return delta.transpose(1, 2) if transposed else delta
+
+
 def fold_state_dict(sd: dict[str, torch.Tensor], plan: LoraFoldPlan) -> dict[str, torch.Tensor]:
     """``sd`` of the PEFT model -> the base model's state dict with the adapters folded in."""
-    folded = {f"{name}.base_layer.weight": _folded(mod, _fold_keys(name, mod), sd) for name, mod in plan.layers}
+    folded = {_base_key(name, mod): _folded(mod, _fold_keys(name, mod), sd) for name, mod in plan.layers}
     return {new: folded.get(key, value) for key, value in sd.items() if (new := plan.rename(key)) is not None}
 
 
