@@ -111,3 +111,19 @@ def test_doctor_four_ranks_hsdp(tmp_path: Path) -> None:
 def test_doctor_hsdp_needs_four_ranks(tmp_path: Path) -> None:
     out, _ = _doctor(tmp_path, "--topology", "hsdp")
     assert out.returncode == 2 and "--world-size 4" in out.stdout
+
+
+def test_doctor_on_a_chosen_family(tmp_path: Path) -> None:
+    """`--model qwen3-moe`: every operation on the MoE (LoRA on its experts in the adapters column), and a
+    family the tensor-parallel recipe does not fit shown as unsupported with the reason."""
+    out, data = _doctor(tmp_path, "--model", "qwen3-moe", "--backends", "plain,fsdp2,zero3")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "model: transformers qwen3-moe" in out.stdout and data["model"] == "qwen3-moe"
+    for backend in ("plain", "fsdp2", "zero3"):
+        cells = data["results"][backend]
+        assert len(cells) == 1 + len(OPS) and all(c["ok"] and not c.get("refused") for c in cells.values()), cells
+    out, data = _doctor(tmp_path, "--model", "t5", "--backends", "plain,tp")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert data["results"]["tp"]["_status"] == "unsupported" and "t5" in data["results"]["tp"]["_why"]
+    out, _ = _doctor(tmp_path, "--model", "nonsense")
+    assert out.returncode == 2 and "qwen3-moe" in out.stdout

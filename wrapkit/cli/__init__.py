@@ -22,6 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     doc.add_argument("--topology", choices=("flat", "hsdp", "tp"), default="flat",
                      help="one group; a 2-D replicate x shard layout (needs --world-size 4); or fsdp2 over dp "
                           "beside tensor parallelism over tp of a (dp, tp) mesh (needs --world-size 4)")
+    doc.add_argument("--model", default="llama", metavar="FAMILY",
+                     help="the tiny model wrapped, built from a config: llama (default), qwen2-tied, gemma3, "
+                          "qwen3-moe, gpt-oss, deepseek-v3, qwen2-vl, llava, t5 or llama-reward")
     doc.add_argument("--json", dest="json_path", metavar="PATH", help="also write the results as JSON")
     doc.add_argument("-v", "--verbose", action="store_true",
                      help="print the full traceback of each failure, and what the workers printed")
@@ -74,7 +77,7 @@ def _run(args: argparse.Namespace) -> int:
 
         backends = [b.strip() for b in args.backends.split(",")] if args.backends else None
         return run_doctor(backends, world_size=args.world_size, json_path=args.json_path, verbose=args.verbose,
-                          dtype=args.dtype, topology=args.topology)
+                          dtype=args.dtype, topology=args.topology, model=args.model)
     if args.command == "bench":
         from .bench import run_bench
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "family_model", "family_inputs"]
+__all__ = ["FAMILIES", "TP_RECIPE", "family_model", "family_inputs", "any_model", "model_inputs"]
 
 _TEXT: dict[str, Any] = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -67,8 +67,9 @@ def _llava(tf: Any) -> Any:
 
 
 def _t5(tf: Any) -> Any:
+    # No dropout: the doctor compares a training-mode forward with the unwrapped model's.
     return tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                                     num_heads=4, decoder_start_token_id=0))
+                                                     num_heads=4, decoder_start_token_id=0, dropout_rate=0.0))
 
 
 def _llama_reward(tf: Any) -> Any:
@@ -79,6 +80,12 @@ FAMILIES: dict[str, Callable[[Any], Any]] = {
     "llama": _llama, "qwen2-tied": _qwen2_tied, "gemma3": _gemma3, "qwen3-moe": _qwen3_moe, "gpt-oss": _gpt_oss,
     "deepseek-v3": _deepseek_v3, "qwen2-vl": _qwen2_vl, "llava": _llava, "t5": _t5, "llama-reward": _llama_reward,
 }
+
+# The families the doctor's tensor-parallel recipe (``_models.tensor_parallel``: attention heads and MLP
+# projections split column- then row-wise) computes the unsplit model's outputs for. It does not fit
+# DeepSeek-V3's latent attention, gpt-oss's per-head sinks or T5's tied head outside ``model.layers``;
+# transformers' own ``tp_plan`` parallelizes those.
+TP_RECIPE = frozenset({"llama", "qwen2-tied", "gemma3", "qwen3-moe", "qwen2-vl", "llava", "llama-reward"})
 
 
 def family_model(family: str, seed: int = 0) -> torch.nn.Module:
@@ -100,3 +107,24 @@ def family_inputs(model: torch.nn.Module, batch: int = 2, length: int = 8) -> di
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
         inputs["decoder_input_ids"] = ids.flip(-1)
     return inputs
+
+
+# The doctor's model by name: "toy" (an MLP, without transformers), "llama", or another of FAMILIES.
+def any_model(model: str, seed: int = 0) -> torch.nn.Module:
+    """The model the doctor wraps, seeded."""
+    from ._models import tiny_llama, toy_model
+
+    if model == "toy":
+        return toy_model(seed)
+    return tiny_llama(seed) if model == "llama" else family_model(model, seed)
+
+
+def model_inputs(model: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The positional input and the keyword ones (an encoder-decoder's decoder inputs)."""
+    if model == "toy":
+        return torch.linspace(-1, 1, 32).reshape(2, 16), {}
+    ids = torch.arange(16).reshape(2, 8) % 128
+    if model == "llama":
+        return ids, {}
+    extra = family_inputs(any_model(model))
+    return extra.pop("input_ids"), extra

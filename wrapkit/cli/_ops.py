@@ -54,7 +54,7 @@ def _num_parameters(wm: Any, ctx: dict[str, Any]) -> None:
 
 def _forward(wm: Any, ctx: dict[str, Any]) -> None:
     with torch.no_grad():
-        out = wm(ctx["inputs"])
+        out = wm(ctx["inputs"], **ctx["extra_inputs"])
     logits = out.logits if hasattr(out, "logits") else out
     diff = float((logits.float().cpu() - ctx["expected_output"]).abs().max())
     assert diff < ctx["output_tol"], f"output differs from the unwrapped model by {diff:.2e}"
@@ -133,7 +133,7 @@ def _gathered(wm: Any, ctx: dict[str, Any]) -> None:
     modes = _modes(wm)
     with wm.gathered() as m:
         with torch.no_grad():
-            out = m(ctx["inputs"])
+            out = m(ctx["inputs"], **ctx["extra_inputs"])
     logits = out.logits if hasattr(out, "logits") else out
     diff = float((logits.float().cpu() - ctx["expected_output"]).abs().max())
     assert diff < ctx["output_tol"], f"forward inside gathered() differs from the unwrapped model by {diff:.2e}"
@@ -142,7 +142,10 @@ def _gathered(wm: Any, ctx: dict[str, Any]) -> None:
 
 def _generation(wm: Any, ctx: dict[str, Any]) -> None:
     modes = _modes(wm)
-    if not ctx["has_config"]:
+    inner = wm.unwrap(keep_peft=False)
+    # Greedy tokens are compared for decoder-only language models; the others get the modes checked.
+    can_generate = getattr(inner, "can_generate", None)
+    if not ctx["has_config"] or wm.is_encoder_decoder or not (callable(can_generate) and can_generate()):
         with wm.generation() as m:
             assert not any(x.training for x in m.modules()), "generation() left modules in training mode"
         assert _modes(wm) == modes, "generation() did not restore training flags"
@@ -195,10 +198,9 @@ def _stream_full_parameters(wm: Any, ctx: dict[str, Any]) -> None:
 # -- weights in and out ----------------------------------------------------------------
 def _fresh_model(ctx: dict[str, Any], seed: int) -> torch.nn.Module:
     """The doctor's base model (seed 0 is the one every backend wrapped), unwrapped."""
-    from ._models import tiny_llama, toy_model
+    from ._families import any_model
 
-    model = tiny_llama(seed) if ctx["has_config"] else toy_model(seed)
-    return model.to(ctx["device"])
+    return any_model(ctx["model"], seed).to(ctx["device"])
 
 
 def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, tol: float = 0.0) -> None:
@@ -286,13 +288,23 @@ def _copy_to(wm: Any, ctx: dict[str, Any]) -> None:
     _assert_equal(wm.full_state_dict(rank0_only=False), original, "restoring by copy_to", ctx["weight_tol"])
 
 
+# The query and value projections as each family names them.
+_ATTENTION = ("q_proj", "v_proj", "q", "v", "q_b_proj", "kv_b_proj")
+_EXPERTS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+
 def _lora(base: torch.nn.Module, seed: int, zeroed: bool) -> torch.nn.Module:
-    """``base`` with LoRA on q/v, every matrix random (or zero)."""
+    """``base`` with LoRA on its query and value projections (and on its fused experts, PEFT's
+    ``target_parameters``, where it has them), every matrix random (or zero)."""
     from peft import LoraConfig, get_peft_model
 
     from ._models import fill_adapters
 
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    modules = {n.rpartition(".")[2] for n, _ in base.named_modules()}
+    params = {n for n, _ in base.named_parameters()}
+    experts = [t for t in _EXPERTS if any(n.endswith(t) for n in params)]
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=[t for t in _ATTENTION if t in modules],
+                        target_parameters=experts or None)
     return fill_adapters(get_peft_model(base, config), seed, zeroed)
 
 

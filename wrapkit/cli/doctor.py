@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from .._imports import is_available, version_of
-from ._models import BACKENDS, build, supports, tiny_llama, toy_model
+from ._families import FAMILIES, TP_RECIPE, any_model, model_inputs
+from ._models import BACKENDS, build, supports
 from ._ops import OPS, Refused
 from ._workers import WorkerError, WorkerGroup
 
@@ -28,14 +29,6 @@ _OP_TIMEOUT = 120.0
 
 # Per-worker state between calls: backend -> (wm, ctx). Lives in the worker processes.
 _STATE: dict[str, tuple[Any, dict[str, Any]]] = {}
-
-
-def _base_model(use_llama: bool) -> torch.nn.Module:
-    return tiny_llama() if use_llama else toy_model()
-
-
-def _inputs(use_llama: bool) -> torch.Tensor:
-    return torch.arange(16).reshape(2, 8) % 128 if use_llama else torch.linspace(-1, 1, 32).reshape(2, 16)
 
 
 def _first_line(exc: BaseException) -> str:
@@ -77,7 +70,7 @@ def deepspeed_setup() -> dict[str, Any]:
     return {**_cell(True, t0), "what": "DeepSpeed communication setup (builds its CPU op on first use)"}
 
 
-def setup_backend(backend: str, use_llama: bool, device: str = "cpu", dtype: str = "fp32",
+def setup_backend(backend: str, model: str, device: str = "cpu", dtype: str = "fp32",
                   topology: str = "flat") -> dict[str, Any]:
     """Worker side: wrap the model with ``backend``; the adapt row's cell."""
     from .._wrapped import adapt
@@ -85,16 +78,19 @@ def setup_backend(backend: str, use_llama: bool, device: str = "cpu", dtype: str
     if device == "cuda":
         # Each rank computes on its own GPU (the worker made it current).
         device = f"cuda:{torch.cuda.current_device()}"
-    plain = _base_model(use_llama).to(device)
-    inputs = _inputs(use_llama).to(device)
+    plain = any_model(model).to(device)
+    inputs, extra = model_inputs(model)
+    inputs, extra = inputs.to(device), {k: v.to(device) for k, v in extra.items()}
     with torch.no_grad():
-        out = plain(inputs)
+        out = plain(inputs, **extra)
     ctx: dict[str, Any] = {
         "backend": backend,
+        "model": model,
         "inputs": inputs,
+        "extra_inputs": extra,
         "expected_output": (out.logits if hasattr(out, "logits") else out).float().cpu(),
         "expected_parameters": sum(p.numel() for p in plain.parameters()),
-        "has_config": use_llama,
+        "has_config": model != "toy",
         "device": device,
         "precision": dtype,
         "topology": topology,
@@ -103,7 +99,7 @@ def setup_backend(backend: str, use_llama: bool, device: str = "cpu", dtype: str
     }
     t0 = time.perf_counter()
     try:
-        wm = adapt(build(backend, model=_base_model(use_llama), device=device, precision=dtype, topology=topology))
+        wm = adapt(build(backend, model=any_model(model), device=device, precision=dtype, topology=topology))
     except Exception as exc:
         return _cell(False, t0, exc)
     _STATE[backend] = (wm, ctx)
@@ -127,7 +123,7 @@ def run_op(backend: str, name: str) -> dict[str, Any]:
     return result
 
 
-def process_wide(use_llama: bool) -> dict[str, Any]:
+def process_wide(model_name: str) -> dict[str, Any]:
     """Worker side: the operators DeepSpeed replaced for the whole process (``_torch_ops``), and
     what the replacement costs a plain model's no-grad forward here (its time over torch's own)."""
     from .._torch_ops import replaced_ops, torch_ops
@@ -135,14 +131,15 @@ def process_wide(use_llama: bool) -> dict[str, Any]:
     replaced = replaced_ops()
     if not replaced:
         return {"replaced": {}, "slowdown": None}
-    model, inputs = _base_model(use_llama).eval(), _inputs(use_llama)
+    model = any_model(model_name).eval()
+    inputs, extra = model_inputs(model_name)
 
     def best(ctx: Callable[[], Any]) -> float:
         times = []
         for _ in range(5):
             with torch.no_grad(), ctx():
                 t0 = time.perf_counter()
-                model(inputs)
+                model(inputs, **extra)
                 times.append(time.perf_counter() - t0)
         return min(times)
 
@@ -225,19 +222,28 @@ def _worst_of_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path: str | None = None,
-               verbose: bool = False, dtype: str = "fp32", topology: str = "flat") -> int:
+               verbose: bool = False, dtype: str = "fp32", topology: str = "flat", model: str = "llama") -> int:
     """Run the doctor; return the process exit code (non-zero on any failure)."""
     if topology != "flat" and (world_size < 4 or world_size % 2):
         print(f"wrapkit doctor: --topology {topology} needs --world-size 4 (two nodes of two), not {world_size}")
         return 2
-    use_llama = is_available("transformers")
+    if model not in FAMILIES:
+        print(f"wrapkit doctor: unknown --model {model!r}; known: {', '.join(FAMILIES)}")
+        return 2
+    if not is_available("transformers"):
+        if model != "llama":
+            print(f"wrapkit doctor: --model {model} needs transformers; install it with pip install 'wrapkit[all]'")
+            return 2
+        model = "toy"
     selected = backends or list(BACKENDS)
     versions = {name: version_of(name) for name in ("torch", "deepspeed", "accelerate", "transformers", "peft")}
     use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     device = "cuda" if use_nccl else "cpu"
     print(textwrap.fill("wrapkit doctor: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in versions.items()),
                         _WIDTH, subsequent_indent="    "))
-    print(f"model: {'transformers Llama (tiny, from a config)' if use_llama else 'toy MLP (transformers missing)'}; "
+    shown = {"toy": "toy MLP (transformers missing)", "llama": "transformers Llama (tiny, from a config)"}.get(
+        model, f"transformers {model} (tiny, from a config)")
+    print(f"model: {shown}; "
           f"{world_size} ranks, {'nccl' if use_nccl else 'gloo'} on {device}; dtype {dtype}; topology {topology}")
     op_names = [name for name, _ in OPS]
     columns = ["adapt", *op_names]
@@ -262,6 +268,8 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
                     rows[backend] = {"_status": f"not installed ({need})"}
                     continue
                 why = supports(backend, topology)
+                if why is None and backend == "tp" and model not in TP_RECIPE | {"toy"}:
+                    why = f"the doctor's tensor-parallel recipe does not fit {model}; transformers' tp_plan does"
                 if why is not None:
                     rows[backend] = {"_status": "unsupported", "_why": why}
                     continue
@@ -270,7 +278,7 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
                 try:
                     if need == "deepspeed" and not one_time:
                         one_time[backend] = _worst_of_ranks(group.run(deepspeed_setup, timeout=600))
-                    res["adapt"] = _worst_of_ranks(group.run(setup_backend, backend, use_llama, device, dtype,
+                    res["adapt"] = _worst_of_ranks(group.run(setup_backend, backend, model, device, dtype,
                                                              topology, timeout=300))
                     advance(f"{backend}: adapt")
                     if not res["adapt"]["ok"]:
@@ -287,7 +295,7 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
                         res[missing[0]] = {"ok": False, "ms": _OP_TIMEOUT * 1e3, "error": f"WorkerError: {first}",
                                            "traceback": str(exc)}
         with contextlib.suppress(WorkerError):
-            wide = group.run(process_wide, use_llama, timeout=60)[0]
+            wide = group.run(process_wide, model, timeout=60)[0]
     finally:
         group.close()
         worker_output = _read_logs(logs.name)
@@ -343,7 +351,7 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
     if json_path:
         with open(json_path, "w") as fh:
             json.dump({"versions": versions, "world_size": world_size, "device": device, "dtype": dtype,
-                       "topology": topology,
+                       "topology": topology, "model": model,
                        "elapsed_s": elapsed, "worker_output": worker_output, "process_wide": wide,
                        "one_time": one_time, "results": rows},
                       fh, indent=2, default=str)
