@@ -4,9 +4,12 @@ rank of a worker group)."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,6 +47,27 @@ def _differences(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], ca
         if got[k].dtype != w.dtype or got[k].shape != w.shape or not torch.equal(got[k], w):
             out.append(f"{k}: {got[k].dtype} {tuple(got[k].shape)} vs {w.dtype} {tuple(w.shape)}")
     return out
+
+
+@contextlib.contextmanager
+def _bytes_read() -> Iterator[list[int]]:
+    """``[bytes this rank read, bytes in the checkpoint]`` of the load inside, from its debug log."""
+    found: list[int] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("load: rank"):
+                found[:] = [int(record.args[1]), int(record.args[2])]  # type: ignore[index]
+
+    log = logging.getLogger("wrapkit")
+    handler, level = Catch(), log.level
+    log.addHandler(handler)
+    log.setLevel(logging.DEBUG)
+    try:
+        yield found
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 def _wrapped(case: dict[str, Any], seed: int) -> Any:
@@ -90,7 +114,10 @@ def family_exchange(cases: list[dict[str, Any]]) -> dict[str, Any]:
             logits = _logits(wm, inputs)
             for how, src_rank in (("each", None), ("src0", 0)):
                 target = _wrapped(case, 2)
-                target.load(theirs, src_rank=src_rank)
+                with _bytes_read() as read:
+                    target.load(theirs, src_rank=src_rank)
+                if how == "each":
+                    obs["read_fraction"] = read[0] / read[1] if read else None
                 obs[f"load_{how}"] = _differences(target.full_state_dict(rank0_only=False), fsd)
                 obs[f"logits_{how}"] = float((_logits(target, inputs) - logits).abs().max())
                 inner = target.unwrap(keep_peft=False)

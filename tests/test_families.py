@@ -29,6 +29,9 @@ def test_family_exchanges_in_the_hub_layout(request: pytest.FixtureRequest, grou
         assert obs["load_full_state_dict"] == [] and obs["copy_to"] == [], (obs["load_full_state_dict"], obs["copy_to"])
         tol = 1e-6 if case["precision"] == "fp32" else 1e-2
         assert obs["ema"] <= tol and obs["ema_tied"], f"rank {rank}: the EMA is off by {obs['ema']} or untied"
+        if case["spec"] in ("fsdp", "fsdp2", "zero3"):
+            # Each of two ranks reads about its half: a fused expert parameter from its experts' tensors alone.
+            assert obs["read_fraction"] < 0.6, f"rank {rank} read {obs['read_fraction']:.0%} of the checkpoint"
         assert obs["stream"] == [], f"rank {rank}: the default stream is not the Hub's layout: {obs['stream']}"
         for layout in ("hub", "runtime"):
             assert obs[f"load_into_{layout}"] == [], f"rank {rank}: load_into ({layout}): {obs[f'load_into_{layout}']}"
