@@ -79,3 +79,33 @@ def test_lora_on_experts(request: pytest.FixtureRequest, group: Any, case: dict[
     for obs in matrix.run(request, group, sc.expert_adapters, timeout=900):
         for what in ("full_state_dict", "stream", "save_merged", "save_adapters", "load_adapters"):
             assert obs[what] == [], f"rank {obs['rank']}: {what}: {obs[what][:5]}"
+
+
+def test_a_broken_hub_checkpoint_is_refused_with_every_problem(tmp_path: Any) -> None:
+    """A per-expert checkpoint lacking one expert's tensor and holding another of the wrong shape: both named
+    (the experts counted), with the fused parameters they build reported missing, and nothing written, even
+    with strict=False."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    import wrapkit
+    from wrapkit import StateDictError
+    from wrapkit.cli._families import family_model
+
+    family_model("qwen3-moe", 1).save_pretrained(tmp_path)
+    [file] = [f for f in tmp_path.iterdir() if f.suffix == ".safetensors"]
+    sd = load_file(file)
+    del sd["model.layers.0.mlp.experts.3.up_proj.weight"]
+    cut = "model.layers.0.mlp.experts.2.down_proj.weight"
+    sd[cut] = sd[cut][:, :8].contiguous()
+    save_file(sd, file, metadata={"format": "pt"})
+    model = family_model("qwen3-moe", 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for strict in (True, False):
+        with pytest.raises(StateDictError) as caught:
+            wrapkit.adapt(model).load(tmp_path, strict=strict)
+        text = str(caught.value)
+        assert "nothing was written" in text
+        assert "3 of the 4 per-expert tensors 'mlp.experts.*.up_proj.weight'" in text, text
+        assert "'model.layers.0.mlp.experts.down_proj'" in text and "do not convert" in text, text
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

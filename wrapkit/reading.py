@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Mapping
 from contextlib import ExitStack
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +45,7 @@ class Catalog:
     truncated or corrupt."""
 
     def __init__(self, path: str, stack: ExitStack, adapters: AdapterCheckpoint | None = None,
-                 layout: HubLayout | None = None, runtime: Iterable[str] = ()) -> None:
+                 layout: HubLayout | None = None, runtime: Mapping[str, tuple[int, ...]] | None = None) -> None:
         st = require("safetensors", feature="loading a safetensors checkpoint", extra="transformers")
         # An adapter checkpoint's keys are PEFT's saved ones: each file's are renamed to the model's.
         files = self._files(path) if adapters is None else dict.fromkeys(adapters.files)
@@ -73,10 +73,12 @@ class Catalog:
         self.converted: dict[str, Converted] = {}
         self._kept: tuple[str, torch.Tensor] | None = None  # the last converted tensor built whole
         self._raw_where = self.where
+        # What keeps the Hub layout's tensors from building a runtime one: reported with the keys' problems.
+        self.problems: list[str] = []
         if layout is not None:
-            self._to_runtime(path, layout, runtime)
+            self._to_runtime(path, layout, runtime or {})
 
-    def _to_runtime(self, path: str, layout: HubLayout, runtime: Iterable[str]) -> None:
+    def _to_runtime(self, path: str, layout: HubLayout, runtime: Mapping[str, tuple[int, ...]]) -> None:
         """Checkpoint names and tensors in the Hub's layout seen under the model's runtime names."""
         raw, where = self.entries, self._raw_where
         renamed, converted = layout.imports(raw, runtime)
@@ -85,11 +87,8 @@ class Catalog:
         for name, conv in converted.items():
             shape = conv.shape(raw)
             if shape is None:
-                keys = conv.keys()
-                raise StateDictError(
-                    f"the checkpoint {path!r} holds {len(keys)} tensor(s) that transformers builds "
-                    f"{name!r} from ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}), but their shapes "
-                    "do not convert: the checkpoint is of another configuration of this architecture")
+                self.problems.append(_unconverted(path, name, conv, runtime.get(name)))
+                continue
             self.entries[name] = (shape, raw[conv.keys()[0]][1])
             self.converted[name] = conv
 
@@ -168,6 +167,20 @@ class Catalog:
         return sum(math.prod(shape) * _itemsize(dtype) for shape, dtype in self.entries.values())
 
 
+def _unconverted(path: str, name: str, conv: Converted, want: tuple[int, ...] | None) -> str:
+    """Why the checkpoint's tensors do not build ``name``: the experts counted where they are stacked."""
+    if conv.stacks_rows() and want:
+        short = [f"{len(keys)} of the {want[0]} per-expert tensors {pattern!r}"
+                 for pattern, keys in conv.sources.items() if len(keys) != want[0]]
+        if short:
+            return (f"{name!r}: the checkpoint {path!r} holds {'; '.join(short)} it is stacked from (the Hub's "
+                    "layout keeps each expert apart); it is incomplete or of another number of experts")
+    keys = conv.keys()
+    return (f"{name!r}: the checkpoint {path!r} holds the {len(keys)} tensor(s) transformers builds it from "
+            f"({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''}), but their shapes do not convert into "
+            "one: it is of another configuration of this architecture")
+
+
 def _itemsize(name: str) -> int:
     dtype = torch_dtype(name)
     return dtype.itemsize if dtype is not None else 0
@@ -225,7 +238,7 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
                     # A checkpoint of the whole model may be in the Hub's layout: read under the runtime names.
                     layout = HubLayout.of(wm.unwrap(keep_peft=False)) if found is None else None
                     catalog = Catalog(path, stack, found, layout, expected_shapes(wm))
-                    entries = catalog.entries
+                    entries, mismatches = catalog.entries, mismatches + catalog.problems
             except StateDictError as exc:
                 problems.append(str(exc))
         if broadcast:
