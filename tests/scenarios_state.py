@@ -419,3 +419,44 @@ def zero3_writes_after_slow_gathers(rounds: int = 4) -> dict[str, Any]:
         got = wm.full_state_dict(rank0_only=False)
         lost.append([k for k in want if not torch.equal(got[k], want[k])])
     return {"lost": lost}
+
+
+def escaping_index() -> dict[str, Any]:
+    """An FSDP2 model's save_pretrained directory whose index names a file outside it: each rank's load,
+    every rank reading and with rank 0 reading for all, must refuse it, changing nothing."""
+    import json
+    import shutil
+    import tempfile
+
+    import torch.distributed as dist
+
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    root = str(box[0])
+    wm = wrapkit.adapt(build("fsdp2", seed=1))
+    directory = os.path.join(root, "ckpt")
+    wm.save_pretrained(directory, max_shard_size="16KB")
+    if dist.get_rank() == 0:
+        index_path = os.path.join(directory, "model.safetensors.index.json")
+        with open(index_path) as f:
+            index = json.load(f)
+        file = sorted(set(index["weight_map"].values()))[0]
+        shutil.move(os.path.join(directory, file), os.path.join(root, file))
+        index["weight_map"] = {k: ("../" + v if v == file else v) for k, v in index["weight_map"].items()}
+        with open(index_path, "w") as f:
+            json.dump(index, f)
+    dist.barrier()
+    target = wrapkit.adapt(build("fsdp2", seed=2))
+    before = target.full_state_dict(rank0_only=False)
+    errors = []
+    for src_rank in (None, 0):
+        try:
+            target.load(directory, src_rank=src_rank)
+            errors.append("loaded")
+        except Exception as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+    after = target.full_state_dict(rank0_only=False)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return {"errors": errors, "unchanged": _bitwise(before, after)}

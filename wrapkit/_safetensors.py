@@ -17,13 +17,23 @@ import torch
 
 from ._errors import StateDictError
 
-__all__ = ["INDEX_NAME", "SINGLE_NAME", "SAFETENSORS_DTYPES", "safetensors_name", "torch_dtype", "write_file",
-           "write_file_atomic", "fsync_dir", "temporary_dir", "sweep", "commit_dir"]
+__all__ = ["INDEX_NAME", "SINGLE_NAME", "SAFETENSORS_DTYPES", "outside", "safetensors_name", "torch_dtype",
+           "write_file", "write_file_atomic", "fsync_dir", "temporary_dir", "sweep", "commit_dir"]
 
 
 # The Hugging Face layout's file names: the index of a sharded checkpoint, and a checkpoint of one file.
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+
+
+def outside(directory: str, name: str) -> str | None:
+    """Where ``name`` (a file a checkpoint in ``directory`` names: relative, absolute, through symbolic
+    links) really leads, when that is not inside ``directory``; None when it stays inside. A checkpoint is
+    read from its own directory only: an index naming ``../x`` would read any file the account can, and
+    make the checkpoint depend on files that are not part of it."""
+    root = os.path.realpath(directory)
+    real = os.path.realpath(os.path.join(directory, name))
+    return None if os.path.commonpath([root, real]) == root and real != root else real
 
 
 def _table() -> dict[str, torch.dtype]:

@@ -24,7 +24,7 @@ import torch
 from . import _safetensors
 from ._agree import Call, writes_files
 from ._errors import UnsupportedModelError
-from ._safetensors import INDEX_NAME, SINGLE_NAME
+from ._safetensors import INDEX_NAME, SINGLE_NAME, outside
 from .layers.peft import (
     ADAPTER_CONFIG,
     ADAPTER_PICKLE,
@@ -221,6 +221,12 @@ def adapter_files(wm: Adapter, path: str, adapter_name: str | None) -> AdapterCh
                                 f"{', '.join(map(repr, known))}); {hint}")
             continue
         weights, config = os.path.join(directory, ADAPTER_WEIGHTS), os.path.join(directory, ADAPTER_CONFIG)
+        escaping = [(f, real) for f in (weights, config)
+                    if (real := outside(path, os.path.relpath(f, path))) is not None]
+        if escaping:
+            out.problems += [f"{f!r} leads to {real!r}, outside the adapter directory {path!r}; a checkpoint is read "
+                             "from its own directory only: copy the file into it" for f, real in escaping]
+            continue
         if not os.path.isfile(weights):
             pickled = os.path.isfile(os.path.join(directory, ADAPTER_PICKLE))
             out.problems.append(f"{directory!r} lacks {ADAPTER_WEIGHTS}" + (

@@ -27,7 +27,7 @@ from ._errors import StateDictError
 from ._hub_layout import Converted, HubLayout
 from ._imports import require
 from ._module_internals import init_weights, own_buffers
-from ._safetensors import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, torch_dtype
+from ._safetensors import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, outside, torch_dtype
 from .peft_checkpoint import AdapterCheckpoint, adapter_files, adapter_shapes
 from .state_dict import check_entries, expected_shapes
 
@@ -108,6 +108,15 @@ class Catalog:
             except (OSError, ValueError, KeyError, TypeError) as exc:
                 raise StateDictError(f"{index!r} is not a readable index ({type(exc).__name__}: {exc}); save the "
                                      "checkpoint again") from exc
+            escaping = [(name, file, real) for name, file in weight_map.items()
+                         if (real := outside(path, str(file))) is not None]
+            if escaping:
+                listed = "; ".join(f"{name!r} -> {file!r} (which leads to {real!r})"
+                                   for name, file, real in escaping[:3])
+                raise StateDictError(
+                    f"the index of {path!r} maps {len(escaping)} tensor(s) to files outside the directory: "
+                    f"{listed}{'; ...' if len(escaping) > 3 else ''}. A checkpoint is read from its own directory "
+                    "only; copy those files into it and name them relative to it")
             files: dict[str, list[str] | None] = {}
             for name, file in weight_map.items():
                 names = files.setdefault(os.path.join(path, file), [])
@@ -120,6 +129,10 @@ class Catalog:
             return files
         single = os.path.join(path, SINGLE_NAME)
         if os.path.isfile(single):
+            real = outside(path, SINGLE_NAME)
+            if real is not None:
+                raise StateDictError(f"{single!r} is a link to {real!r}, outside the directory; a checkpoint is read "
+                                     "from its own directory only: copy the file into it")
             return {single: None}
         raise StateDictError(f"{path!r} holds neither {INDEX_NAME} nor {SINGLE_NAME}; pass a directory that "
                              "save_pretrained() wrote, or a safetensors file")
