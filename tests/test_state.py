@@ -294,3 +294,39 @@ def test_zero3_writes_wait_for_every_gather(group: Any) -> None:
     pytest.importorskip("deepspeed")
     for rank, obs in enumerate(group.run(sc.zero3_writes_after_slow_gathers, timeout=180)):
         assert not any(obs["lost"]), f"rank {rank}: loaded values lost, per round: {obs['lost']}"
+
+
+def test_a_lenient_load_returns_and_logs_what_it_left_out(tmp_path: Any, caplog: Any) -> None:
+    """strict=False: the keys the checkpoint lacks keep their values, its keys the model lacks are not read,
+    and both come back as LoadResult (and in one warning), from load and load_full_state_dict alike."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    import wrapkit
+    from wrapkit.cli._models import tiny_llama
+
+    source = tiny_llama(1).state_dict()
+    sd = {k: v for k, v in source.items() if "layers.1." not in k}
+    sd["extra.weight"] = torch.ones(3)
+    save_file(sd, tmp_path / "partial.safetensors")
+    for how in ("load", "load_full_state_dict"):
+        model = tiny_llama(2)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        wm = wrapkit.adapt(model)
+        with caplog.at_level(logging.WARNING, logger="wrapkit"):
+            caplog.clear()
+            if how == "load":
+                result = wm.load(tmp_path / "partial.safetensors", strict=False)
+            else:
+                result = wm.load_full_state_dict(load_file(tmp_path / "partial.safetensors"), strict=False)
+        skipped = [k for k in source if "layers.1." in k]
+        assert isinstance(result, wrapkit.LoadResult)
+        assert result.missing_keys == skipped and result.unexpected_keys == ["extra.weight"], result
+        after = model.state_dict()
+        assert all(torch.equal(after[k], before[k]) for k in skipped)
+        assert all(torch.equal(after[k], source[k]) for k in source if k not in skipped)
+        [record] = [r for r in caplog.records if "strict=False" in r.getMessage()]
+        assert f"left out {len(skipped)} key(s)" in record.getMessage() and "extra.weight" in record.getMessage()
+        # A strict load of a complete checkpoint reports nothing left out.
+        assert wm.load_full_state_dict(source) == wrapkit.LoadResult([], [])

@@ -13,7 +13,7 @@ from ._errors import (
     WrapkitError,
 )
 from ._names import canonical_name
-from ._protocol import WrappedModel
+from ._protocol import LoadResult, WrappedModel
 from ._registry import register_adapter, registered_adapters
 from ._wrapped import adapt, prepare_reference
 from .adapters import Adapter, ShardedAdapter
@@ -32,6 +32,7 @@ __all__ = [
     "canonical_name",
     "prepare_reference",
     "WrappedModel",
+    "LoadResult",
     "Adapter",
     "ShardedAdapter",
     "WrapkitError",

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -14,7 +14,22 @@ if TYPE_CHECKING:
     from .sleeping import SleepReport
     from .streaming import Bucket
 
-__all__ = ["WrappedModel", "Handle"]
+__all__ = ["WrappedModel", "Handle", "LoadResult"]
+
+
+class LoadResult(NamedTuple):
+    """What a load left out, as torch's ``load_state_dict`` reports it: the model's keys the source did
+    not hold (they keep their values), and the source's keys the model has no place for (not read).
+    Both are empty after a ``strict`` load, which refuses either."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+    @staticmethod
+    def of(given: Iterable[str], expected: Iterable[str]) -> LoadResult:
+        given, expected = list(given), list(expected)
+        have, want = set(given), set(expected)
+        return LoadResult([k for k in expected if k not in have], [k for k in given if k not in want])
 
 
 class Handle:
@@ -208,8 +223,9 @@ class WrappedModel(Protocol):
         """Parameters and persistent buffers under canonical names, CPU tensors; ``{}`` off rank 0 if ``rank0_only``."""
         ...
 
-    def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """The inverse of ``full_state_dict`` on any backend; every problem is reported before anything is written."""
+    def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> LoadResult:
+        """The inverse of ``full_state_dict`` on any backend; every problem is reported before anything is written;
+        returns the keys a ``strict=False`` load left out."""
         ...
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -224,9 +240,9 @@ class WrappedModel(Protocol):
         ...
 
     def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None,
-             adapter_name: str | None = None) -> None:
+             adapter_name: str | None = None) -> LoadResult:
         """Load a safetensors file, a ``save_pretrained`` directory or a PEFT adapter directory, each rank
-        reading only its slices."""
+        reading only its slices; returns the keys a ``strict=False`` load left out."""
         ...
 
     def copy_to(self, target: WrappedModel, alpha: float = 1.0) -> None:

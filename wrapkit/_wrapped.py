@@ -32,7 +32,7 @@ from . import (
 )
 from ._agree import Call
 from ._errors import ArgumentError
-from ._protocol import Handle, WrappedModel
+from ._protocol import Handle, LoadResult, WrappedModel
 from ._registry import as_adapter, copy_target
 from .adapters import Adapter
 
@@ -211,9 +211,12 @@ class Wrapped(Handle):
         return state_dict.full_state_dict(self._below, _args.flag(rank0_only, "rank0_only", "full_state_dict"),
                                           merge_adapters=merge)
 
-    def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
-        """Load a full, canonically named state dict (the same on every rank); checks everything first."""
-        state_dict.load_full_state_dict(self._below, sd, _args.flag(strict, "strict", "load_full_state_dict"))
+    def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> LoadResult:
+        """Load a full, canonically named state dict (the same on every rank); checks everything first.
+        Returns ``LoadResult(missing_keys, unexpected_keys)``: what ``strict=False`` left out (logged
+        as a warning too)."""
+        return state_dict.load_full_state_dict(self._below, sd,
+                                               _args.flag(strict, "strict", "load_full_state_dict"))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write one safetensors file atomically from rank 0 (temp file, fsync, rename). Collective."""
@@ -255,9 +258,11 @@ class Wrapped(Handle):
         peft_checkpoint.save_adapters(self._below, path, names)
 
     def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None,
-             adapter_name: str | None = None) -> None:
+             adapter_name: str | None = None) -> LoadResult:
         """Load a checkpoint: a safetensors file (``save``) or a directory (``save_pretrained``, or any
-        Hugging Face layout with canonical names). Collective.
+        Hugging Face layout with canonical names, or the Hub's layout of the model). Collective. Returns
+        ``LoadResult(missing_keys, unexpected_keys)``: what ``strict=False`` left out, in the model's
+        names and the checkpoint's (logged as a warning too; both empty after a strict load).
 
         Each rank reads only the byte ranges of the parameter elements it holds (its shards,
         or whole parameters where unsharded). With ``src_rank=r`` rank ``r`` alone reads and
@@ -269,8 +274,8 @@ class Wrapped(Handle):
         into the adapters of the same names and nothing else; ``adapter_name`` loads one adapter's
         files (at the top of ``path``, or in its subdirectory) into the adapter of that name. A
         config that differs from the live adapter's (rank, target modules, alpha, ...) is refused."""
-        reading.load(self._below, _args.path(path, "path", "load"), _args.flag(strict, "strict", "load"), src_rank,
-                     adapter_name)
+        return reading.load(self._below, _args.path(path, "path", "load"), _args.flag(strict, "strict", "load"),
+                            src_rank, adapter_name)
 
     def copy_to(self, target: Any, alpha: float = 1.0) -> None:
         """``target = alpha*self + (1-alpha)*target``, by canonical name, any backend to any backend."""
@@ -328,13 +333,13 @@ class AdapterDisabledView(Wrapped):
         """Refused: the view owns no weights; ``wake()`` the policy."""
         view.refuse(self._below, Call.of("wake"), "wake()")
 
-    def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+    def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> LoadResult:
         """Refused: it would write the policy's weights."""
         view.refuse(self._below, Call.of("load_full_state_dict", strict=strict),
                     "load_full_state_dict() into it")
 
     def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None,
-             adapter_name: str | None = None) -> None:
+             adapter_name: str | None = None) -> LoadResult:
         """Refused: it would write the policy's weights."""
         view.refuse(self._below, Call.of("load", strict=strict, src_rank=src_rank, adapter_name=adapter_name),
                     "load() into it")

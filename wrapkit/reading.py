@@ -27,9 +27,10 @@ from ._errors import StateDictError
 from ._hub_layout import Converted, HubLayout
 from ._imports import require
 from ._module_internals import init_weights, own_buffers
+from ._protocol import LoadResult
 from ._safetensors import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, outside, torch_dtype
 from .peft_checkpoint import AdapterCheckpoint, adapter_files, adapter_shapes
-from .state_dict import check_entries, expected_shapes
+from .state_dict import check_entries, expected_shapes, report_skipped
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
@@ -212,7 +213,7 @@ def dtype_problems(entries: dict[str, tuple[tuple[int, ...], str]], path: str) -
 
 
 def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_rank: int | None = None,
-         adapter_name: str | None = None) -> None:
+         adapter_name: str | None = None) -> LoadResult:
     """Load a checkpoint (file or directory, or a PEFT adapter directory) into ``wm``; see the module
     docstring. Collective."""
     path = os.fspath(path)
@@ -260,6 +261,7 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
             problems, entries, adapters, mismatches = broadcast_object((problems, entries, adapters, mismatches),
                                                                        src_rank or 0, group)
         meta = _on_meta(wm)
+        expected: dict[str, tuple[int, ...]] = {}
         if not problems:
             shapes: dict[str, tuple[int, ...] | None] = {k: v[0] for k, v in entries.items()}
             if adapters is None:
@@ -284,7 +286,8 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
         problems = mismatches + problems
         if not broadcast:
             [agreed] = enter(call, wm, flags=[bool(problems)], invalid=1)
-        fix = ("Pass a checkpoint of this architecture (written by save() or save_pretrained() of such a model); "
+        fix = ("Pass a checkpoint of this architecture: one that save() or save_pretrained() of such a model wrote, "
+               "or transformers' own save_pretrained (the Hub's layout of a transformers model is converted); "
                "strict=False skips missing and unexpected keys, never a wrong shape.")
         if adapters is not None:
             fix = ("Pass an adapter directory saved from adapters of this configuration "
@@ -303,6 +306,7 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
         if catalog is not None and _log.isEnabledFor(logging.DEBUG):
             _log.debug("load: rank %d read %d of the %d bytes in %s", wm.rank, catalog.bytes_read,
                        catalog.total_bytes(), path)
+    return report_skipped(wm, LoadResult.of(entries, expected), "load", f"the checkpoint {path!r}")
 
 
 def _fill(wm: Adapter, catalog: Catalog) -> None:

@@ -13,14 +13,16 @@ written (``_agree``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._agree import Call, enter, raise_agreed
+from ._agree import Call, enter, raise_agreed, writes_files
 from ._module_internals import live_entries
 from ._names import canonical_name
+from ._protocol import LoadResult
 from .full_parameters import gathered
 from .layers.peft import LoraFoldPlan, fold_plan, fold_state_dict
 
@@ -28,9 +30,11 @@ if TYPE_CHECKING:
     from .adapters._base import Adapter
 
 __all__ = ["full_state_dict", "gather_state_dict", "load_full_state_dict", "expected_shapes", "check_entries",
-           "write", "assign", "Shape", "lora_fold_plan"]
+           "write", "assign", "Shape", "lora_fold_plan", "report_skipped"]
 
 Shape = tuple[int, ...]
+
+_log = logging.getLogger(__name__.rpartition(".")[0] or __name__)
 
 
 # -- names, shapes and live tensors ----------------------------------------------------
@@ -176,7 +180,7 @@ def write(target: Adapter, values: Iterable[tuple[str, torch.Tensor]], alpha: fl
         _write_into(root, values, alpha)
 
 
-def load_full_state_dict(wm: Adapter, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+def load_full_state_dict(wm: Adapter, sd: Mapping[str, torch.Tensor], strict: bool = True) -> LoadResult:
     """Load a full (unsharded, canonically named) state dict into ``wm`` on any backend.
 
     Every rank must call it with the same ``sd``. Missing, unexpected (when ``strict``)
@@ -184,15 +188,31 @@ def load_full_state_dict(wm: Adapter, sd: Mapping[str, torch.Tensor], strict: bo
     is written.
     """
     problems: list[str] = []
+    expected = expected_shapes(wm)
     if not isinstance(sd, Mapping):
         problems.append(f"expected a mapping of name -> tensor, got {type(sd).__name__}")
     if not problems:
-        problems = check_entries(_shapes_of(sd), expected_shapes(wm), strict)
+        problems = check_entries(_shapes_of(sd), expected, strict)
     [agreed] = enter(Call.of("load_full_state_dict", strict=strict), wm, flags=[bool(problems)], invalid=1)
     raise_agreed(problems, f"load_full_state_dict into {' > '.join(wm.stack)}",
                   "Pass a full state dict of this architecture (the keys of wm.full_state_dict()), the same on "
                   "every rank; strict=False skips missing and unexpected keys, never a wrong shape.", wm, agreed=agreed)
     write(wm, sd.items(), 1.0)
     wm.masters_written(sd)
+    return report_skipped(wm, LoadResult.of(sd, expected), "load_full_state_dict", "the state dict")
+
+
+def report_skipped(wm: Adapter, result: LoadResult, op: str, source: str) -> LoadResult:
+    """``result``, logged as a warning (once per model, by the rank that writes its files) when a
+    lenient load left something out: a silent partial load looks like a complete one."""
+    missing, unexpected = result
+    if (missing or unexpected) and writes_files(wm):
+        def some(keys: list[str]) -> str:
+            return ", ".join(keys[:5]) + (f", ... ({len(keys)} in all)" if len(keys) > 5 else "")
+
+        _log.warning("%s(strict=False) left out %d key(s) of the model that %s lacks (they keep their values: %s) "
+                     "and %d of its key(s) the model has no place for (not read: %s)", op, len(missing), source,
+                     some(missing) or "none", len(unexpected), some(unexpected) or "none")
+    return result
 
 
