@@ -52,6 +52,8 @@ def test_doctor_all_backends_pass(tmp_path: Path) -> None:
     # DeepSpeed's one-time setup (its op build on a fresh machine) is on a line of its own.
     assert "one-time, before zero0's adapt" in table and data["one_time"]["zero0"]["ok"], table
     assert "all passed" in table and "torch 2." in table
+    # Not a terminal: no progress display is left in the output.
+    assert "━" not in out.stdout and "/190" not in out.stdout, out.stdout[:2000]
     # Third-party warnings and notices from the workers are counted, not shown.
     assert "Warning" not in out.stdout + out.stderr and "accelerator" not in out.stdout + out.stderr, out.stderr
     assert f"{len(data['worker_output'])} lines of third-party output" in table and data["worker_output"]

@@ -3,20 +3,43 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
+import textwrap
 
 __all__ = ["main"]
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Help in 100 columns at most, whatever the terminal, with names such as ``llama-reward`` and
+    ``--world-size`` never broken at their hyphens."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, width=min(100, shutil.get_terminal_size().columns), max_help_position=24)
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        return "\n".join(textwrap.fill(" ".join(part.split()), width, initial_indent=indent, subsequent_indent=indent,
+                                       break_on_hyphens=False) if not part.startswith(" ") else part
+                         for part in text.split("\n"))
 
 
 def main(argv: list[str] | None = None) -> int:
     from .. import __version__
 
-    parser = argparse.ArgumentParser(prog="wrapkit", description="One protocol over distributed model wrappers.")
+    parser = argparse.ArgumentParser(prog="wrapkit", description="One protocol over distributed model wrappers.",
+                                     formatter_class=_Help)
     parser.add_argument("--version", action="version", version=f"wrapkit {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    doc = sub.add_parser("doctor", help="run every operation on every installed backend and print a table")
-    doc.add_argument("--backends", help="comma-separated subset, e.g. ddp,zero3")
-    doc.add_argument("--world-size", type=int, default=2)
+    doc = sub.add_parser("doctor", help="run every operation on every installed backend and print a table",
+                         formatter_class=_Help,
+                         description="Start real process groups on this machine, wrap a tiny model with every "
+                                     "installed backend, run every operation and print a table of the results.")
+    doc.add_argument("--backends", metavar="LIST", help="comma-separated subset, e.g. ddp,zero3 (default: all)")
+    doc.add_argument("--world-size", type=int, default=2, metavar="N",
+                     help="ranks to start (default 2; the hsdp and tp topologies need 4)")
     doc.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                      help="fp32 weights, or each backend's bf16 mixed precision")
     doc.add_argument("--topology", choices=("flat", "hsdp", "tp"), default="flat",
@@ -29,7 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     doc.add_argument("-v", "--verbose", action="store_true",
                      help="print the full traceback of each failure, and what the workers printed")
     ben = sub.add_parser("bench", help="run the benchmarks in benchmarks/ and print their ratios",
-                         epilog=_benchmark_list(), formatter_class=argparse.RawDescriptionHelpFormatter)
+                         description="Run the benchmarks, each measuring wrapkit and the alternative side by side "
+                                     "in one run, and print each ratio against its goal.",
+                         epilog=_benchmark_list(), formatter_class=_Help)
     ben.add_argument("names", nargs="*", help="benchmarks to run (default: all)")
     ben.add_argument("--json", dest="json_path", metavar="PATH", help="write the results as JSON")
     ben.add_argument("--plot", dest="plot_path", metavar="PNG", help="bar chart of the ratios against their goals")
@@ -37,9 +62,12 @@ def main(argv: list[str] | None = None) -> int:
     ben.add_argument("--quick", action="store_true", help="fewer repetitions, for smoke tests")
     ben.add_argument("-v", "--verbose", action="store_true",
                      help="show the warnings and the workers' output that are otherwise kept out")
-    ven = sub.add_parser("vendor", help="copy the package into another project")
-    ven.add_argument("dest")
-    ven.add_argument("--name", default=None, help="directory name of the copy (default: the package's)")
+    ven = sub.add_parser("vendor", help="copy the package into another project", formatter_class=_Help,
+                         description="Copy the package into another project's tree, with its license and a "
+                                     "VENDORED note. Its imports are relative, so the copy works under any "
+                                     "parent package.")
+    ven.add_argument("dest", help="the directory to copy into: the copy is DEST/NAME")
+    ven.add_argument("--name", default=None, help="the copy's directory name (default: wrapkit)")
     args = parser.parse_args(argv)
     try:
         return _run(args)
@@ -66,8 +94,9 @@ def _benchmark_list() -> str:
             doc = ast.get_docstring(ast.parse(path.read_text())) or ""
         except (OSError, SyntaxError, ValueError):
             doc = ""
-        first = " ".join(doc.split("\n\n")[0].split()).split(". ")[0].rstrip(".:")
-        lines.append(f"  {path.stem:<18} {first if len(first) <= 78 else first[:75] + '...'}")
+        first = " ".join(doc.split("\n\n")[0].split()).split(". ")[0].rstrip(".:").replace("``", "")
+        # Whole, wrapped under its name: help is read in a terminal of 100 columns.
+        lines += textwrap.wrap(first, 100, initial_indent=f"  {path.stem:<18} ", subsequent_indent=" " * 21)
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import sys
 import tempfile
 import textwrap
 import time
@@ -173,7 +174,11 @@ def cause_of(error: str) -> str:
 
 @contextmanager
 def _progress(total: int) -> Iterator[Callable[[str], None]]:
-    """A live progress display (rich when installed, plain lines otherwise)."""
+    """A live progress display in a terminal (rich when installed, plain lines otherwise), gone when
+    done; nothing where the output is not a terminal (a log or a pipe keeps only the report)."""
+    if not sys.stdout.isatty():
+        yield lambda text: None
+        return
     try:
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     except ImportError:
@@ -186,13 +191,27 @@ def _progress(total: int) -> Iterator[Callable[[str], None]]:
         yield plain
         return
     with Progress(TextColumn("{task.description:<40}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), transient=False) as bar:
+                  TimeElapsedColumn(), transient=True) as bar:
         task = bar.add_task("starting process group", total=total)
 
         def advance(text: str) -> None:
             bar.update(task, advance=1, description=text)
 
         yield advance
+
+
+def _wrap_items(head: str, items: list[str]) -> str:
+    """``head`` and the comma-separated ``items`` within the report's width, never breaking an item
+    ("peft 0.21.2" stays on one line)."""
+    lines, line = [], head
+    for i, item in enumerate(items):
+        piece = item + ("," if i < len(items) - 1 else "")
+        if line.strip() and len(line) + 1 + len(piece) > _WIDTH:
+            lines.append(line)
+            line = "    " + piece
+        else:
+            line = line + piece if line.endswith(" ") else line + " " + piece
+    return "\n".join([*lines, line])
 
 
 def _format_table(rows: dict[str, dict[str, Any]], columns: list[str]) -> str:
@@ -239,8 +258,7 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
     versions = {name: version_of(name) for name in ("torch", "deepspeed", "accelerate", "transformers", "peft")}
     use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     device = "cuda" if use_nccl else "cpu"
-    print(textwrap.fill("wrapkit doctor: " + ", ".join(f"{k} {v or 'not installed'}" for k, v in versions.items()),
-                        _WIDTH, subsequent_indent="    "))
+    print(_wrap_items("wrapkit doctor: ", [f"{k} {v or 'not installed'}" for k, v in versions.items()]))
     shown = {"toy": "toy MLP (transformers missing)", "llama": "transformers Llama (tiny, from a config)"}.get(
         model, f"transformers {model} (tiny, from a config)")
     print(f"model: {shown}; "
