@@ -1,4 +1,8 @@
-# torchrun --nproc_per_node 2 quickstart.py
+# torchrun --nproc_per_node 2 quickstart.py [OUTPUT_DIR]
+import os
+import sys
+import tempfile
+
 import torch
 import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -42,15 +46,17 @@ def main() -> None:
         ref_loss = ref(sequence, labels=sequence).loss
     train_step(loss)
 
-    policy.save_pretrained("quickstart-model")  # on every rank: Hugging Face files, written once
+    # On every rank: Hugging Face files, written once (a path every rank sees: given, or a fixed temporary one).
+    out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(tempfile.gettempdir(), "wrapkit-quickstart")
+    policy.save_pretrained(out)
     with policy.generation() as m:
         logits = m(sequence).logits
     if dist.get_rank() == 0:
         print(policy.describe())
         print(f"loss {loss.item():.4f}, reference {ref_loss.item():.4f}")
-        reloaded = LlamaForCausalLM.from_pretrained("quickstart-model")
+        reloaded = LlamaForCausalLM.from_pretrained(out)
         torch.testing.assert_close(reloaded(sequence).logits, logits)
-        print("reloaded: same logits")
+        print(f"reloaded from {out}: same logits")
     wrapkit.shutdown()  # on every rank, last: ends the group and the process cleanly
 
 

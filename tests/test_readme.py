@@ -59,7 +59,14 @@ def test_quickstart_runs(backend: str, tmp_path: Path) -> None:
         assert n == 1
     script = tmp_path / "quickstart.py"
     script.write_text(source)
-    proc = torchrun(script, cwd=tmp_path)
-    assert "reloaded: same logits" in proc.stdout
+    proc = torchrun(script, str(tmp_path / "quickstart-model"), cwd=tmp_path)
+    assert f"reloaded from {tmp_path / 'quickstart-model'}: same logits" in proc.stdout
     assert STACK[backend] in proc.stdout
     assert (tmp_path / "quickstart-model" / "config.json").is_file()
+    if backend == "ddp":
+        # README's first screen shows this output: its lines, but the losses and the path, are what ran.
+        shown = README.read_text().split("It prints, on rank 0")[1].split("```text\n")[1].split("```")[0]
+        printed = proc.stdout.splitlines()
+        for line in shown.splitlines():
+            if not line.startswith(("loss ", "reloaded from ")):
+                assert line in printed, f"README shows {line!r}; the quick start printed\n{proc.stdout}"
