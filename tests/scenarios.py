@@ -237,7 +237,7 @@ def topologies() -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for spec, topology in [("fsdp", "hsdp"), ("fsdp", "hybrid-groups"), ("fsdp2", "hsdp"), ("fsdp2", "submesh"),
-                           ("ddp", "subgroup"), ("zero3", "flat"), ("fsdp", "flat"),
+                           ("ddp", "subgroup"), ("zero3", "flat"), ("fsdp", "flat"), ("fsdp2", "flat"),
                            ("fsdp2", "tp"), ("fsdp2", "hsdp-tp")]:
         wm = as_adapter(wrapkit.adapt(build(spec, topology=topology)))
         described = wm.topology()

@@ -243,6 +243,7 @@ def test_topology_of_every_four_rank_layout(group4: Any) -> None:
             assert t["world_size"] == t["group"], layout
         want = {"fsdp/hsdp": (2, [2]), "fsdp/hybrid-groups": (2, [2]), "fsdp2/hsdp": (2, [2]),
                 "fsdp2/submesh": (2, []), "ddp/subgroup": (2, []), "zero3/flat": (4, []), "fsdp/flat": (4, []),
+                "fsdp2/flat": (4, []),
                 # One copy over shard x tp: every rank; on the 3-D stand-in, shard (1) x tp (2), two copies.
                 "fsdp2/tp": (4, []), "fsdp2/hsdp-tp": (2, [2])}
         assert {k: (t["group"], t["replicas"]) for k, t in obs.items()} == want
@@ -263,6 +264,8 @@ def test_topology_of_every_four_rank_layout(group4: Any) -> None:
         assert ranks["fsdp2/tp"][1] == ranks["fsdp2/hsdp-tp"][1] == 2
         assert "mesh:         replicate=2 replicate, shard=2 shard" in obs["fsdp2/hsdp"]["describe"], \
             obs["fsdp2/hsdp"]["describe"]
+        # A mesh dimension without a name is called by its position.
+        assert "mesh:         dim0=4 shard" in obs["fsdp2/flat"]["describe"], obs["fsdp2/flat"]["describe"]
     # Four distinct batches over the four ranks of a 2x2 layout.
     results = group4.run("tests.scenarios:topologies", timeout=180)
     assert sorted(r["fsdp2/hsdp"]["data_parallel"][0] for r in results) == [0, 1, 2, 3]

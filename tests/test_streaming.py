@@ -150,3 +150,14 @@ def test_sleep_wake_keeps_training_exact(request: pytest.FixtureRequest, group: 
 @matrix.cases(SLEEP_TOPOLOGY_CASES)
 def test_sleep_wake_on_multi_node_layouts(request: pytest.FixtureRequest, group4: Any, case: dict[str, Any]) -> None:
     check_sleep(matrix.run(request, group4, ss.sleep_cases, timeout=300), case)
+
+
+def test_a_sleep_report_reads_as_a_sentence() -> None:
+    """What sleep() moved, from where to where, and, on the CPU, that nothing could leave the device."""
+    from wrapkit import SleepReport
+
+    cpu = str(SleepReport("cpu", 107136, 0, 0))
+    assert "107.1 KB" in cpu and "already on the CPU" in cpu and "cannot be measured" in cpu, cpu
+    gpu = str(SleepReport("cuda:0", 3 * 10**9, 3 * 10**9, 10**9))
+    assert "3.0 GB of the 3.0 GB" in gpu and "on cuda:0 moved to the CPU" in gpu and "1.0 GB of gradients" in gpu, gpu
+    assert repr(SleepReport("cpu", 1, 0, 0)).startswith("SleepReport(device='cpu'")  # the fields, for debugging

@@ -21,6 +21,7 @@ import torch
 
 from ._agree import Call, enter
 from ._errors import ArgumentError, DistributedStateError, PlacementError, UnsupportedModelError
+from ._memory import format_bytes
 from .adapters._dtensor import local_tensor
 from .placement import home_device, move_verified, remember_home
 
@@ -42,6 +43,16 @@ class SleepReport(NamedTuple):
     state_bytes: int
     freed_bytes: int
     dropped_bytes: int
+
+    def __str__(self) -> str:
+        """One sentence: what was moved, from where to where, and what could not be measured."""
+        state, dropped = format_bytes(self.state_bytes), format_bytes(self.dropped_bytes)
+        grads = f"; {dropped} of gradients dropped (level 2)" if self.dropped_bytes else ""
+        if self.device == "cpu":
+            return (f"asleep: {state} of parameters, gradients and optimizer state, already on the CPU, so nothing "
+                    f"left the device and the freed memory cannot be measured here{grads}")
+        return (f"asleep: {format_bytes(self.freed_bytes)} of the {state} of parameters, gradients and optimizer "
+                f"state on {self.device} moved to the CPU{grads}")
 
 
 @dataclass

@@ -230,7 +230,7 @@ class Adapter:
         mesh = topology.mesh
         if mesh is None:
             return []
-        names = getattr(mesh, "mesh_dim_names", None) or [str(i) for i in range(mesh.ndim)]
+        names = getattr(mesh, "mesh_dim_names", None) or [f"dim{i}" for i in range(mesh.ndim)]
         roles = topology.roles or ("?",) * mesh.ndim
         dims = ", ".join(f"{n}={mesh.size(i)} {r}" for i, (n, r) in enumerate(zip(names, roles, strict=True)))
         size, rank = self._data_parallel()
