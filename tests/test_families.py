@@ -109,3 +109,22 @@ def test_a_broken_hub_checkpoint_is_refused_with_every_problem(tmp_path: Any) ->
         assert "3 of the 4 per-expert tensors 'mlp.experts.*.up_proj.weight'" in text, text
         assert "'model.layers.0.mlp.experts.down_proj'" in text and "do not convert" in text, text
         assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_checkpoint_of_this_architecture_in_another_layout_is_named_so(tmp_path: Any) -> None:
+    """Keys that no conversion of this transformers maps, in a directory whose config.json names the model's
+    own architecture: the error says the layouts differ, not the models."""
+    from safetensors.torch import load_file, save_file
+
+    import wrapkit
+    from wrapkit import StateDictError
+    from wrapkit.cli._families import family_model
+
+    family_model("llama", 1).save_pretrained(tmp_path)
+    [file] = [f for f in tmp_path.iterdir() if f.suffix == ".safetensors"]
+    save_file({k.replace("model.layers.", "model.blocks."): v for k, v in load_file(file).items()}, file,
+              metadata={"format": "pt"})
+    with pytest.raises(StateDictError) as caught:
+        wrapkit.adapt(family_model("llama", 2)).load(tmp_path)
+    assert "names this model's architecture (LlamaForCausalLM)" in str(caught.value), caught.value
+    assert "missing key 'model.layers.0.self_attn.q_proj.weight'" in str(caught.value)

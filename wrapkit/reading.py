@@ -27,6 +27,7 @@ from ._errors import StateDictError
 from ._hub_layout import Converted, HubLayout
 from ._imports import require
 from ._module_internals import init_weights, own_buffers
+from ._names import model_class_name
 from ._protocol import LoadResult
 from ._safetensors import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, outside, torch_dtype
 from .peft_checkpoint import AdapterCheckpoint, adapter_files, adapter_shapes
@@ -181,6 +182,22 @@ class Catalog:
         return sum(math.prod(shape) * _itemsize(dtype) for shape, dtype in self.entries.values())
 
 
+def _same_architecture(wm: Adapter, path: str) -> list[str]:
+    """One line ahead of the key problems where the checkpoint's ``config.json`` names the model's own
+    architecture: the keys differ because the layouts do, not the models."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            architectures = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    own = model_class_name(wm.unwrap(keep_peft=False))
+    if own not in architectures:
+        return []
+    return [f"the checkpoint's config.json names this model's architecture ({own}), so its tensors are in another "
+            "layout than the ones this transformers converts (the Hub's, and the runtime one): it may come from "
+            "another transformers version or a converter; save it again with this transformers' save_pretrained"]
+
+
 def _unconverted(path: str, name: str, conv: Converted, want: tuple[int, ...] | None) -> str:
     """Why the checkpoint's tensors do not build ``name``: the experts counted where they are stacked."""
     if conv.stacks_rows() and want:
@@ -283,6 +300,8 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
                                 "adapters (wm.load(base_checkpoint)), which an adapter checkpoint does not hold")
             elif meta is not None:
                 problems += _meta_problems(wm, meta, [k for k in expected if k not in entries])
+        if adapters is None and any(p.startswith(("missing key", "unexpected key")) for p in problems):
+            problems = _same_architecture(wm, path) + problems
         problems = mismatches + problems
         if not broadcast:
             [agreed] = enter(call, wm, flags=[bool(problems)], invalid=1)
