@@ -69,3 +69,39 @@ def test_view_adapter_takes_nothing_from_the_unsharded_defaults() -> None:
                  and not isinstance(inspect.getattr_static(Adapter, name), classmethod)
                  and name not in vars(AdaptersOff)]
     assert inherited == []
+
+
+# What writes, moves or copies a model's weights: the view must refuse each.
+WRITES = {"load_pieces", "pieces_written", "shards_written", "masters_written", "weights_written", "move",
+          "frozen_parameters", "offload_states", "bare_frozen", "wrap_like", "fresh_copy", "frozen_form"}
+# What the view defines itself: renamed reads, gathers with the adapters off, its counts and summary.
+OWN = {"name", "stack", "named_live", "param_shapes", "gather_each", "merge_root", "local_shards", "layout_tensors",
+       "gather_full", "gather_layerwise", "num_parameters", "resident_parameter_bytes", "describe", "sleep_refusal"}
+
+
+def test_the_view_forwards_reads_only_and_refuses_the_rest() -> None:
+    """Refusal is the default: a member of ``Adapter`` is forwarded to the policy only if it is named as a read,
+    none of the reads writes, and every other member (a write, or one added later) raises."""
+    import inspect
+
+    import wrapkit
+    from tests.scenarios_peft import lora_model
+    from wrapkit import ReferenceModelError
+    from wrapkit._registry import as_adapter
+    from wrapkit.adapters import Adapter
+    from wrapkit.view import READS, AdaptersOff
+
+    assert not READS & WRITES and not OWN & WRITES
+    view = AdaptersOff(as_adapter(wrapkit.adapt(lora_model(1))))
+    members = {name for name in dir(Adapter) if not name.startswith("_")
+               and not isinstance(inspect.getattr_static(Adapter, name), classmethod)}
+    refused = set()
+    for name in sorted(members - READS - OWN):
+        with pytest.raises(ReferenceModelError):
+            value = getattr(view, name)
+            value()  # a method: refused when called
+        refused.add(name)
+    assert WRITES <= refused, WRITES - refused
+    for name in sorted(READS):  # forwarded: the policy's own value
+        value = getattr(view, name)
+        assert value == getattr(view.policy, name) or callable(value), name

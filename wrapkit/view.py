@@ -28,7 +28,7 @@ from .adapters import Adapter
 from .layers.peft import adapters_off, base_key_map, merged_layers
 from .placement import resolve_device
 
-__all__ = ["AdaptersOff", "ViewModule", "view_possible", "verify_place", "refuse", "refusal", "ITSELF"]
+__all__ = ["AdaptersOff", "ViewModule", "view_possible", "verify_place", "refuse", "refusal", "ITSELF", "READS"]
 
 _OWN_REFERENCE = "prepare_reference(policy, ref_model) for a reference with weights of its own"
 ITSELF = f"the target is the policy this reference is a view of; use {_OWN_REFERENCE}"
@@ -39,9 +39,9 @@ class AdaptersOff(Adapter):
 
     Names come from the base model (``base_key_map``); gathering and per-unit gathering run with
     every adapter disabled; nothing is sharded shard-to-shard (``local_shards`` is None), so a
-    ``copy_to`` from it streams renamed full values. Every other public member is the policy's
-    own, forwarded (below the class), so no unsharded default of ``Adapter`` is ever taken for
-    the policy's; what would write or move the policy's weights raises ``ReferenceModelError``."""
+    ``copy_to`` from it streams renamed full values. The policy's members that only read (``READS``,
+    below the class) are forwarded, so no unsharded default of ``Adapter`` is ever taken for the
+    policy's; every other member raises ``ReferenceModelError``: refusal is the default."""
 
     name: ClassVar[str] = "adapters-off"
 
@@ -146,13 +146,29 @@ class AdaptersOff(Adapter):
         return "the view owns no weights; sleep() the policy"
 
 
-# What would write, move or copy the policy's weights: never reached through the public view
-# (which refuses first, on every rank), and loud if an operation ever reaches for it.
-_REFUSED = ("load_pieces", "pieces_written", "shards_written", "masters_written", "weights_written", "move",
-            "frozen_parameters", "offload_states", "bare_frozen", "wrap_like", "fresh_copy", "frozen_form")
+# The policy's members a view reads through as they are: what the backend, group and device are, and
+# the gathers that read weights. Every other member of ``Adapter`` that the view does not define itself
+# is refused: a primitive added later that writes, moves or copies weights cannot reach the policy's
+# through a view unless it is named here (``tests/test_view.py`` checks that none of these writes).
+READS = frozenset({
+    "agree_any", "backend", "backend_object", "config", "data_parallel_rank", "data_parallel_size", "device",
+    "distributed", "full_parameter_bytes", "full_shapes", "gather_bypass", "gather_exported", "gather_many",
+    "gather_one", "gather_units", "global_numel", "is_encoder_decoder", "is_sharded", "mesh", "module",
+    "optimizer_tensors", "own_optimizer", "patches_torch_ops", "peels", "placement_tensors", "process_group",
+    "rank", "replica_groups", "takes_ds_config", "topology", "unsupported_dtensor", "unwrap", "world_size",
+    "zero_stage",
+})
 
 
-def _refused(name: str) -> Callable[..., NoReturn]:
+def _refused(name: str, member: Any) -> Any:
+    """A member that raises ``ReferenceModelError`` when called (or read, for an attribute): never
+    reached through the public view, which refuses first on every rank, and loud if an operation
+    ever reaches for it."""
+    if isinstance(member, property) or not callable(member):
+        def read(self: AdaptersOff) -> NoReturn:
+            raise refusal(f"reading {name}")
+        return property(read, doc=f"Refused: ``{name}`` is not one of the policy's members a view reads.")
+
     def method(self: AdaptersOff, *args: Any, **kwargs: Any) -> NoReturn:
         raise refusal(f"{name}()")
     method.__name__ = method.__qualname__ = name
@@ -174,7 +190,7 @@ for _name in dir(Adapter):
     _member = inspect.getattr_static(Adapter, _name)
     if _name.startswith("_") or _name in vars(AdaptersOff) or isinstance(_member, classmethod):
         continue
-    setattr(AdaptersOff, _name, _refused(_name) if _name in _REFUSED else _forwarded(_name, _member))
+    setattr(AdaptersOff, _name, _forwarded(_name, _member) if _name in READS else _refused(_name, _member))
 
 
 # -- the public view's own calls (``AdapterDisabledView`` in ``_wrapped.py``) ------------------
