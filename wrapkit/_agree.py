@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from .adapters._base import Adapter
 
 __all__ = [
-    "Call", "enter", "CHECK_ENV", "checking", "is_distributed", "agree_flags", "agree_any", "settle",
+    "Call", "enter", "CHECK_ENV", "checking", "is_distributed", "agree_flags", "settle",
     "check_modifier_rank",
     "models_group", "agree_over_models", "any_over_models", "raise_agreed", "first_replica", "writes_files",
     "broadcast_object",
@@ -65,11 +65,6 @@ def agree_flags(flags: Sequence[bool], group: Any, world_size: int | None = None
     return [bool(x) for x in t.tolist()]
 
 
-def agree_any(flag: bool, group: Any, world_size: int | None = None, replicas: Sequence[Any] = ()) -> bool:
-    """True on every rank when ``flag`` is true on any rank of ``group`` (one all-reduce)."""
-    return agree_flags([flag], group, world_size, replicas)[0]
-
-
 @contextlib.contextmanager
 def settle(on_exit: Callable[[bool], None], agree: bool, group: Any, world_size: int,
            replicas: Sequence[Any] = ()) -> Iterator[None]:
@@ -87,7 +82,7 @@ def settle(on_exit: Callable[[bool], None], agree: bool, group: Any, world_size:
         raise
     finally:
         if agree:
-            failed = agree_any(failed, group, world_size, replicas)
+            [failed] = agree_flags([failed], group, world_size, replicas)
         on_exit(failed)
 
 

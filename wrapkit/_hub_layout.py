@@ -44,7 +44,8 @@ class Converted:
     def keys(self) -> list[str]:
         return [k for keys in self.sources.values() for k in keys]
 
-    def _run(self, tensor_of: Callable[[str], torch.Tensor], rows: slice | None = None) -> dict[str, torch.Tensor]:
+    def run(self, tensor_of: Callable[[str], torch.Tensor], rows: slice | None = None) -> dict[str, torch.Tensor]:
+        """The conversion's outputs from ``tensor_of(key)`` of each source (``rows`` of each source list)."""
         conv = copy.deepcopy(self.converter)
         for pattern, keys in self.sources.items():
             for key in keys[rows] if rows is not None else keys:
@@ -63,7 +64,7 @@ class Converted:
             return torch.empty(shape, dtype=torch_dtype(dtype) or torch.float32, device="meta")
 
         try:
-            out = self._run(meta).get(self.name)
+            out = self.run(meta).get(self.name)
         except Exception:  # transformers' ops raise what torch raises on shapes that do not fit
             return None
         return tuple(out.shape) if out is not None else None
@@ -81,11 +82,11 @@ class Converted:
     def rows(self, read: Reader, first: int, last: int) -> torch.Tensor:
         """Rows ``[first, last)`` of the runtime tensor; with ``stacks_rows`` only their sources are read."""
         if self.stacks_rows():
-            return self._run(read, slice(first, last))[self.name]
-        return self._run(read)[self.name][first:last]
+            return self.run(read, slice(first, last))[self.name]
+        return self.run(read)[self.name][first:last]
 
     def full(self, read: Reader) -> torch.Tensor:
-        return self._run(read)[self.name]
+        return self.run(read)[self.name]
 
 
 def _default_conversions(model: Any, base: type) -> list[Any]:
@@ -172,16 +173,6 @@ class HubLayout:
         if waiting:
             raise ValueError(f"runtime tensors of {sorted(waiting)[:3]} came without the rest of their group")
 
-    def export_name(self, name: str) -> str | None:
-        """The checkpoint name of a runtime tensor that only renaming changes; None for a tied copy;
-        the name unchanged where a conversion builds it."""
-        from transformers.core_model_loading import apply_converters, apply_renamings
-
-        if name in self.tied:
-            return None
-        group, pattern = apply_converters(name, self._out_converters)
-        return name if pattern is not None else apply_renamings(name, self._out_renamings)
-
     # -- checkpoint -> runtime --------------------------------------------------------------
     def imports(self, entries: Entries, runtime: Iterable[str]) -> tuple[dict[str, str], dict[str, Converted]]:
         """For a checkpoint's ``entries`` and the model's ``runtime`` names: ``(renamed, converted)``,
@@ -204,7 +195,7 @@ class HubLayout:
         for group, (conv, sources) in groups.items():
             probe = Converted(self, group, group, conv, sources)
             try:
-                made = probe._run(lambda k: torch.empty(entries[k][0], device="meta"))
+                made = probe.run(lambda k: torch.empty(entries[k][0], device="meta"))
             except Exception:
                 made = {group: torch.empty(0, device="meta")}  # reported as a shape mismatch
             for name in made:
@@ -251,7 +242,7 @@ class Importer:
         del self.waiting[target]
         keys = {p: [k for k, _ in items] for p, items in sources.items()}
         values = {k: t for items in sources.values() for k, t in items}
-        made = Converted(self.layout, target, target, conv, keys)._run(values.__getitem__)
+        made = Converted(self.layout, target, target, conv, keys).run(values.__getitem__)
         return list(made.items())
 
     def _complete(self, target: str, conv: Any, sources: dict[str, list[tuple[str, torch.Tensor]]]) -> bool:
@@ -264,7 +255,7 @@ class Importer:
             return all(len(items) == want[0] for items in sources.values())
         metas = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for items in sources.values() for k, t in items}
         try:
-            out = probe._run(metas.__getitem__).get(target)
+            out = probe.run(metas.__getitem__).get(target)
         except Exception:  # not enough sources yet for the conversion's shapes
             return False
         return out is not None and tuple(out.shape) == tuple(want)

@@ -2,7 +2,7 @@
 
 Backends supply the primitives: ``move`` (how this rank's parameters travel),
 ``placement_tensors`` (what must sit on the target afterwards), ``frozen_parameters``,
-``frozen_form`` and ``agree_any``. The checks, the rollback and the cross-rank agreement
+and ``frozen_form``. The checks, the rollback and the cross-rank agreement
 are written here once: a move that fails on one rank is rolled back where it can be and
 reported on every rank, so no rank goes on with a model the others gave up on.
 """
@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._agree import Call, enter
+from ._agree import Call, any_over_models, enter
 from ._errors import DistributedStateError, PlacementError
 from ._gather import set_modes
 
@@ -127,7 +127,7 @@ def move_verified(wm: Adapter, target: torch.device, copy: bool) -> None:
             except Exception:
                 pass
     off = [name for name, t in wm.placement_tensors() if t.device != target]
-    if wm.agree_any(failure is not None or bool(off)):
+    if any_over_models(failure is not None or bool(off), wm):
         shown = ", ".join(off[:8]) + (f" and {len(off) - 8} more" if len(off) > 8 else "")
         if failure is not None:
             msg = (f"moving the {wm.name} model's parameters to {target} failed ({type(failure).__name__}: "

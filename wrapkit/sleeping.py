@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ._agree import Call, enter
+from ._agree import Call, any_over_models, enter
 from ._errors import ArgumentError, DistributedStateError, PlacementError, UnsupportedModelError
 from ._memory import format_bytes
 from .adapters._dtensor import local_tensor
@@ -155,7 +155,7 @@ def wake(wm: Adapter) -> None:
     else:
         asleep.reload()
         off = [name for name, t in wm.placement_tensors() if t.device != asleep.home]
-        if wm.agree_any(bool(off)):
+        if any_over_models(bool(off), wm):
             raise PlacementError(f"after wake() these are not on {asleep.home}: {', '.join(off[:8])}; the "
                                  "backend did not bring them back")
     for state, key in asleep.moved:

@@ -151,7 +151,7 @@ class AdaptersOff(Adapter):
 # is refused: a primitive added later that writes, moves or copies weights cannot reach the policy's
 # through a view unless it is named here (``tests/test_view.py`` checks that none of these writes).
 READS = frozenset({
-    "agree_any", "backend", "backend_object", "config", "data_parallel_rank", "data_parallel_size", "device",
+    "backend", "backend_object", "config", "data_parallel_rank", "data_parallel_size", "device",
     "distributed", "full_parameter_bytes", "full_shapes", "gather_bypass", "gather_exported", "gather_many",
     "gather_one", "gather_units", "global_numel", "is_encoder_decoder", "is_sharded", "mesh", "module",
     "optimizer_tensors", "own_optimizer", "patches_torch_ops", "peels", "placement_tensors", "process_group",

@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from .._agree import agree_any, settle
+from .._agree import settle
 from .._errors import (
     AdapterRegistrationError,
     DistributedStateError,
@@ -528,11 +528,6 @@ class Adapter:
     def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
         """A frozen copy of this model's weights, wrapped like it."""
         return replicated_copy(self, ds_config)
-
-    def agree_any(self, flag: bool) -> bool:
-        """``flag`` or-ed over the group, so that every rank takes the same branch."""
-        # Non-distributed adapters may live in a distributed process: they never vote.
-        return agree_any(flag, self.process_group(), self.world_size) if self.distributed else flag
 
 
 def replicated_copy(adapter: Adapter, ds_config: dict[str, Any] | None) -> torch.nn.Module:

@@ -93,10 +93,6 @@ class BackendPrimitives(Protocol):
         ``mesh()`` are its parts, read off it by ``Adapter`` and never defined by a backend."""
         ...
 
-    def agree_any(self, flag: bool) -> bool:
-        """``flag`` OR-ed over the group in one collective (just ``flag`` when not distributed)."""
-        ...
-
     # -- shards and shapes ----------------------------------------------------------------
     def global_numel(self, p: torch.Tensor) -> int:
         """Elements of the full parameter that ``p`` is (a shard of)."""

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .._agree import any_over_models
 from .._imports import require
 from ._likeness import copy_buffers, skeleton
 from ._zero_partitions import settle_gathers
@@ -91,7 +92,7 @@ def zero3_copy(adapter: DeepSpeedAdapter, ds_config: dict[str, Any] | None) -> t
     # the fallback gathers (one parameter at a time).
     aligned = all(a.ds_tensor.shape == b.ds_tensor.shape for a, b in pairs)
     with torch.no_grad():
-        if not adapter.agree_any(not aligned):
+        if not any_over_models(not aligned, adapter):
             for a, b in pairs:
                 b.ds_tensor.copy_(a.ds_tensor)
         else:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._agree import agree_any
+from .._agree import any_over_models
 from .._gather import Bypass, submodules
 from .._imports import is_instance, require
 from .._names import canonical_name
@@ -349,7 +349,7 @@ class DeepSpeedAdapter(ShardedAdapter):
         finally:
             try:
                 if modifier_rank is not None:
-                    failed = agree_any(failed, self.process_group(), self.world_size)
+                    failed = any_over_models(failed, self)
                 if failed and ctx.enabled:
                     # Re-partition without the broadcast: the shards were never written.
                     ctx.src_rank = None
