@@ -20,12 +20,19 @@ from wrapkit.cli._models import build
 from wrapkit.integrations.vllm import load_into
 
 
-def _shared_dir() -> str:
+@contextlib.contextmanager
+def _shared_root() -> Iterator[str]:
+    """A directory every rank sees (made by rank 0), removed once every rank is done with it."""
     import torch.distributed as dist
 
     box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return str(box[0])
+    try:
+        yield str(box[0])
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(str(box[0]), ignore_errors=True)
 
 
 def _files(directory: str) -> dict[str, torch.Tensor]:
@@ -90,10 +97,9 @@ def family_exchange(cases: list[dict[str, Any]]) -> dict[str, Any]:
 
     from tests._matrix import key
 
-    root = _shared_dir()
     rank = dist.get_rank()
     out: dict[str, Any] = {}
-    try:
+    with _shared_root() as root:
         for case in cases:
             wm = _wrapped(case, 1)
             fsd = wm.full_state_dict(rank0_only=False)
@@ -150,10 +156,6 @@ def family_exchange(cases: list[dict[str, Any]]) -> dict[str, Any]:
                 got = dict(fresh.named_parameters(remove_duplicate=False))
                 obs[f"load_into_{layout}"] = _differences({n: t.detach() for n, t in got.items()}, want, cast=True)
             out[key(case)] = obs
-    finally:
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(root, ignore_errors=True)
     return out
 
 
@@ -208,10 +210,9 @@ def expert_adapters(cases: list[dict[str, Any]]) -> dict[str, Any]:
 
     from tests._matrix import key
 
-    root = _shared_dir()
     rank = dist.get_rank()
     out: dict[str, Any] = {}
-    try:
+    with _shared_root() as root:
         for case in cases:
             want: Any = lora_on_experts(case["family"], 7)
             merged = copy.deepcopy(want).merge_and_unload()
@@ -241,8 +242,4 @@ def expert_adapters(cases: list[dict[str, Any]]) -> dict[str, Any]:
             obs["load_adapters"] = _differences(
                 {k: v for k, v in target.full_state_dict(rank0_only=False).items() if "lora_" in k}, live)
             out[key(case)] = obs
-    finally:
-        dist.barrier()
-        if rank == 0:
-            shutil.rmtree(root, ignore_errors=True)
     return out
