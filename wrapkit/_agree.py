@@ -14,22 +14,38 @@ import hashlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ._errors import DistributedStateError, StateDictError
 
-if TYPE_CHECKING:
-    from .adapters._base import Adapter
-
 __all__ = [
-    "Call", "enter", "CHECK_ENV", "checking", "is_distributed", "agree_flags", "settle",
+    "Ranks", "Call", "enter", "CHECK_ENV", "checking", "is_distributed", "agree_flags", "settle",
     "check_modifier_rank",
     "models_group", "agree_over_models", "any_over_models", "raise_agreed", "first_replica", "writes_files",
     "broadcast_object",
 ]
+
+
+class Ranks(Protocol):
+    """What an agreement needs of a model, and all it reads: whether it votes at all (a model that is not
+    distributed never does, even inside a distributed job), its group and this rank's place in it, and
+    the groups across its replicas (HSDP). Every backend's adapter is one."""
+
+    @property
+    def distributed(self) -> bool: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    def process_group(self) -> Any: ...
+
+    def replica_groups(self) -> list[Any]: ...
 
 
 def is_distributed(world_size: int | None, group: Any = None) -> bool:
@@ -86,7 +102,7 @@ def settle(on_exit: Callable[[bool], None], agree: bool, group: Any, world_size:
         on_exit(failed)
 
 
-def check_modifier_rank(op: str, modifier_rank: int | None, wm: Adapter, flags: Sequence[bool] = ()) -> list[bool]:
+def check_modifier_rank(op: str, modifier_rank: int | None, wm: Ranks, flags: Sequence[bool] = ()) -> list[bool]:
     """``enter`` for operation ``op``, which takes a ``modifier_rank``: refuse, on every rank alike, one
     that is not a rank of the group (a value that differs across ranks is a mismatched call).
 
@@ -137,7 +153,7 @@ def checking() -> bool:
     return os.environ.get(CHECK_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def enter(call: Call, *wms: Adapter, flags: Sequence[bool] = (), invalid: int = 0) -> list[bool]:
+def enter(call: Call, *wms: Ranks, flags: Sequence[bool] = (), invalid: int = 0) -> list[bool]:
     """The first collective of every collective operation: every rank says which operation it
     entered, and with which arguments, in one small all-reduce over the group of ``wms`` (and
     across the replicas of an HSDP model) that also ORs ``flags`` (returned, agreed).
@@ -242,7 +258,7 @@ def _raise_mismatch(call: Call, group: Any, replicas: Sequence[Any]) -> None:
 
 
 # -- agreement over the group of one or more models -----------------------------------
-def models_group(*wms: Adapter) -> tuple[bool, Any]:
+def models_group(*wms: Ranks) -> tuple[bool, Any]:
     """Whether a collective is needed for these models, and over which group.
 
     Non-distributed backends (plain, DataParallel) never enter a collective: a user may
@@ -256,7 +272,7 @@ def models_group(*wms: Adapter) -> tuple[bool, Any]:
     return False, None
 
 
-def agree_over_models(flags: list[bool], *wms: Adapter) -> list[bool]:
+def agree_over_models(flags: list[bool], *wms: Ranks) -> list[bool]:
     """Each flag OR-ed over the group of ``wms`` and across its replicas (HSDP), in one
     collective per group (the flags themselves when no collective applies)."""
     use, group = models_group(*wms)
@@ -265,29 +281,29 @@ def agree_over_models(flags: list[bool], *wms: Adapter) -> list[bool]:
     return agree_flags(flags, group, replicas=_replicas_of(*wms))
 
 
-def _replicas_of(*wms: Adapter) -> list[Any]:
+def _replicas_of(*wms: Ranks) -> list[Any]:
     """The replica groups (HSDP) of the model whose group ``models_group`` chose."""
     return next((wm.replica_groups() for wm in wms if wm.distributed), [])
 
 
-def first_replica(wm: Adapter) -> bool:
+def first_replica(wm: Ranks) -> bool:
     """Whether this rank belongs to the first copy of a model replicated across groups (HSDP):
     the copy whose rank 0 writes files for all of them. True without replicas."""
     return all(dist.get_rank(group) == 0 for group in wm.replica_groups())
 
 
-def writes_files(wm: Adapter) -> bool:
+def writes_files(wm: Ranks) -> bool:
     """Whether this rank writes a model's files: rank 0 of its first copy, one writer however many
     replicas there are."""
     return wm.rank == 0 and first_replica(wm)
 
 
-def any_over_models(flag: bool, *wms: Adapter) -> bool:
+def any_over_models(flag: bool, *wms: Ranks) -> bool:
     """``flag`` OR-ed over the group of ``wms`` (just ``flag`` when no collective applies)."""
     return agree_over_models([flag], *wms)[0]
 
 
-def raise_agreed(problems: list[str], what: str, fix: str, *wms: Adapter, agreed: bool | None = None) -> None:
+def raise_agreed(problems: list[str], what: str, fix: str, *wms: Ranks, agreed: bool | None = None) -> None:
     """Raise on every rank if any rank found a problem; the local list when there is one.
 
     ``agreed``: the OR of ``bool(problems)`` over the ranks, when the caller already has it."""
