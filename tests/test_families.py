@@ -128,3 +128,23 @@ def test_a_checkpoint_of_this_architecture_in_another_layout_is_named_so(tmp_pat
         wrapkit.adapt(family_model("llama", 2)).load(tmp_path)
     assert "names this model's architecture (LlamaForCausalLM)" in str(caught.value), caught.value
     assert "missing key 'model.layers.0.self_attn.q_proj.weight'" in str(caught.value)
+
+
+def test_the_layout_is_looked_up_once_and_keeps_no_model_alive() -> None:
+    """transformers' mapping is looked up once per model (a weight sync every few steps reads it each time),
+    and the cached mapping does not keep the model alive."""
+    import gc
+    import weakref
+
+    from wrapkit._hub_layout import _DEFAULTS, HubLayout
+    from wrapkit.cli._families import family_model
+
+    model = family_model("qwen3-moe")
+    first = HubLayout.of(model)
+    assert first is not None and model in _DEFAULTS
+    second = HubLayout.of(model)
+    assert second is not None and all(a is b for a, b in zip(second.conversions, first.conversions, strict=True))
+    gone = weakref.ref(model)
+    del model, first, second
+    gc.collect()
+    assert gone() is None

@@ -15,6 +15,7 @@ dimension.
 from __future__ import annotations
 
 import copy
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -89,9 +90,22 @@ class Converted:
         return self.run(read)[self.name]
 
 
+# transformers' default mapping of each model, looked up once: the look-up walks every module (and under
+# FSDP2 builds a skeleton on the meta device), which a weight sync every few steps would repeat. Weak on the
+# model: the mapping holds patterns, not the model, so an entry keeps nothing alive.
+_DEFAULTS: weakref.WeakKeyDictionary[torch.nn.Module, list[Any]] = weakref.WeakKeyDictionary()
+
+
 def _default_conversions(model: Any, base: type) -> list[Any]:
     """transformers' default conversions for ``model``, as its own save reverts them for a model built
     from a config: no legacy renames, and no prefix change (nothing says the prefix was there)."""
+    found = _DEFAULTS.get(model)
+    if found is None:
+        found = _DEFAULTS[model] = _look_up_conversions(model, base)
+    return found
+
+
+def _look_up_conversions(model: Any, base: type) -> list[Any]:
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange
