@@ -303,7 +303,7 @@ def _lora(base: torch.nn.Module, seed: int, zeroed: bool) -> torch.nn.Module:
     modules = {n.rpartition(".")[2] for n, _ in base.named_modules()}
     params = {n for n, _ in base.named_parameters()}
     experts = [t for t in _EXPERTS if any(n.endswith(t) for n in params)]
-    # target_parameters only where there are experts: PEFT before 0.17 has no such argument.
+    # target_parameters only where there are experts: older PEFT releases (0.13 among them) have no such argument.
     extra: dict[str, Any] = {"target_parameters": experts} if experts else {}
     config = LoraConfig(r=4, lora_alpha=8, target_modules=[t for t in _ATTENTION if t in modules], **extra)
     return fill_adapters(get_peft_model(base, config), seed, zeroed)
