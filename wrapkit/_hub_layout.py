@@ -39,8 +39,9 @@ class Converted:
     pattern, the checkpoint keys in transformers' order)."""
 
     def __init__(self, layout: HubLayout, name: str, group: str, converter: Any,
-                 sources: dict[str, list[str]]) -> None:
+                 sources: dict[str, list[str]], shape: tuple[int, ...] | None = None) -> None:
         self.layout, self.name, self.group, self.converter, self.sources = layout, name, group, converter, sources
+        self.shape = shape  # what the sources make, worked out on the meta device; None where they do not convert
 
     def keys(self) -> list[str]:
         return [k for keys in self.sources.values() for k in keys]
@@ -55,20 +56,14 @@ class Converted:
         out = conv.convert(self.group, model=model, config=getattr(model, "config", None))
         return {k: _materialized(v) for k, v in out.items()}
 
-    def shape(self, entries: Entries) -> tuple[int, ...] | None:
-        """The runtime shape the sources make, worked out on the meta device; None if they do not
-        convert (shapes that disagree, a missing expert)."""
-        from ._safetensors import torch_dtype
-
-        def meta(key: str) -> torch.Tensor:
-            shape, dtype = entries[key]
-            return torch.empty(shape, dtype=torch_dtype(dtype) or torch.float32, device="meta")
-
+    def shapes(self, meta: Reader) -> dict[str, tuple[int, ...]] | None:
+        """The runtime shapes the sources make, worked out on the meta device (``meta(key)``: a
+        source as a meta tensor); None where they do not convert (shapes that disagree, a missing
+        expert, too few sources yet)."""
         try:
-            out = self.run(meta).get(self.name)
+            return {name: tuple(t.shape) for name, t in self.run(meta).items()}
         except Exception:  # transformers' ops raise what torch raises on shapes that do not fit
             return None
-        return tuple(out.shape) if out is not None else None
 
     def stacks_rows(self) -> bool:
         """Whether row ``i`` of the result comes from the ``i``-th key of each source alone: the
@@ -81,10 +76,8 @@ class Converted:
         return all(concat is not None and isinstance(op, concat) and getattr(op, "dim", 0) != 0 for op in ops[1:])
 
     def rows(self, read: Reader, first: int, last: int) -> torch.Tensor:
-        """Rows ``[first, last)`` of the runtime tensor; with ``stacks_rows`` only their sources are read."""
-        if self.stacks_rows():
-            return self.run(read, slice(first, last))[self.name]
-        return self.run(read)[self.name][first:last]
+        """Rows ``[first, last)`` of a runtime tensor that ``stacks_rows``, read from their sources alone."""
+        return self.run(read, slice(first, last))[self.name]
 
     def full(self, read: Reader) -> torch.Tensor:
         return self.run(read)[self.name]
@@ -191,9 +184,16 @@ class HubLayout:
     def imports(self, entries: Entries, runtime: Iterable[str]) -> tuple[dict[str, str], dict[str, Converted]]:
         """For a checkpoint's ``entries`` and the model's ``runtime`` names: ``(renamed, converted)``,
         where ``renamed`` maps a runtime name to the one checkpoint key holding it as it is, and
-        ``converted`` to the conversion that builds it. A key that fits no runtime name is kept
+        ``converted`` to the conversion that builds it (its ``shape`` None where the sources do not
+        convert). A key that fits no runtime name is kept
         under its own name in ``renamed``, for the caller to report."""
         from transformers.core_model_loading import dot_natural_key
+
+        from ._safetensors import torch_dtype
+
+        def meta(key: str) -> torch.Tensor:
+            shape, dtype = entries[key]
+            return torch.empty(shape, dtype=torch_dtype(dtype) or torch.float32, device="meta")
 
         names: dict[str, Any] = dict.fromkeys(runtime, True)
         renamed: dict[str, str] = {}
@@ -207,13 +207,12 @@ class HubLayout:
             sources.setdefault(pattern, []).append(key)
         converted: dict[str, Converted] = {}
         for group, (conv, sources) in groups.items():
-            probe = Converted(self, group, group, conv, sources)
-            try:
-                made = probe.run(lambda k: torch.empty(entries[k][0], device="meta"))
-            except Exception:
-                made = {group: torch.empty(0, device="meta")}  # reported as a shape mismatch
-            for name in made:
-                converted[name] = Converted(self, name, group, conv, sources)
+            made = Converted(self, group, group, conv, sources).shapes(meta)
+            if made is None:  # sources that do not convert stand under the group's name, to be reported
+                converted[group] = Converted(self, group, group, conv, sources)
+                continue
+            for name, shape in made.items():
+                converted[name] = Converted(self, name, group, conv, sources, shape)
         return renamed, converted
 
     def _incoming(self, key: str, names: dict[str, Any]) -> tuple[str, str | None]:
@@ -268,11 +267,8 @@ class Importer:
         if probe.stacks_rows():  # one source per row for each pattern
             return all(len(items) == want[0] for items in sources.values())
         metas = {k: torch.empty(t.shape, dtype=t.dtype, device="meta") for items in sources.values() for k, t in items}
-        try:
-            out = probe.run(metas.__getitem__).get(target)
-        except Exception:  # not enough sources yet for the conversion's shapes
-            return False
-        return out is not None and tuple(out.shape) == tuple(want)
+        made = probe.shapes(metas.__getitem__)
+        return made is not None and made.get(target) == tuple(want)
 
     def unfinished(self) -> list[str]:
         """Runtime names whose sources did not all come."""

@@ -87,11 +87,10 @@ class Catalog:
         self.entries = {name: raw[key] for name, key in renamed.items()}
         self.where = {name: where[key] for name, key in renamed.items()}
         for name, conv in converted.items():
-            shape = conv.shape(raw)
-            if shape is None:
+            if conv.shape is None:
                 self.problems.append(_unconverted(path, name, conv, runtime.get(name)))
                 continue
-            self.entries[name] = (shape, raw[conv.keys()[0]][1])
+            self.entries[name] = (conv.shape, raw[conv.keys()[0]][1])
             self.converted[name] = conv
 
     @staticmethod
@@ -255,6 +254,9 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
         if agreed:
             raise_agreed(problems, f"load {path!r} into {' > '.join(wm.stack)}", "Pass a valid src_rank.", wm,
                          agreed=True)
+    # A checkpoint of the whole model may be in the Hub's layout: read under the runtime names, and a
+    # tied copy may be absent.
+    layout = HubLayout.of(wm.unwrap(keep_peft=False))
     with ExitStack() as stack:
         catalog: Catalog | None = None
         entries: dict[str, tuple[tuple[int, ...], str]] = {}
@@ -266,9 +268,7 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
                 if found is not None:
                     adapters, problems, mismatches = found.adapters, found.problems, found.mismatches
                 if not problems:
-                    # A checkpoint of the whole model may be in the Hub's layout: read under the runtime names.
-                    layout = HubLayout.of(wm.unwrap(keep_peft=False)) if found is None else None
-                    catalog = Catalog(path, stack, found, layout, expected_shapes(wm))
+                    catalog = Catalog(path, stack, found, layout if found is None else None, expected_shapes(wm))
                     entries, mismatches = catalog.entries, mismatches + catalog.problems
             except StateDictError as exc:
                 problems.append(str(exc))
@@ -285,7 +285,6 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
                 expected, names = expected_shapes(wm), (f"the checkpoint {path!r}", "the model")
                 # Tied copies may be absent (transformers writes each tied weight once): loading what they
                 # are tied to fills them.
-                layout = HubLayout.of(wm.unwrap(keep_peft=False))
                 for name in layout.optional() if layout is not None else ():
                     if name not in entries:
                         expected.pop(name, None)
