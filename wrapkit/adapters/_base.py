@@ -15,7 +15,6 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from .._agree import settle
 from .._errors import (
     AdapterRegistrationError,
     DistributedStateError,
@@ -23,12 +22,14 @@ from .._errors import (
     ReferenceModelError,
     UnsupportedModelError,
 )
-from .._gather import Bypass, broadcast_
+from .._gather import Bypass
 from .._imports import lookup
 from .._module_internals import live_entries
 from .._names import canonical_name, model_class_name
 from ._dtensor import local_tensor
-from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives, Piece, Topology, copy_into
+from ._parts import PART_PRIMITIVES, Parts
+from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives, Piece, Topology
+from ._whole import move_buffers, whole_parts
 
 __all__ = ["Adapter", "ReplicatedAdapter", "ShardedAdapter", "Entry", "model_class_name", "move_buffers",
            "local_tensor", "replicated_copy"]
@@ -76,6 +77,7 @@ class Adapter:
         self._entries = tuple(entries)
         self._backend_obj = backend_obj
         self._innermost = innermost
+        self.weights, self.gatherer, self.placement = self.parts()
         self._check_group()
         self._check_internals()
         self._check_layout()
@@ -199,9 +201,7 @@ class Adapter:
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Global parameter count, shared (tied) parameters counted once."""
-        return sum(
-            self.global_numel(p) for p in self._unique_parameters() if p.requires_grad or not trainable_only
-        )
+        return self.weights.count(trainable_only)
 
     def describe(self) -> str:
         """A human-readable multi-line summary."""
@@ -248,27 +248,21 @@ class Adapter:
     def resident_parameter_bytes(self) -> int:
         """Bytes of parameter storage this rank holds right now (its shards, plus anything
         currently gathered); no collective. Tied parameters count once."""
-        seen: set[int] = set()
-        total = 0
-        for p in self._innermost.parameters():
-            storage = p.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-        return total
+        return self.weights.resident_bytes()
+
+    # -- parts (adapters/_parts.py) ------------------------------------------------------
+    def parts(self) -> Parts:
+        """This model's weights, gatherer and placement: here, those of whole tensors."""
+        return whole_parts(self)
 
     # -- primitives (adapters/_primitives.py) ---------------------------------------
     def full_shapes(self) -> dict[int, tuple[int, ...]]:
         """id(parameter) -> full shape, for parameters whose local tensor is only a shard."""
-        return {}
+        return self.weights.full_shapes()
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Canonical name -> full shape of every parameter (tied ones under each name); nothing gathered."""
-        full = self.full_shapes()
-        return {
-            canonical_name(name): full.get(id(p), tuple(p.shape))
-            for name, p in self.unwrap().named_parameters(remove_duplicate=False)
-        }
+        return self.weights.param_shapes()
 
     def named_live(self, parameters: bool = True, buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """(canonical name, this rank's live tensor) for every key of ``unwrap().state_dict()``, in its order."""
@@ -291,11 +285,8 @@ class Adapter:
         copies the backend keeps of them. Collective where the backend's refresh is."""
 
     def load_pieces(self) -> list[Piece]:
-        """This rank's part of every parameter: here, the whole of each (tied ones once)."""
-        out: list[Piece] = []
-        for name, p in self.unwrap().named_parameters():
-            out.append(Piece(canonical_name(name), 0, p.numel(), tuple(p.shape), copy_into(p.data)))
-        return out
+        """This rank's part of every parameter (tied ones once)."""
+        return self.weights.pieces()
 
     def pieces_written(self) -> None:
         """Called after every ``load_pieces()`` piece was written."""
@@ -307,31 +298,29 @@ class Adapter:
         parameter. Two models whose keys agree hold the same slice of every parameter on this rank,
         so weights can be synced between them shard to shard, with no communication. ``None``: no
         per-parameter shards (unsharded, or FSDP1's flat parameters)."""
-        return None
+        return self.weights.local_shards()
 
     def layout_tensors(self) -> list[torch.Tensor] | None:
         """This rank's shard of every parameter, then every buffer (a shared one may come twice),
         read in one walk without names or keys: what a cached sync pairing checks is still in
         place (``sync``). ``None`` where ``local_shards()`` is."""
-        return None
+        return self.weights.layout_tensors()
 
     def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(canonical name, full tensor)`` for every parameter, gathered one at a time."""
-        for name, p in self.unwrap().named_parameters(remove_duplicate=False):
-            yield canonical_name(name), self.gather_one(p)
+        return self.gatherer.each()
 
     def gather_units(self) -> list[list[torch.nn.Parameter]] | None:
         """Every parameter (tied ones once) in the smallest sets the backend gathers together, in
         module order: one each here; ``None`` where ``gather_many`` cannot serve this layout
         (streaming then reads ``gather_each``)."""
-        return [[p] for _, p in self.unwrap().named_parameters()]
+        return self.gatherer.units()
 
     def gather_many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         """``(parameter, full value)`` for each of ``params`` (whole ``gather_units``), detached, in
         the parameter's own dtype: the weights the module holds. Sharded backends gather them
         in one collective at the first ``next()``; each value is built as it is reached."""
-        for p in params:
-            yield p, p.detach()
+        return self.gatherer.many(params)
 
     def gather_exported(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         """``gather_many`` for a checkpoint: each value as ``gather_each`` exports it, where the backend
@@ -340,45 +329,24 @@ class Adapter:
 
     def full_parameter_bytes(self) -> int:
         """Bytes that every parameter, gathered, takes in the dtype the backend computes in."""
-        return sum(self.global_numel(p) * p.element_size() for p in self._unique_parameters())
+        return self.gatherer.full_bytes()
 
-    @contextlib.contextmanager
-    def gather_layerwise(self) -> Iterator[None]:
+    def gather_layerwise(self) -> contextlib.AbstractContextManager[None]:
         """Inside, ``unwrap()`` runs with the backend's own gathering, one unit at a time, for
-        its forward: nothing to set up for an unsharded module."""
-        yield
+        its forward."""
+        return self.gatherer.layerwise()
 
     # Backend hooks for the three above; the base serves every unsharded backend.
     def gather_bypass(self) -> Bypass | None:
-        """What must leave the call path for the module to run on full parameters: nothing here."""
-        return None
+        """What must leave the call path for the module to run on full parameters, or None."""
+        return self.gatherer.bypass()
 
     def gather_one(self, p: torch.Tensor) -> torch.Tensor:
-        return p.detach()
+        return self.gatherer.one(p)
 
-    @contextlib.contextmanager
-    def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
+    def gather_full(self, modifier_rank: int | None) -> contextlib.AbstractContextManager[Any]:
         """Make the parameters full; yield a ``Replace`` for ``bypassed`` (or None)."""
-        group = self.process_group()
-        params = list(self._unique_parameters())
-        # Replicas are written in place: keep a copy to undo a failed body.
-        saved = [p.detach().clone() for p in params] if modifier_rank is not None else []
-
-        def finish(failed: bool) -> None:
-            if modifier_rank is None:
-                return
-            with torch.no_grad():
-                if failed:
-                    for p, old in zip(params, saved, strict=True):
-                        p.copy_(old)
-                else:
-                    broadcast_(params, modifier_rank, group, self.world_size)
-                    self.weights_written()
-
-        # Only a write-back needs every rank's verdict; without one the exit has no
-        # collective at all, so no rank waits there for a slower one.
-        with settle(finish, modifier_rank is not None, group, self.world_size):
-            yield None
+        return self.gatherer.full(modifier_rank)
 
     # -- helpers for subclasses ----------------------------------------------------
     def topology(self) -> Topology:
@@ -468,7 +436,7 @@ class Adapter:
 
     def global_numel(self, p: torch.Tensor) -> int:
         """Elements of the full parameter ``p`` is (a shard of)."""
-        return p.numel()
+        return self.weights.global_numel(p)
 
     # -- placement primitives (used by placement.py) ------------------------------------
     def frozen_form(self) -> Adapter:
@@ -478,19 +446,15 @@ class Adapter:
 
     def move(self, target: torch.device, copy: bool) -> None:
         """Move this rank's parameters, gradients and buffers; identity of every Parameter kept."""
-        self._module._apply(lambda t: t.to(target, copy=copy))  # type: ignore[no-untyped-call]
+        self.placement.move(target, copy)
 
     def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for every parameter, shard and buffer that ``place`` moves."""
-        seen: set[int] = set()
-        for name, t in [*self._module.named_parameters(), *self._module.named_buffers()]:
-            if id(t) not in seen:
-                seen.add(id(t))
-                yield canonical_name(name), t
+        return self.placement.tensors()
 
     def frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
         """Every parameter whose ``requires_grad`` must go off to freeze the model."""
-        yield from self._module.parameters()
+        return self.placement.frozen_parameters()
 
     # -- sleep primitives (used by sleeping.py) ------------------------------------------
     def own_optimizer(self) -> Any:
@@ -541,14 +505,6 @@ def replicated_copy(adapter: Adapter, ds_config: dict[str, Any] | None) -> torch
     return adapter.wrap_like(deepcopy(source), ds_config)
 
 
-def move_buffers(root: torch.nn.Module, target: torch.device, copy: bool) -> None:
-    """Move every buffer under ``root``, for backends that move their parameters themselves."""
-    for module in root.modules():
-        for key, buf in module._buffers.items():
-            if buf is not None:
-                module._buffers[key] = buf.to(target, copy=copy)
-
-
 class ShardedAdapter(Adapter):
     """Base of the backends that hold a part of each parameter per rank (FSDP1, FSDP2, ZeRO-3).
 
@@ -561,11 +517,15 @@ class ShardedAdapter(Adapter):
         super().__init_subclass__(**kwargs)
         if abstract:
             return
-        missing = [name for name in SHARDED_PRIMITIVES if _defined_by(cls, name) in (Adapter, ShardedAdapter)]
+        # A class giving parts of its own (``parts()``) serves the primitives those parts implement.
+        own_parts = _defined_by(cls, "parts") not in (Adapter, ShardedAdapter)
+        missing = [name for name in SHARDED_PRIMITIVES if _defined_by(cls, name) in (Adapter, ShardedAdapter)
+                   and not (own_parts and name in PART_PRIMITIVES)]
         if missing:
             raise AdapterRegistrationError(
                 f"{cls.__name__} derives from ShardedAdapter but does not define {', '.join(missing)}: a sharded "
-                "backend must define each of these itself (adapters/_primitives.py says what each returns), "
+                "backend must define each of these itself (adapters/_primitives.py says what each returns), or "
+                "give parts() of its storage kind (adapters/_parts.py) for those they serve, "
                 "since the unsharded defaults would read this rank's shard as the whole parameter."
             )
 

@@ -9,7 +9,6 @@ and tensor-parallel dimensions together: that is the group, and the ranks along 
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,28 +18,21 @@ import torch.distributed as dist
 from .._errors import UnsupportedModelError
 from .._gather import Bypass
 from .._imports import is_instance, lookup
-from .._names import canonical_name
-from ._base import Adapter, ShardedAdapter
+from ._base import ShardedAdapter
 from ._dtensor import (
     TP_HOOKS,
     Layout,
     flat_group,
-    full_copies,
-    full_value,
-    gather_many,
     is_dtensor,
-    local_bytes,
-    local_layout,
-    local_placement,
     mesh_device,
     mesh_key,
-    pieces,
     refuse_tp_adapters,
-    shard_map,
 )
+from ._dtensor_parts import dtensor_parts
 from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, FSDP_MANAGED, require_internals
 from ._likeness import block_classes, copy_buffers, distributed_copy, skeleton
-from ._primitives import Piece, Topology
+from ._parts import Parts
+from ._primitives import Topology
 
 
 class FSDP2Adapter(ShardedAdapter):
@@ -208,63 +200,20 @@ class FSDP2Adapter(ShardedAdapter):
     def is_sharded(self) -> bool:
         return self.world_size > 1
 
-    def global_numel(self, p: torch.Tensor) -> int:
-        # A DTensor reports its global shape; its local shard is ``p.to_local()``.
-        return p.numel()
-
-    def resident_parameter_bytes(self) -> int:
-        return local_bytes(self._unique_parameters())
-
-    def full_shapes(self) -> dict[int, tuple[int, ...]]:
-        # A DTensor parameter reports its full shape itself.
-        return {}
-
-    def move(self, target: torch.device, copy: bool) -> None:
-        # A DTensor's ``to()`` moves its local shard and keeps its placements; FSDP2 reads the
-        # sharded parameters afresh at its next all-gather.
-        Adapter.move(self, target, copy)
-
-    def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
-        self._reshard()
-        # A parameter fully_shard left alone is a plain tensor, whole on every rank.
-        return shard_map((canonical_name(n), p) for n, p in self.unwrap().named_parameters())
-
-    def layout_tensors(self) -> list[torch.Tensor] | None:
-        return local_layout(self.unwrap())
-
-    # -- full parameters (gathered / generation / named_full_parameters) --------------
-    def gather_bypass(self) -> Bypass:
+    def parts(self) -> Parts:
         # FSDP2's pre/post-forward hooks on every fully_shard module, and the method wrappers of
         # register_fsdp_forward_method, live in torch.distributed.fsdp; tensor parallelism's
         # redistribution of inputs and outputs in torch's hooks or transformers' replaced forwards.
-        tp = TP_HOOKS if self._tp_mesh() is not None else ()
-        return Bypass(("torch.distributed.fsdp.", *tp), flags_off=FSDP_MANAGED)
+        def bypass() -> Bypass:
+            tp = TP_HOOKS if self._tp_mesh() is not None else ()
+            return Bypass(("torch.distributed.fsdp.", *tp), flags_off=FSDP_MANAGED)
 
-    def gather_one(self, p: torch.Tensor) -> torch.Tensor:
-        return full_value(p)
+        def cast_hooks() -> list[Any]:
+            return [h for m, state in self._fsdp_states() for h in _cast_hooks(m, state)]
 
-    @contextlib.contextmanager
-    def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
-        # Full copies of the DTensor shards are swapped in by ``bypassed``; FSDP2's own
-        # unshard/reshard state machine is never involved, so nothing of it needs restoring.
-        # But FSDP2 leaves the root's parameters unsharded (and registered, in param_dtype)
-        # after a forward that no backward follows: reshard first, so that every parameter
-        # is a DTensor shard again and the copies all come from the same place.
-        self._reshard()
-        states = list(self._fsdp_states())
-        # Reading, the copies are in the dtype FSDP2's forward computes in; writing
-        # (modifier_rank), in the parameters' own dtype, so that the writes are kept exactly.
-        dtypes = self._compute_dtypes(states) if modifier_rank is None else {}
-        # FSDP2's own casts of floating inputs (to param_dtype) and outputs (to output_dtype) are
-        # hooks that ``bypassed`` takes out with the rest; the same casts go back in as hooks of ours.
-        handles = [h for m, state in states for h in _cast_hooks(m, state)] if dtypes else []
-        try:
-            with full_copies(list(self._unique_parameters()), dtypes, modifier_rank, self.topology(),
-                             self.world_size, self.weights_written) as replace:
-                yield replace
-        finally:
-            for handle in handles:
-                handle.remove()
+        return dtensor_parts(self, bypass, reshard=self._reshard,
+                             compute_dtypes=lambda: self._compute_dtypes(list(self._fsdp_states())),
+                             cast_hooks=cast_hooks)
 
     def _reshard(self) -> None:
         """Every unit back to its shards. After a forward that no backward followed, FSDP2 keeps
@@ -273,37 +222,6 @@ class FSDP2Adapter(ShardedAdapter):
         Every read and write of the weights starts from the shards, where the values live."""
         for m, _ in self._fsdp_states():
             m.reshard()
-
-    def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self._reshard()
-        yield from super().gather_each()
-
-    def gather_units(self) -> list[list[torch.nn.Parameter]] | None:
-        # Planned before anything is gathered, read after: the units must be the shards.
-        self._reshard()
-        return super().gather_units()
-
-    def gather_many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
-        self._reshard()
-        yield from gather_many(params)
-
-    def full_parameter_bytes(self) -> int:
-        dtypes = self._compute_dtypes(list(self._fsdp_states()))
-        return sum(p.numel() * dtypes.get(id(p), p.dtype).itemsize for p in self._unique_parameters())
-
-    @contextlib.contextmanager
-    def gather_layerwise(self) -> Iterator[None]:
-        # ``fully_shard`` hooks every unit, the root included, so the module's own forward
-        # gathers unit by unit. FSDP2 keeps the root (and a no-grad forward's last units)
-        # unsharded after a forward; resharding on exit frees them, as before entry.
-        try:
-            yield
-        finally:
-            self._reshard()
-
-    def load_pieces(self) -> list[Piece]:
-        self._reshard()  # write where the values come from
-        return pieces((canonical_name(n), p) for n, p in self.unwrap().named_parameters())
 
     # -- likeness ------------------------------------------------------------------------------------
     def _like(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -342,12 +260,6 @@ class FSDP2Adapter(ShardedAdapter):
                 p.copy_(theirs[name])
         copy_buffers(inner, model)
         return ref
-
-    # -- placement and freezing (place / to_eval_frozen) -------------------------------
-    # Moving goes through ``nn.Module._apply``, which FSDP2 overrides to re-register
-    # the padded local shards; only the check needs to look inside the DTensors.
-    def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return local_placement(super().placement_tensors())
 
 
 def _beside(mesh: Any, tp_mesh: Any) -> str | None:

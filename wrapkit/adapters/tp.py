@@ -12,35 +12,27 @@ runs as the plain module.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from .._gather import Bypass, broadcast_
+from .._gather import Bypass
 from .._imports import lookup
-from .._names import canonical_name
-from ._base import Adapter, ShardedAdapter
+from ._base import ShardedAdapter
 from ._dtensor import (
     TP_HOOKS,
     Layout,
-    full_copies,
-    full_value,
-    gather_many,
     is_dtensor,
-    local_bytes,
-    local_layout,
-    local_placement,
     mesh_device,
     mesh_key,
-    pieces,
     readable,
     refuse_tp_adapters,
-    shard_map,
 )
+from ._dtensor_parts import dtensor_parts
 from ._likeness import distributed_copy
-from ._primitives import Piece, Topology
+from ._parts import Parts
+from ._primitives import Topology
 
 
 class TensorParallelAdapter(ShardedAdapter):
@@ -102,74 +94,10 @@ class TensorParallelAdapter(ShardedAdapter):
     def is_sharded(self) -> bool:
         return self.world_size > 1
 
-    # -- shards and shapes ------------------------------------------------------------------------
-    def global_numel(self, p: torch.Tensor) -> int:
-        return p.numel()  # a DTensor reports its global shape
-
-    def full_shapes(self) -> dict[int, tuple[int, ...]]:
-        return {}
-
-    def resident_parameter_bytes(self) -> int:
-        return local_bytes(self._unique_parameters())
-
-    def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
-        return shard_map((canonical_name(n), p) for n, p in self.unwrap().named_parameters())
-
-    def layout_tensors(self) -> list[torch.Tensor] | None:
-        return local_layout(self.unwrap())
-
-    # -- gathering and writing back -------------------------------------------------------------
-    def gather_bypass(self) -> Bypass:
-        return Bypass(TP_HOOKS)
-
-    def gather_one(self, p: torch.Tensor) -> torch.Tensor:
-        return full_value(p)
-
-    def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
-        # One parameter at a time through ``gather_one``: a DTensor's full value, a plain tensor as it is.
-        return Adapter.gather_each(self)
-
-    def gather_units(self) -> list[list[torch.nn.Parameter]] | None:
-        # Every parameter is split on its own, and any set of them goes in one collective (``gather_many``).
-        return Adapter.gather_units(self)
-
-    def gather_many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
-        yield from gather_many(params)
-
-    def full_parameter_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self._unique_parameters())
-
-    @contextlib.contextmanager
-    def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
-        plain = [p for p in self._unique_parameters() if not is_dtensor(p)]
-
-        def written() -> None:
-            # The layers the plan left alone hold plain tensors, one whole copy per rank: the
-            # writer's values go to every rank, as the shards' do.
-            assert modifier_rank is not None
-            broadcast_([p.data for p in plain], modifier_rank, self.process_group(), self.world_size)
-            self.weights_written()
-
-        with full_copies(list(self._dtensors()), {}, modifier_rank, self.topology(), self.world_size,
-                         written) as replace:
-            yield replace
-
-    @contextlib.contextmanager
-    def gather_layerwise(self) -> Iterator[None]:
-        yield  # the TP forward as it is: every rank runs each layer on its shards, together
-
-    def load_pieces(self) -> list[Piece]:
-        return pieces((canonical_name(n), p) for n, p in self.unwrap().named_parameters())
+    def parts(self) -> Parts:
+        return dtensor_parts(self, lambda: Bypass(TP_HOOKS))
 
     # -- likeness ------------------------------------------------------------------------------------
     def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
         # Only transformers records the plan it applied; a plan applied by hand cannot be applied again.
         return distributed_copy(self) or super().fresh_copy(ds_config)
-
-    # -- placement ----------------------------------------------------------------------------------
-    def move(self, target: torch.device, copy: bool) -> None:
-        # A DTensor's ``to()`` moves its local shard and keeps its placements.
-        Adapter.move(self, target, copy)
-
-    def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return local_placement(super().placement_tensors())

@@ -1,0 +1,127 @@
+"""The parts an adapter is made of, one implementation per storage kind.
+
+A backend's adapter says what its wrapper is (detection, peeling, device, topology) and hands out
+three parts that say how its weights are stored:
+
+- ``Weights``: this rank's tensors, the full shapes, the slices a load fills;
+- ``Gatherer``: full values out of the shards, and back in (one gather, write-back or roll-back);
+- ``Placement``: moving this rank's tensors and naming what a move must have moved.
+
+One implementation per storage kind: whole tensors (``_whole.py``: plain, DataParallel, DDP, ZeRO
+0-2), DTensors (``_dtensor_parts.py``: FSDP2 and tensor parallelism, with options). A backend that
+stores its weights like another passes that kind's parts, and writes none of its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from .._gather import Bypass
+from ._primitives import Piece
+
+__all__ = ["Weights", "Gatherer", "Placement", "Parts", "PART_PRIMITIVES"]
+
+# The adapter's primitives that are one call into its parts (``Adapter`` forwards them): a sharded adapter
+# that gives parts of its own need not define these itself.
+PART_PRIMITIVES = frozenset({
+    "num_parameters", "param_shapes", "frozen_parameters", "global_numel", "full_shapes", "resident_parameter_bytes",
+    "local_shards", "layout_tensors", "load_pieces",
+    "gather_one", "gather_each", "gather_units", "gather_many", "gather_full", "gather_layerwise", "gather_bypass",
+    "full_parameter_bytes", "move", "placement_tensors",
+})
+
+Shape = tuple[int, ...]
+
+
+class Weights(Protocol):
+    def global_numel(self, p: torch.Tensor) -> int:
+        """Elements of the full parameter that ``p`` is (a shard of)."""
+        ...
+
+    def full_shapes(self) -> dict[int, Shape]:
+        """``id(parameter)`` -> full shape, for the parameters whose local tensor is only a shard."""
+        ...
+
+    def count(self, trainable_only: bool) -> int:
+        """Global parameter count (trainable ones only, if asked), shared (tied) parameters counted once."""
+        ...
+
+    def param_shapes(self) -> dict[str, Shape]:
+        """Canonical name -> full shape of every parameter (tied ones under each name); nothing gathered."""
+        ...
+
+    def resident_bytes(self) -> int:
+        """Bytes of parameter storage this rank holds now (shards, and anything gathered); no collective."""
+        ...
+
+    def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
+        """Canonical name -> (this rank's shard, a layout key); None without one shard per parameter."""
+        ...
+
+    def layout_tensors(self) -> list[torch.Tensor] | None:
+        """This rank's shard of every parameter, then every buffer, in one walk; None where ``local_shards`` is."""
+        ...
+
+    def pieces(self) -> list[Piece]:
+        """This rank's part of every parameter (tied ones once), for filling it from a checkpoint."""
+        ...
+
+
+class Gatherer(Protocol):
+    def one(self, p: torch.Tensor) -> torch.Tensor:
+        """The full value of parameter ``p``."""
+        ...
+
+    def each(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(canonical name, full tensor)`` for every parameter, gathered one (or one unit) at a time."""
+        ...
+
+    def units(self) -> list[list[torch.nn.Parameter]] | None:
+        """Every parameter (tied ones once), in the smallest sets gathered together; None: use ``each``."""
+        ...
+
+    def many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """``(parameter, full value in its own dtype)`` for whole units, in one collective where sharded."""
+        ...
+
+    def full(self, modifier_rank: int | None) -> contextlib.AbstractContextManager[Any]:
+        """Every parameter full inside; writes on ``modifier_rank`` kept on exit; yields a ``Replace`` or None."""
+        ...
+
+    def layerwise(self) -> contextlib.AbstractContextManager[None]:
+        """Inside, the module runs on the backend's own per-unit gathering; everything set up is undone on exit."""
+        ...
+
+    def bypass(self) -> Bypass | None:
+        """What must leave the call path for the module to run on full parameters, or None."""
+        ...
+
+    def full_bytes(self) -> int:
+        """Bytes of every parameter gathered, in the dtype the backend gathers and computes in."""
+        ...
+
+
+class Placement(Protocol):
+    def move(self, target: torch.device, copy: bool) -> None:
+        """Move this rank's parameters, gradients and buffers to ``target``, keeping every Parameter object."""
+        ...
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for every parameter, shard and buffer that placement moves and verifies."""
+        ...
+
+    def frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
+        """Every parameter whose ``requires_grad`` goes off when the model is frozen."""
+        ...
+
+
+class Parts(NamedTuple):
+    """What ``Adapter.parts()`` returns: the storage kind's three parts for this model."""
+
+    weights: Weights
+    gatherer: Gatherer
+    placement: Placement
