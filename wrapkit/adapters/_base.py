@@ -27,7 +27,7 @@ from .._imports import lookup
 from .._module_internals import live_entries
 from .._names import canonical_name, model_class_name
 from ._dtensor import local_tensor
-from ._parts import PART_PRIMITIVES, Parts
+from ._parts import PART_PRIMITIVES, Parts, Written
 from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives, Piece, Topology
 from ._whole import move_buffers, whole_parts
 
@@ -275,14 +275,17 @@ class Adapter:
 
     def weights_written(self) -> None:
         """Called after weights were written in place (load, copy_to): refresh any private copies."""
+        self.weights.written(Written.WEIGHTS)
 
     def masters_written(self, values: Mapping[str, torch.Tensor]) -> None:
         """Called after ``values`` were loaded: a backend keeping fp32 masters of 16-bit weights
         puts them there exactly (``weights_written`` refreshed the masters from the rounded weights)."""
+        self.weights.written(Written.VALUES, values)
 
     def shards_written(self) -> None:
         """Called after ``local_shards()`` tensors were written in place: rebuild any full
         copies the backend keeps of them. Collective where the backend's refresh is."""
+        self.weights.written(Written.SHARDS)
 
     def load_pieces(self) -> list[Piece]:
         """This rank's part of every parameter (tied ones once)."""
@@ -290,8 +293,7 @@ class Adapter:
 
     def pieces_written(self) -> None:
         """Called after every ``load_pieces()`` piece was written."""
-        self.weights_written()
-        self.shards_written()
+        self.weights.written(Written.PIECES)
 
     def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
         """Canonical name -> (this rank's shard, a layout key), for backends that keep one shard per
@@ -325,7 +327,7 @@ class Adapter:
     def gather_exported(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         """``gather_many`` for a checkpoint: each value as ``gather_each`` exports it, where the backend
         keeps a truer copy than the module's weights (a 16-bit engine's fp32 masters)."""
-        return self.gather_many(params)
+        return self.gatherer.exported(params)
 
     def full_parameter_bytes(self) -> int:
         """Bytes that every parameter, gathered, takes in the dtype the backend computes in."""

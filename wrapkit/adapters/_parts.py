@@ -15,7 +15,8 @@ stores its weights like another passes that kind's parts, and writes none of its
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import enum
+from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -23,18 +24,28 @@ import torch
 from .._gather import Bypass
 from ._primitives import Piece
 
-__all__ = ["Weights", "Gatherer", "Placement", "Parts", "PART_PRIMITIVES"]
+__all__ = ["Weights", "Gatherer", "Placement", "Parts", "PART_PRIMITIVES", "Written"]
 
 # The adapter's primitives that are one call into its parts (``Adapter`` forwards them): a sharded adapter
 # that gives parts of its own need not define these itself.
 PART_PRIMITIVES = frozenset({
     "num_parameters", "param_shapes", "frozen_parameters", "global_numel", "full_shapes", "resident_parameter_bytes",
     "local_shards", "layout_tensors", "load_pieces",
+    "weights_written", "masters_written", "shards_written", "pieces_written", "gather_exported",
     "gather_one", "gather_each", "gather_units", "gather_many", "gather_full", "gather_layerwise", "gather_bypass",
     "full_parameter_bytes", "move", "placement_tensors",
 })
 
 Shape = tuple[int, ...]
+
+
+class Written(enum.Enum):
+    """What was just written, for ``Weights.written`` to refresh what the backend derives from it."""
+
+    WEIGHTS = "the module's weights, in place (a load, copy_to, gathered(modifier_rank=...))"
+    SHARDS = "this rank's local_shards(), in place (a shard-to-shard sync)"
+    PIECES = "every pieces() piece (a load), master copies included where the pieces keep them"
+    VALUES = "full values loaded: master copies of 16-bit weights take them exactly"
 
 
 class Weights(Protocol):
@@ -70,6 +81,12 @@ class Weights(Protocol):
         """This rank's part of every parameter (tied ones once), for filling it from a checkpoint."""
         ...
 
+    def written(self, kind: Written, values: Mapping[str, torch.Tensor] | None = None) -> None:
+        """``kind`` was written (``values``: the full values, for ``Written.VALUES``): refresh what the backend
+        keeps derived from it (full copies of shards, an optimizer's master weights). Collective where the
+        backend's refresh is."""
+        ...
+
 
 class Gatherer(Protocol):
     def one(self, p: torch.Tensor) -> torch.Tensor:
@@ -86,6 +103,10 @@ class Gatherer(Protocol):
 
     def many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         """``(parameter, full value in its own dtype)`` for whole units, in one collective where sharded."""
+        ...
+
+    def exported(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """``many`` as a checkpoint holds the values: those the optimizer steps (fp32 masters) where it keeps them."""
         ...
 
     def full(self, modifier_rank: int | None) -> contextlib.AbstractContextManager[Any]:

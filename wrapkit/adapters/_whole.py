@@ -4,7 +4,7 @@ DDP, and a DeepSpeed engine below ZeRO-3. Gathering is reading; a write on one r
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,7 +12,7 @@ import torch
 from .._agree import settle
 from .._gather import Bypass, broadcast_
 from .._names import canonical_name
-from ._parts import Parts
+from ._parts import Parts, Written
 from ._primitives import Piece, copy_into
 
 if TYPE_CHECKING:
@@ -72,6 +72,9 @@ class WholeWeights:
         return [Piece(canonical_name(name), 0, p.numel(), tuple(p.shape), copy_into(p.data))
                 for name, p in self.model.unwrap().named_parameters()]
 
+    def written(self, kind: Written, values: Mapping[str, torch.Tensor] | None = None) -> None:
+        return None  # the weights are all there is: nothing derived to refresh
+
 
 class WholeGatherer:
     def __init__(self, model: Adapter) -> None:
@@ -90,6 +93,9 @@ class WholeGatherer:
     def many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         for p in params:
             yield p, p.detach()
+
+    def exported(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        return self.many(params)
 
     def bypass(self) -> Bypass | None:
         return None
