@@ -233,6 +233,7 @@ def topologies() -> dict[str, Any]:
 
     import wrapkit
     from wrapkit._registry import as_adapter
+    from wrapkit.adapters import Role
     from wrapkit.cli._models import build
 
     out: dict[str, Any] = {}
@@ -250,6 +251,7 @@ def topologies() -> dict[str, Any]:
                             and wm.mesh() is mesh),
             "world_size": wm.world_size,
             "roles": described.roles,
+            "roles_typed": all(isinstance(r, Role) for r in described.roles),
             "data_parallel": (wm.data_parallel_rank, wm.data_parallel_size),
             "describe": wm.describe(),
         }

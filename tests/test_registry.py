@@ -259,6 +259,7 @@ def test_topology_of_every_four_rank_layout(group4: Any) -> None:
         assert obs["fsdp2/tp"]["roles"] == ("shard", "tp") and obs["fsdp2/tp"]["mesh"] == (2, 2)
         assert obs["fsdp2/hsdp-tp"]["roles"] == ("replicate", "shard", "tp")
         assert obs["fsdp2/hsdp-tp"]["mesh"] == (2, 1, 2)
+        assert all(t["roles_typed"] for t in obs.values())  # each role a Role, equal to its name
         # Every rank of a data-parallel layout takes its own batch: 4 of them, or 2 per model of a sub-group.
         ranks = {k: t["data_parallel"] for k, t in obs.items()}
         for layout in ("fsdp/hsdp", "fsdp/hybrid-groups", "fsdp2/hsdp", "zero3/flat", "fsdp/flat"):

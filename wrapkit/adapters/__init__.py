@@ -2,7 +2,7 @@
 
 from .._gather import Bypass
 from ._base import Adapter, ShardedAdapter
-from ._primitives import Topology
+from ._topology import Role, Topology
 from .ddp import DDPAdapter
 from .deepspeed import DeepSpeedAdapter
 from .dp import DataParallelAdapter
@@ -16,6 +16,7 @@ __all__ = [
     "ShardedAdapter",
     "Bypass",
     "Topology",
+    "Role",
     "PlainAdapter",
     "DataParallelAdapter",
     "DDPAdapter",

@@ -28,7 +28,8 @@ from .._module_internals import live_entries
 from .._names import canonical_name, model_class_name
 from ._dtensor import local_tensor
 from ._parts import PART_PRIMITIVES, Parts, Written
-from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives, Piece, Topology
+from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives, Piece
+from ._topology import Topology
 from ._whole import move_buffers, whole_parts
 
 __all__ = ["Adapter", "ReplicatedAdapter", "ShardedAdapter", "Entry", "model_class_name", "move_buffers",
@@ -185,19 +186,7 @@ class Adapter:
         return self._data_parallel()[1]
 
     def _data_parallel(self) -> tuple[int, int]:
-        if not self.distributed or not (dist.is_available() and dist.is_initialized()):
-            return 1, 0
-        topology = self.topology()
-        size, rank = self._group_size_and_rank()
-        # The ranks along the tensor-parallel dimension (the group's innermost) split layers, and those
-        # along a context-parallel one (the next) the sequence, of one shared batch.
-        for shared in (topology.tp_group, topology.cp_group):
-            if shared is not None:
-                n = dist.get_world_size(shared)
-                size, rank = size // n, rank // n
-        for g in topology.replicas:  # each copy takes its own batches: copy index outermost
-            size, rank = dist.get_world_size(g) * size, dist.get_rank(g) * size + rank
-        return size, rank
+        return self.topology().data_parallel() if self.distributed else (1, 0)
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Global parameter count, shared (tied) parameters counted once."""
@@ -226,13 +215,9 @@ class Adapter:
 
     def _mesh_lines(self) -> list[str]:
         """The mesh, each dimension's size and role, and the batches, where the model lies on a mesh."""
-        topology = self.topology()
-        mesh = topology.mesh
-        if mesh is None:
+        dims = self.topology().mesh_text()
+        if dims is None:
             return []
-        names = getattr(mesh, "mesh_dim_names", None) or [f"dim{i}" for i in range(mesh.ndim)]
-        roles = topology.roles or ("?",) * mesh.ndim
-        dims = ", ".join(f"{n}={mesh.size(i)} {r}" for i, (n, r) in enumerate(zip(names, roles, strict=True)))
         size, rank = self._data_parallel()
         return [f"mesh:         {dims}", f"batches:      data-parallel rank {rank} of {size}"]
 

@@ -26,7 +26,8 @@ from .._errors import UnsupportedModelError
 from .._gather import Replace, all_gather_into, submodules
 from .._imports import lookup
 from ._internals import DEVICE_MESH, require_internals
-from ._primitives import Piece, Topology, copy_into
+from ._primitives import Piece, copy_into
+from ._topology import Topology
 
 __all__ = ["TP_HOOKS", "Layout", "is_dtensor", "local_tensor", "mesh_key", "shard_key", "full_values",
            "full_value", "write_full", "refuse_tp_adapters", "flat_group", "load_piece", "readable", "shard_map",

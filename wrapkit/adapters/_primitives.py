@@ -19,6 +19,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from .._gather import Bypass
+from ._topology import Topology
 
 __all__ = ["BackendPrimitives", "Piece", "Topology", "SHARDED_PRIMITIVES", "copy_into"]
 
@@ -31,29 +32,6 @@ SHARDED_PRIMITIVES = (
     "gather_each", "gather_units", "gather_many", "gather_full", "gather_layerwise", "gather_bypass",
     "full_parameter_bytes", "resident_parameter_bytes", "load_pieces", "move", "placement_tensors",
 )
-
-
-class Topology(NamedTuple):
-    """The groups a model lies over, described once by its backend (``topology()``).
-
-    ``group``: the ranks over which one copy of the model is sharded, or (unsharded backends)
-    replicated; None is the default group. ``replicas``: where each copy is sharded within
-    ``group`` and copies repeat across other ranks (HSDP, HYBRID_SHARD), one group per such
-    dimension, across the copies; else empty. ``mesh``: the DeviceMesh these groups are
-    dimensions of, where the backend was given one; else None. ``roles``: what each dimension of
-    ``mesh`` does, ``"replicate"`` (copies), ``"shard"`` (slices of each parameter, each rank taking
-    its own batch) or ``"tp"`` (tensor parallel: slices of each layer, one batch shared). ``tp_group``:
-    the ranks that share one batch (tensor parallelism), else None. ``cp_group``: the ranks within
-    ``group`` that split the sequence of one shared batch (context parallelism folded into the
-    dimension the model is sharded over), else None. Within ``group``, tp ranks are the innermost,
-    cp ranks the next."""
-
-    group: Any
-    replicas: tuple[Any, ...]
-    mesh: Any
-    roles: tuple[str, ...] = ()
-    tp_group: Any = None
-    cp_group: Any = None
 
 
 class Piece(NamedTuple):

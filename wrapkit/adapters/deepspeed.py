@@ -15,7 +15,7 @@ from .._imports import is_instance
 from ._base import ShardedAdapter, replicated_copy
 from ._internals import ZERO3_PARAM, require_internals
 from ._parts import Parts
-from ._primitives import Topology
+from ._topology import Topology
 from ._zero_parts import zero_parts
 from ._zero_reference import engine_dtype, reference_config, reference_engine, zero3_copy
 from ._zero_states import offload_engine_states, sleep_way

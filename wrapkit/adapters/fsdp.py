@@ -14,7 +14,7 @@ from ._flat_parts import units as fsdp_units
 from ._internals import FSDP1_FLAT, FSDP1_HANDLE, FSDP1_UNIT, require_internals
 from ._likeness import block_classes, copy_buffers, skeleton
 from ._parts import Parts
-from ._primitives import Topology
+from ._topology import Role, Topology
 
 
 class FSDPAdapter(ShardedAdapter):
@@ -44,7 +44,7 @@ class FSDPAdapter(ShardedAdapter):
         replicas = (across,) if "HYBRID" in strategy and across is not None else ()
         mesh = getattr(root, "_device_mesh", None)
         # The mesh HYBRID_SHARD was given is (replicate, shard); a 1-D one shards.
-        roles = () if mesh is None else ("replicate", "shard")[-mesh.ndim:]
+        roles = () if mesh is None else (Role.REPLICATE, Role.SHARD)[-mesh.ndim:]
         return Topology(getattr(root, "process_group", None), replicas, mesh, roles)
 
     @property

@@ -9,6 +9,7 @@ and tensor-parallel dimensions together: that is the group, and the ranks along 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,7 +33,7 @@ from ._dtensor_parts import dtensor_parts
 from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, FSDP_MANAGED, require_internals
 from ._likeness import block_classes, copy_buffers, distributed_copy, skeleton
 from ._parts import Parts
-from ._primitives import Topology
+from ._topology import Role, Topology
 
 
 class FSDP2Adapter(ShardedAdapter):
@@ -71,26 +72,36 @@ class FSDP2Adapter(ShardedAdapter):
                     return Layout.of(fsdp_param.sharded_param)
         return next((Layout.of(p) for p in self._innermost.parameters() if is_dtensor(p)), None)
 
+    @functools.cached_property
     def _tp_mesh(self) -> Any:
         """The mesh of the parameters tensor parallelism split before fully_shard sharded them (its
         dimensions fully_shard's, then the tensor-parallel ones), else None. Read off FSDP2's own sharded
         parameters and kept: inside ``gathered()`` the module holds plain full copies."""
-        if "_kept_tp_mesh" not in self.__dict__:
-            own = self._own_mesh()
-            meshes = (fsdp_param.sharded_param.device_mesh for _, state in self._fsdp_states()
-                      for group in getattr(state, "_fsdp_param_groups", ()) for fsdp_param in group.fsdp_params)
-            self.__dict__["_kept_tp_mesh"] = next(
-                (m for m in meshes if own is not None and m.ndim > own.ndim), None)
-        return self.__dict__["_kept_tp_mesh"]
+        own = self._own_mesh()
+        meshes = (fsdp_param.sharded_param.device_mesh for _, state in self._fsdp_states()
+                  for group in getattr(state, "_fsdp_param_groups", ()) for fsdp_param in group.fsdp_params)
+        return next((m for m in meshes if own is not None and m.ndim > own.ndim), None)
 
     def topology(self) -> Topology:
-        tp_mesh = self._tp_mesh()
-        if tp_mesh is not None:
-            return self._tp_topology(tp_mesh)
+        return self._topology
+
+    @functools.cached_property
+    def _topology(self) -> Topology:
+        # Read once: inside ``gathered()`` the module holds plain full copies, and the groups' ranks are
+        # asked of torch. Beside tensor parallelism, fully_shard's dimensions keep their roles (HSDP's
+        # replicate, then shard) and the ones after them are tensor parallel: one copy lies over shard
+        # and tp together.
+        mesh = self._tp_mesh
+        if mesh is not None:
+            own = self._own_mesh().ndim
+            roles = (Role.REPLICATE,) * (own - 1) + (Role.SHARD,) + (Role.TENSOR,) * (mesh.ndim - own)
+            group = flat_group(mesh, tuple(range(own - 1, mesh.ndim)))
+            replicas = tuple(mesh.get_group(d) for d in range(own - 1))
+            return Topology(group, replicas, mesh, roles, mesh.get_group(own), self._context_group(group))
         layout = self._layout()
         if layout is None:
             return Topology(None, (), self._own_mesh())
-        roles = tuple("shard" if d in layout.shard_dims else "replicate" for d in range(layout.mesh.ndim))
+        roles = tuple(Role.SHARD if d in layout.shard_dims else Role.REPLICATE for d in range(layout.mesh.ndim))
         group = layout.shard_group()
         return Topology(group, tuple(layout.replica_groups()), self._own_mesh(), roles,
                         cp_group=self._context_group(group))
@@ -98,36 +109,20 @@ class FSDP2Adapter(ShardedAdapter):
     def _context_group(self, group: Any) -> Any:
         """The ranks of a context-parallel dimension (``cp``, as accelerate and torchtitan name it) that the
         mesh given to fully_shard folds in (accelerate shards over ``dp_shard_cp``): they split the sequence
-        of one batch. None where there is none. Kept: the answer asks torch for the groups' ranks."""
-        if "_kept_cp" not in self.__dict__:
-            own = self._own_mesh()
-            root_of = getattr(own, "_get_root_mesh", None)
-            root = root_of() if root_of is not None else None
-            names = tuple(getattr(root, "mesh_dim_names", None) or ())
-            cp = None
-            if root is not None and root is not own and "cp" in names and root.size(names.index("cp")) > 1:
-                cp = root.get_group("cp")
-                inside = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-                if not set(dist.get_process_group_ranks(cp)) <= inside:
-                    cp = None  # a dimension the model is not sharded over: its ranks hold copies
-            self.__dict__["_kept_cp"] = cp
-        return self.__dict__["_kept_cp"]
-
-    def _tp_topology(self, mesh: Any) -> Topology:
-        """FSDP2 beside tensor parallelism: fully_shard's dimensions keep their roles (HSDP's replicate,
-        then shard), the ones after them are tensor parallel; one copy lies over shard and tp together."""
-        kept: Topology | None = self.__dict__.get("_kept_topology")
-        if kept is None:
-            own = self._own_mesh().ndim
-            roles = ("replicate",) * (own - 1) + ("shard",) + ("tp",) * (mesh.ndim - own)
-            group = flat_group(mesh, tuple(range(own - 1, mesh.ndim)))
-            replicas = tuple(mesh.get_group(d) for d in range(own - 1))
-            kept = self.__dict__["_kept_topology"] = Topology(group, replicas, mesh, roles, mesh.get_group(own),
-                                                              self._context_group(group))
-        return kept
+        of one batch. None where there is none."""
+        own = self._own_mesh()
+        root_of = getattr(own, "_get_root_mesh", None)
+        root = root_of() if root_of is not None else None
+        names = tuple(getattr(root, "mesh_dim_names", None) or ())
+        if root is None or root is own or "cp" not in names or root.size(names.index("cp")) <= 1:
+            return None
+        cp = root.get_group("cp")
+        inside = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+        # A dimension the model is not sharded over: its ranks hold copies.
+        return cp if set(dist.get_process_group_ranks(cp)) <= inside else None
 
     def _check_stack(self) -> None:
-        if self._tp_mesh() is not None:
+        if self._tp_mesh is not None:
             refuse_tp_adapters(self.stack)
 
     def _check_internals(self) -> None:
@@ -144,7 +139,7 @@ class FSDP2Adapter(ShardedAdapter):
         # parallelism over one more dimension after it. Any other mesh, or a placement not made by
         # these two (Partial, a custom one), is beyond every read and write here.
         mesh = self._own_mesh()
-        tp_mesh = self._tp_mesh()
+        tp_mesh = self._tp_mesh
         meshes = [mesh_key(m) for m in (mesh, tp_mesh) if m is not None]
         names = getattr(tp_mesh, "mesh_dim_names", None)
         if mesh is not None and names:
@@ -205,7 +200,7 @@ class FSDP2Adapter(ShardedAdapter):
         # register_fsdp_forward_method, live in torch.distributed.fsdp; tensor parallelism's
         # redistribution of inputs and outputs in torch's hooks or transformers' replaced forwards.
         def bypass() -> Bypass:
-            tp = TP_HOOKS if self._tp_mesh() is not None else ()
+            tp = TP_HOOKS if self._tp_mesh is not None else ()
             return Bypass(("torch.distributed.fsdp.", *tp), flags_off=FSDP_MANAGED)
 
         def cast_hooks() -> list[Any]:
@@ -226,7 +221,7 @@ class FSDP2Adapter(ShardedAdapter):
     # -- likeness ------------------------------------------------------------------------------------
     def _like(self, module: torch.nn.Module) -> torch.nn.Module:
         """``module`` sharded per block on this model's mesh, with its root's mixed precision."""
-        if self._tp_mesh() is not None:
+        if self._tp_mesh is not None:
             raise UnsupportedModelError(
                 "the fsdp2 backend cannot shard a reference model the way this policy is: tensor parallelism "
                 "beside fully_shard keeps no record of its plan on the model; parallelize ref_model with the "
@@ -241,7 +236,7 @@ class FSDP2Adapter(ShardedAdapter):
         return self._like(module)
 
     def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
-        if self._tp_mesh() is not None:
+        if self._tp_mesh is not None:
             self._reshard()  # copied shard to shard: every parameter in its sharded layout
             copied = distributed_copy(self)
             if copied is not None:

@@ -12,6 +12,7 @@ runs as the plain module.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,7 +33,7 @@ from ._dtensor import (
 from ._dtensor_parts import dtensor_parts
 from ._likeness import distributed_copy
 from ._parts import Parts
-from ._primitives import Topology
+from ._topology import Role, Topology
 
 
 class TensorParallelAdapter(ShardedAdapter):
@@ -54,24 +55,21 @@ class TensorParallelAdapter(ShardedAdapter):
     def _dtensors(self) -> Iterator[Any]:
         return (p for p in self._unique_parameters() if is_dtensor(p))
 
+    @functools.cached_property
     def _layout(self) -> Layout | None:
         """The layout of the first parameter the plan splits (a replicated one splits nothing). Kept
         from the first read (at ``adapt()``): inside ``gathered()`` the module holds plain full copies,
         and the group, rank and mesh read off them would be gone."""
-        kept: Layout | None = self.__dict__.get("_kept_layout")
-        if kept is None:
-            layouts = (Layout.of(p) for p in self._dtensors())
-            kept = self.__dict__["_kept_layout"] = next((lay for lay in layouts if lay.shard_dims), None)
-        return kept
+        return next((lay for lay in (Layout.of(p) for p in self._dtensors()) if lay.shard_dims), None)
 
     def _check_stack(self) -> None:
         refuse_tp_adapters(self.stack)
 
     def topology(self) -> Topology:
-        layout = self._layout()
+        layout = self._layout
         if layout is None:
             return Topology(None, (), None)
-        roles = tuple("tp" if d in layout.shard_dims else "replicate" for d in range(layout.mesh.ndim))
+        roles = tuple(Role.TENSOR if d in layout.shard_dims else Role.REPLICATE for d in range(layout.mesh.ndim))
         group = layout.shard_group()
         # Every rank of the group holds a slice of each layer and takes the same batch.
         return Topology(group, tuple(layout.replica_groups()), layout.mesh, roles, tp_group=group)
@@ -79,7 +77,7 @@ class TensorParallelAdapter(ShardedAdapter):
     def unsupported_dtensor(self, p: Any) -> str | None:
         if not readable(p):
             return "placements other than Shard and Replicate are a layout the tp adapter cannot read"
-        layout = self._layout()
+        layout = self._layout
         if layout is None or mesh_key(p.device_mesh) != mesh_key(layout.mesh):
             return "the parameters lie on different meshes, a layout the tp adapter cannot read"
         if len(layout.shard_dims) != 1:

@@ -1,0 +1,79 @@
+"""The topology: the groups a model lies over and what each mesh dimension does, described once by its
+backend (``Adapter.topology()``). Everything else about ranks is derived from it: the group, the copies,
+the mesh, and which ranks take the same batch."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+import torch.distributed as dist
+
+__all__ = ["Role", "Topology"]
+
+
+class Role(str, enum.Enum):
+    """What the ranks along one mesh dimension hold. A ``str`` too, so that it compares, prints and
+    serialises as its value (``Role.SHARD == "shard"``)."""
+
+    REPLICATE = "replicate"  # copies of the model; each rank takes its own batches
+    SHARD = "shard"  # slices of each parameter; each rank takes its own batches
+    TENSOR = "tp"  # slices of each layer; the ranks share one batch
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def shares_batch(self) -> bool:
+        """Whether the ranks along a dimension of this role compute on one batch together."""
+        return self is Role.TENSOR
+
+
+class Topology(NamedTuple):
+    """The groups a model lies over.
+
+    ``group``: the ranks over which one copy of the model is sharded, or (unsharded backends)
+    replicated; None is the default group. ``replicas``: where each copy is sharded within ``group``
+    and copies repeat across other ranks (HSDP, HYBRID_SHARD), one group per such dimension, across
+    the copies; else empty. ``mesh``: the DeviceMesh these groups are dimensions of, where the backend
+    was given one; else None. ``roles``: the ``Role`` of each dimension of ``mesh``. ``tp_group``: the
+    ranks that split each layer and share one batch (tensor parallelism), else None. ``cp_group``: the
+    ranks within ``group`` that split the sequence of one shared batch (context parallelism folded into
+    the dimension the model is sharded over), else None. Within ``group``, tp ranks are the innermost,
+    cp ranks the next."""
+
+    group: Any
+    replicas: tuple[Any, ...]
+    mesh: Any
+    roles: tuple[Role, ...] = ()
+    tp_group: Any = None
+    cp_group: Any = None
+
+    def batch_sharing_groups(self) -> tuple[Any, ...]:
+        """The groups, innermost first, whose ranks compute on one batch together."""
+        return tuple(g for g in (self.tp_group, self.cp_group) if g is not None)
+
+    def data_parallel(self) -> tuple[int, int]:
+        """(How many different batches the ranks holding this model take at each step, which one this
+        rank takes): the group's ranks less those sharing a batch, times the copies."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1, 0
+        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        for shared in self.batch_sharing_groups():
+            n = dist.get_world_size(shared)
+            size, rank = size // n, rank // n
+        for g in self.replicas:  # each copy takes its own batches: copy index outermost
+            size, rank = dist.get_world_size(g) * size, dist.get_rank(g) * size + rank
+        return size, rank
+
+    def mesh_text(self) -> str | None:
+        """Each mesh dimension's name, size and role, on one line; None without a mesh."""
+        mesh = self.mesh
+        if mesh is None:
+            return None
+        names = getattr(mesh, "mesh_dim_names", None) or [f"dim{i}" for i in range(mesh.ndim)]
+        roles: tuple[Any, ...] = self.roles or ("?",) * mesh.ndim
+        return ", ".join(f"{n}={mesh.size(i)} {r}" for i, (n, r) in enumerate(zip(names, roles, strict=True)))
