@@ -7,21 +7,20 @@ from typing import Any
 import pytest
 
 from tests import scenarios
-from wrapkit.cli._models import parse_stack
+from wrapkit.cli._models import BACKENDS, backend_of, parse_stack
 
 LOCAL = ["plain", "dp", "compile>peft", "peft>compile", "dp>compile>peft"]
 DISTRIBUTED = [
     "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3",
     "ddp>compile>peft", "compile>ddp", "fsdp2>peft", "zero2>peft", "zero3>peft", "fsdp>compile",
 ]
-_BACKENDS = {"dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3"}
 
 
 def expected(spec: str, world: int) -> dict[str, Any]:
     layers = [x for x in parse_stack(spec) if x != "plain"]
-    backend_layer = next((x for x in layers if x in _BACKENDS), None)
-    backend = "deepspeed" if backend_layer and backend_layer.startswith("zero") else (backend_layer or "plain")
-    stack = tuple("deepspeed" if x.startswith("zero") else x for x in layers) + ("LlamaForCausalLM",)
+    backend_layer = next((x for x in layers if x in BACKENDS), None)
+    backend = backend_of(backend_layer) or "plain" if backend_layer else "plain"
+    stack = tuple(backend_of(x) or x for x in layers) + ("LlamaForCausalLM",)
     below = layers[layers.index(backend_layer) + 1:] if backend_layer else layers
     keep_compile = next((x for x in below if x in ("compile", "peft")), None)
     distributed = backend not in ("plain", "dp")

@@ -31,7 +31,6 @@ OUTSIDE_ADAPTERS = {
     ("_module_internals.py", "_weight_conversions"),
     ("_torch_ops.py", "_C"),
     ("_torch_ops.py", "_nn"),
-    ("cli/_models.py", "_HYBRID_SHARD_ZERO2"),
     ("integrations/swift.py", "_class_to_module"),
     ("layers/compile.py", "_orig_mod"),
     ("shutdown.py", "_run_exitfuncs"),

@@ -277,3 +277,29 @@ def test_topology_of_every_four_rank_layout(group4: Any) -> None:
     assert sorted(r["fsdp/hsdp"]["data_parallel"][0] for r in results) == [0, 1, 2, 3]
     for layout in ("fsdp2/tp", "fsdp2/hsdp-tp", "fsdp2/cp"):
         assert [r[layout]["data_parallel"][0] for r in results] == [0, 0, 1, 1], layout
+
+
+# What a backend's adapter may define itself: what its wrapper is (detection, identity, the layouts it
+# refuses), its topology, its parts and its recipe; and, until they are parts of their own, its likeness
+# (copies like the model) and its sleep (training state off the device). Private helpers serve these.
+_WRAPPER = {"name", "peels", "distributed", "matches", "inner", "claims", "device", "is_sharded", "zero_stage",
+            "takes_ds_config", "patches_torch_ops", "unsupported_dtensor"}
+_COMPOSED = {"topology", "parts", "recipe"}
+_LIKENESS = {"wrap_like", "fresh_copy", "bare_frozen", "frozen_form"}
+_SLEEP = {"own_optimizer", "optimizer_tensors", "sleep_refusal", "offload_states"}
+
+
+def test_backend_adapters_define_only_their_wrapper_topology_parts_and_recipe() -> None:
+    from wrapkit.adapters import BUILTIN_ADAPTERS, CONTENT_ADAPTERS, PlainAdapter
+    from wrapkit.adapters._base import ReplicatedAdapter
+
+    allowed = _WRAPPER | _COMPOSED | _LIKENESS | _SLEEP
+    for cls in (*BUILTIN_ADAPTERS, *CONTENT_ADAPTERS, PlainAdapter, ReplicatedAdapter, wrapkit.ShardedAdapter):
+        public = {n for n in vars(cls) if not n.startswith("_")}
+        assert public <= allowed, (f"{cls.__name__} defines {sorted(public - allowed)}: a backend says how it "
+                                   "stores, gathers and moves weights through its parts (adapters/_parts.py)")
+    # Every built-in backend has a recipe, and a sharded one gives parts of its own.
+    for cls in (*BUILTIN_ADAPTERS, *CONTENT_ADAPTERS, PlainAdapter):
+        assert cls.recipe is not None, cls
+        if issubclass(cls, wrapkit.ShardedAdapter):
+            assert "parts" in vars(cls), cls

@@ -29,6 +29,7 @@ from .._names import canonical_name, model_class_name
 from ._dtensor import local_tensor
 from ._parts import PART_PRIMITIVES, Parts, Written
 from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives, Piece
+from ._recipes import Recipe
 from ._topology import Topology
 from ._whole import move_buffers, whole_parts
 
@@ -57,6 +58,8 @@ class Adapter:
     takes_ds_config: ClassVar[bool] = False
     # Whether the backend's modules run on torch functions it replaced process-wide (ZeRO-3).
     patches_torch_ops: ClassVar[bool] = False
+    # How the doctor and the tests build one (``_recipes.py``); None: detected and served, never built.
+    recipe: ClassVar[Recipe | None] = None
 
     # -- detection -----------------------------------------------------------------
     @classmethod

@@ -6,11 +6,22 @@ import torch
 
 from .._imports import is_instance
 from ._base import ReplicatedAdapter
+from ._recipes import Recipe, Setting, halves, whole
+
+
+def _build(layer: str, model: torch.nn.Module, setting: Setting) -> torch.nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    device = setting.device
+    group = halves()[0] if setting.topology == "subgroup" else None
+    return DistributedDataParallel(whole(model, setting), device_ids=[device] if device.type == "cuda" else None,
+                                   process_group=group)
 
 
 class DDPAdapter(ReplicatedAdapter):
     name = "ddp"
     distributed = True
+    recipe = Recipe(("ddp",), _build, order=2, topologies=frozenset({"subgroup"}))
 
     @classmethod
     def matches(cls, obj: object) -> bool:

@@ -15,15 +15,33 @@ from .._imports import is_instance
 from ._base import ShardedAdapter, replicated_copy
 from ._internals import ZERO3_PARAM, require_internals
 from ._parts import Parts
+from ._recipes import Mpu, Recipe, Setting, ds_config
 from ._topology import Topology
 from ._zero_parts import zero_parts
 from ._zero_reference import engine_dtype, reference_config, reference_engine, zero3_copy
 from ._zero_states import offload_engine_states, sleep_way
 
 
+def _build(layer: str, model: torch.nn.Module, setting: Setting) -> torch.nn.Module:
+    import deepspeed
+
+    extra = {} if setting.half is None else {setting.precision: {"enabled": True}}
+    mpu = Mpu() if setting.topology == "subgroup" else None
+    if mpu is None:
+        # DeepSpeed keeps the last engine's mpu process-wide (deepspeed.utils.groups.mpu) and
+        # reads its groups from there: an engine after a sub-group one would inherit them.
+        from deepspeed.utils import groups
+
+        groups.mpu = None
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config(int(layer[4:]), **extra), mpu=mpu)
+    return engine  # type: ignore[no-any-return]
+
+
 class DeepSpeedAdapter(ShardedAdapter):
     name = "deepspeed"
     distributed = True
+    recipe = Recipe(("zero0", "zero1", "zero2", "zero3"), _build, order=5, topologies=frozenset({"subgroup"}),
+                    needs="deepspeed")
     takes_ds_config = True
     patches_torch_ops = True
 

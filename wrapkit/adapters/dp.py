@@ -5,10 +5,16 @@ from __future__ import annotations
 import torch
 
 from ._base import ReplicatedAdapter
+from ._recipes import Recipe, Setting, whole
+
+
+def _build(layer: str, model: torch.nn.Module, setting: Setting) -> torch.nn.Module:
+    return torch.nn.DataParallel(whole(model, setting))
 
 
 class DataParallelAdapter(ReplicatedAdapter):
     name = "dp"
+    recipe = Recipe(("dp",), _build, order=1)
 
     @classmethod
     def matches(cls, obj: object) -> bool:

@@ -14,12 +14,35 @@ from ._flat_parts import units as fsdp_units
 from ._internals import FSDP1_FLAT, FSDP1_HANDLE, FSDP1_UNIT, require_internals
 from ._likeness import block_classes, copy_buffers, skeleton
 from ._parts import Parts
+from ._recipes import Recipe, Setting, two_d_mesh
 from ._topology import Role, Topology
+
+
+def _build(layer: str, model: torch.nn.Module, setting: Setting) -> torch.nn.Module:
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    device, topology = setting.device, setting.topology
+    blocks = block_classes(model)
+    kwargs: dict[str, Any] = {}
+    if setting.half is not None:
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=setting.half, reduce_dtype=torch.float32)
+    if topology == "hsdp":
+        kwargs.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD, device_mesh=two_d_mesh(device))
+    elif topology == "hybrid-zero2":
+        kwargs.update(sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2, device_mesh=two_d_mesh(device))
+    elif topology == "hybrid-groups":
+        mesh = two_d_mesh(device)
+        kwargs.update(sharding_strategy=ShardingStrategy.HYBRID_SHARD,
+                      process_group=(mesh.get_group("shard"), mesh.get_group("replicate")))
+    return FullyShardedDataParallel(model, device_id=device, use_orig_params=True,
+                                    auto_wrap_policy=ModuleWrapPolicy(blocks) if blocks else None, **kwargs)
 
 
 class FSDPAdapter(ShardedAdapter):
     name = "fsdp"
     distributed = True
+    recipe = Recipe(("fsdp",), _build, order=3, topologies=frozenset({"hsdp", "hybrid-groups", "hybrid-zero2"}))
 
     @classmethod
     def matches(cls, obj: object) -> bool:

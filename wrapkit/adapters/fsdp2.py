@@ -33,13 +33,34 @@ from ._dtensor_parts import dtensor_parts
 from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, FSDP_MANAGED, require_internals
 from ._likeness import block_classes, copy_buffers, distributed_copy, skeleton
 from ._parts import Parts
+from ._recipes import Recipe, Setting, dp_tp_mesh, tensor_parallel, two_d_mesh
 from ._topology import Role, Topology
+
+
+def _build(layer: str, model: torch.nn.Module, setting: Setting) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    device, topology, half = setting.device, setting.topology, setting.half
+    if topology == "hsdp":
+        mesh = two_d_mesh(device)
+    elif topology in ("tp", "hsdp-tp"):
+        full = dp_tp_mesh(device, hsdp=topology == "hsdp-tp")
+        model = tensor_parallel(model.to(device), full["tp"])
+        mesh = full["dp"] if topology == "tp" else full["replicate", "shard"]
+    elif topology == "submesh":
+        mesh = two_d_mesh(device)["shard"]
+    else:
+        mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
+    mp = {} if half is None else {"mp_policy": MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)}
+    return fully_shard_per_block(model.to(device), mesh, **mp)
 
 
 class FSDP2Adapter(ShardedAdapter):
     name = "fsdp2"
     peels = False
     distributed = True
+    recipe = Recipe(("fsdp2",), _build, order=4, topologies=frozenset({"hsdp", "submesh", "tp", "hsdp-tp"}))
 
     @classmethod
     def matches(cls, obj: object) -> bool:

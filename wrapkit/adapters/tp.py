@@ -33,11 +33,17 @@ from ._dtensor import (
 from ._dtensor_parts import dtensor_parts
 from ._likeness import distributed_copy
 from ._parts import Parts
+from ._recipes import Recipe, Setting, dp_tp_mesh, tensor_parallel, whole
 from ._topology import Role, Topology
+
+
+def _build(layer: str, model: torch.nn.Module, setting: Setting) -> torch.nn.Module:
+    return tensor_parallel(whole(model, setting), dp_tp_mesh(setting.device)["tp"])
 
 
 class TensorParallelAdapter(ShardedAdapter):
     name = "tp"
+    recipe = Recipe(("tp",), _build, order=9)
     peels = False
     distributed = True
 

@@ -19,13 +19,12 @@ import torch
 
 from .._imports import is_available, version_of
 from ._families import FAMILIES, TP_RECIPE, any_model, model_inputs
-from ._models import BACKENDS, build, supports
+from ._models import build, needs, recipes, supports
 from ._ops import OPS, Refused
 from ._workers import WorkerError, WorkerGroup
 
 __all__ = ["run_doctor", "setup_backend", "run_op", "teardown_backend", "cause_of"]
 
-_NEEDS = {"zero0": "deepspeed", "zero1": "deepspeed", "zero2": "deepspeed", "zero3": "deepspeed"}
 _OP_TIMEOUT = 120.0
 
 # Per-worker state between calls: backend -> (wm, ctx). Lives in the worker processes.
@@ -254,7 +253,8 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
             print(f"wrapkit doctor: --model {model} needs transformers; install it with pip install 'wrapkit[all]'")
             return 2
         model = "toy"
-    selected = backends or list(BACKENDS)
+    known = tuple(recipes())  # every registered backend with a recipe, in its recipe's order
+    selected = backends or list(known)
     versions = {name: version_of(name) for name in ("torch", "deepspeed", "accelerate", "transformers", "peft")}
     use_nccl = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     device = "cuda" if use_nccl else "cpu"
@@ -273,15 +273,15 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
     group = WorkerGroup(world_size=world_size, backend="nccl" if use_nccl else "gloo",
                         preload=tuple(p for p in ("transformers", "peft", "deepspeed") if is_available(p)),
                         log_dir=logs.name)
-    runnable = [b for b in selected if b in BACKENDS and (not _NEEDS.get(b) or is_available(_NEEDS[b]))]
+    runnable = [b for b in selected if b in known and (not (need := needs(b)) or is_available(need))]
     t_start = time.perf_counter()
     try:
         with _progress(len(runnable) * len(columns)) as advance:
             for backend in selected:
-                if backend not in BACKENDS:
-                    rows[backend] = {"_status": "FAIL", "_error": f"unknown backend; known: {', '.join(BACKENDS)}"}
+                if backend not in known:
+                    rows[backend] = {"_status": "FAIL", "_error": f"unknown backend; known: {', '.join(known)}"}
                     continue
-                need = _NEEDS.get(backend)
+                need = needs(backend)
                 if need and not is_available(need):
                     rows[backend] = {"_status": f"not installed ({need})"}
                     continue
