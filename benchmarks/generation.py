@@ -97,7 +97,7 @@ def bare_gather(wm: Any) -> Callable[[], torch.Tensor]:
     adapter = wm._below  # the backend's own sizes and group
     world = max(wm.world_size, 1)
     dtype = next((p.dtype for p in wm.unwrap().parameters() if p.is_floating_point()), torch.float32)
-    numel = -(-adapter.full_parameter_bytes() // (dtype.itemsize * world))  # the bytes the backend gathers
+    numel = -(-adapter.gatherer.full_bytes() // (dtype.itemsize * world))  # the bytes the backend gathers
     send = torch.ones(numel, dtype=dtype)
     recv = torch.empty(numel * world, dtype=dtype)
 

@@ -36,8 +36,8 @@ def _times(backend: str, hidden: int, reps: int,
     # The usual target: a frozen reference prepared the way the policy is sharded.
     ref = wrapkit.prepare_reference(policy, tiny_llama(1, layers=8, hidden=hidden, vocab=1024))
     # The primitives are the adapter's, below the public handle.
-    shards = as_adapter(ref).local_shards()
-    sources = as_adapter(policy).local_shards()
+    shards = as_adapter(ref).weights.local_shards()
+    sources = as_adapter(policy).weights.local_shards()
     assert shards is not None and sources is not None
     pairs = [(shards[k][0], sources[k][0]) for k in shards]
     megabytes = sum(s.numel() * s.element_size() for _, s in pairs) / 2**20

@@ -54,7 +54,7 @@ def _times(backend: str, hidden: int, reps: int) -> dict[str, Any]:
     receiver = dict(target.named_parameters())
     group = as_adapter(wm).process_group()
     world = dist.get_world_size(group)
-    total = as_adapter(wm).full_parameter_bytes()
+    total = as_adapter(wm).gatherer.full_bytes()
     pieces = [min(BUCKET, total - start) for start in range(0, total, BUCKET)]
     sends = [torch.empty(-(-n // (4 * world)), dtype=torch.float32) for n in pieces]
 

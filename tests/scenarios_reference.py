@@ -47,7 +47,7 @@ class _Trainer:
 
 
 def _snapshot(wm: Any) -> dict[str, torch.Tensor]:
-    tensors = dict(as_adapter(wm).placement_tensors())
+    tensors = dict(as_adapter(wm).placement.tensors())
     # A ZeRO-3 parameter's data is compared through its partition: gathered copies come and go.
     return {name: t.detach().cpu().clone() for name, t in tensors.items() if f"{name} (partition)" not in tensors}
 
@@ -60,14 +60,14 @@ def place_round_trip(spec: str, device: str = "cpu") -> dict[str, Any]:
     losses = [trainer.step() for _ in range(2)]
     twin_losses = [twin_trainer.step() for _ in range(2)]
     before = _snapshot(wm)
-    ptrs = {name: t.data_ptr() for name, t in as_adapter(wm).placement_tensors() if t.numel() > 0}
+    ptrs = {name: t.data_ptr() for name, t in as_adapter(wm).placement.tensors() if t.numel() > 0}
     if dev.type == "cpu":
         # One device only: force fresh storage, as an offload to another device would.
         move_verified(as_adapter(wm), torch.device("cpu"), copy=True)
     else:
         assert wm.place("cpu") is wm
-    offloaded = sorted({str(t.device) for _, t in as_adapter(wm).placement_tensors()})
-    changed = sum(1 for name, t in as_adapter(wm).placement_tensors()
+    offloaded = sorted({str(t.device) for _, t in as_adapter(wm).placement.tensors()})
+    changed = sum(1 for name, t in as_adapter(wm).placement.tensors()
                   if t.numel() > 0 and t.data_ptr() != ptrs.get(name))
     returned = wm.place() is wm
     after = _snapshot(wm)
@@ -78,7 +78,7 @@ def place_round_trip(spec: str, device: str = "cpu") -> dict[str, Any]:
         "storages_changed": changed,
         "storages": len(ptrs),
         "returned_self": returned,
-        "home_devices": sorted({str(t.device) for _, t in as_adapter(wm).placement_tensors()}),
+        "home_devices": sorted({str(t.device) for _, t in as_adapter(wm).placement.tensors()}),
         "compute_device": str(wm.device),
         "bitwise_equal": before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before),
         "losses": losses,
@@ -104,7 +104,7 @@ def _frozen_facts(wm: Any) -> dict[str, Any]:
     return {
         "training_modules": sum(1 for m in wm.module.modules() if m.training),
         "trainable_parameters": wm.num_parameters(trainable_only=True),
-        "devices": sorted({str(t.device) for _, t in holder.placement_tensors()}),
+        "devices": sorted({str(t.device) for _, t in holder.placement.tensors()}),
     }
 
 

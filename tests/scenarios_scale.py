@@ -73,7 +73,7 @@ def layerwise(spec: str, precision: str, topology: str = "flat") -> dict[str, An
     and a peak of parameter memory far below the gathered model."""
     model = build_scale(spec, precision, topology)
     wm = wrapkit.adapt(model)
-    obs: dict[str, Any] = {"full_bytes": wm._below.full_parameter_bytes(),  # type: ignore[attr-defined]
+    obs: dict[str, Any] = {"full_bytes": wm._below.gatherer.full_bytes(),  # type: ignore[attr-defined]
                            "rank": dist.get_rank()}
     before = _snapshot(model)
     with wm.generation(gather="full") as m:
@@ -404,5 +404,5 @@ def bad_devices(spec: str) -> dict[str, Any]:
             obs[label] = "no error"
         except wrapkit.PlacementError as exc:
             obs[label] = str(exc)
-        obs[f"{label}_devices"] = sorted({str(t.device) for _, t in wrapkit.adapt(wm)._below.placement_tensors()})
+        obs[f"{label}_devices"] = sorted({str(t.device) for _, t in wrapkit.adapt(wm)._below.placement.tensors()})
     return obs

@@ -219,7 +219,7 @@ def _nap(wm: Any, opt: Any, level: int, obs: dict[str, Any]) -> None:
     obs["reports"].append(report._asdict())
     obs["moved_all"].append(not (before & _storages(asleep)))
     obs["kept"] = sorted({what for what, t in asleep if t.numel() and t.untyped_storage().data_ptr() in before})
-    obs["grads_after_sleep"].append(sum(1 for p in below.frozen_parameters() if p.grad is not None))
+    obs["grads_after_sleep"].append(sum(1 for p in below.placement.frozen_parameters() if p.grad is not None))
     obs["on_cpu"] = all(t.device.type == "cpu" for _, t in asleep)
     wm.wake()
 

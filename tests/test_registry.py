@@ -164,21 +164,20 @@ def test_data_parallel_wrappers_over_a_tensor_parallel_mesh(group4: Any) -> None
         _check_lora_refusal(obs["fsdp2+tp+peft"])
 
 
-def test_a_sharded_adapter_must_define_every_sharded_primitive() -> None:
+def test_a_sharded_adapter_must_give_its_parts() -> None:
     from wrapkit.adapters._primitives import SHARDED_PRIMITIVES
 
     with pytest.raises(wrapkit.AdapterRegistrationError) as info:
-        class HalfDone(wrapkit.ShardedAdapter):  # gathers, but would count and move shards as whole
+        class HalfDone(wrapkit.ShardedAdapter):  # its topology, but no parts: it would read shards as whole
             name = "halfdone"
 
-            def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
-                yield from ()
+            def topology(self) -> Any:
+                return None
 
     message = str(info.value)
-    assert "HalfDone" in message and "gather_each" not in message
-    for primitive in SHARDED_PRIMITIVES:
-        if primitive != "gather_each":
-            assert primitive in message, primitive
+    assert "HalfDone" in message and "topology" not in message.split(":")[0]
+    for primitive in set(SHARDED_PRIMITIVES) - {"topology"}:
+        assert primitive in message, primitive
 
     class Intermediate(wrapkit.ShardedAdapter, abstract=True):  # a shared base may leave them to its subclasses
         pass
@@ -188,10 +187,20 @@ def test_a_sharded_adapter_must_define_every_sharded_primitive() -> None:
             pass
 
 
+def test_an_adapter_defining_a_primitive_that_moved_to_the_parts_is_refused() -> None:
+    """A third-party adapter written against the members before parts: nothing would call its
+    ``gather_many``, so it is refused when defined, naming where the member went."""
+    with pytest.raises(wrapkit.AdapterRegistrationError, match=r"gather_many.*gatherer\.many"):
+        class Old(wrapkit.Adapter):
+            name = "old"
+
+            def gather_many(self, params: Any) -> Any:
+                return iter(())
+
+
 def test_built_in_sharded_backends_define_the_sharded_primitives() -> None:
     from wrapkit.adapters import BUILTIN_ADAPTERS
     from wrapkit.adapters._base import _defined_by
-    from wrapkit.adapters._parts import PART_PRIMITIVES
     from wrapkit.adapters._primitives import SHARDED_PRIMITIVES, BackendPrimitives
 
     sharded = {cls.name for cls in BUILTIN_ADAPTERS if issubclass(cls, wrapkit.ShardedAdapter)}
@@ -199,13 +208,11 @@ def test_built_in_sharded_backends_define_the_sharded_primitives() -> None:
     base = (wrapkit.Adapter, wrapkit.ShardedAdapter)
     for cls in BUILTIN_ADAPTERS:
         if issubclass(cls, wrapkit.ShardedAdapter):
-            own_parts = _defined_by(cls, "parts") not in base
             for n in SHARDED_PRIMITIVES:
-                assert _defined_by(cls, n) not in base or (own_parts and n in PART_PRIMITIVES), (cls, n)
-    # Every sharded primitive is part of the documented interface, and the interface lists layout_tensors.
-    documented = {n for n in vars(BackendPrimitives) if not n.startswith("_")}
-    assert set(SHARDED_PRIMITIVES) - {"is_sharded", "resident_parameter_bytes"} <= documented
-    assert "layout_tensors" in documented
+                assert _defined_by(cls, n) not in base, (cls, n)
+    # The parts are part of the documented interface.
+    documented = set(BackendPrimitives.__annotations__) | {n for n in vars(BackendPrimitives) if not n.startswith("_")}
+    assert {"weights", "gatherer", "placement", "topology"} <= documented
 
 
 def test_backends_describe_their_groups_once() -> None:

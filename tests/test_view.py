@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests import scenarios_view as sc
 
@@ -72,11 +73,10 @@ def test_view_adapter_takes_nothing_from_the_unsharded_defaults() -> None:
 
 
 # What writes, moves or copies a model's weights: the view must refuse each.
-WRITES = {"load_pieces", "pieces_written", "shards_written", "masters_written", "weights_written", "move",
-          "frozen_parameters", "offload_states", "bare_frozen", "wrap_like", "fresh_copy", "frozen_form"}
+WRITES = {"offload_states", "bare_frozen", "wrap_like", "fresh_copy", "frozen_form", "parts"}
 # What the view defines itself: renamed reads, gathers with the adapters off, its counts and summary.
-OWN = {"name", "stack", "named_live", "param_shapes", "gather_each", "merge_root", "local_shards", "layout_tensors",
-       "gather_full", "gather_layerwise", "num_parameters", "resident_parameter_bytes", "describe", "sleep_refusal"}
+OWN = {"name", "stack", "named_live", "merge_root", "num_parameters", "resident_parameter_bytes", "describe",
+       "sleep_refusal"}
 
 
 def test_the_view_forwards_reads_only_and_refuses_the_rest() -> None:
@@ -105,3 +105,15 @@ def test_the_view_forwards_reads_only_and_refuses_the_rest() -> None:
     for name in sorted(READS):  # forwarded: the policy's own value
         value = getattr(view, name)
         assert value == getattr(view.policy, name) or callable(value), name
+    # Its parts read the policy's weights under the base model's names; each member that would write or move
+    # them refuses.
+    from wrapkit.adapters import Written
+
+    names = set(view.weights.param_shapes())
+    assert names and not any("lora_" in n or "base_layer" in n for n in names)
+    assert len(names) < len(view.policy.weights.param_shapes())
+    for write in (view.weights.pieces, lambda: view.weights.written(Written.WEIGHTS),
+                  lambda: view.placement.move(torch.device("cpu"), False), view.placement.frozen_parameters,
+                  lambda: view.gatherer.full(0).__enter__()):
+        with pytest.raises(ReferenceModelError):
+            write()

@@ -37,7 +37,7 @@ def _over_budget(wm: Adapter) -> str | None:
     """Why gathering the whole model would not fit on this rank, or None when it fits."""
     if not wm.is_sharded:
         return None
-    need, budget = wm.full_parameter_bytes(), memory_budget(wm.device)
+    need, budget = wm.gatherer.full_bytes(), memory_budget(wm.device)
     if need <= budget:
         return None
     return (f"the gathered model takes {format_bytes(need)}, more than the {format_bytes(budget)} this rank "
@@ -68,8 +68,8 @@ def _gathered(wm: Adapter, modifier_rank: int | None) -> Iterator[torch.nn.Modul
     # Modes are restored too: code inside often calls eval() to run the model and forgets train().
     modes = [(m, m.training) for m in wm.module.modules()]
     try:
-        with wm.gather_full(modifier_rank) as replace, torch_ops():
-            bypass = wm.gather_bypass()
+        with wm.gatherer.full(modifier_rank) as replace, torch_ops():
+            bypass = wm.gatherer.bypass()
             if bypass is not None:
                 with bypassed(wm.unwrap(), bypass, replace) as inner:
                     yield inner
@@ -101,7 +101,7 @@ def generation(wm: Adapter, gather: str = "auto") -> Iterator[torch.nn.Module]:
         return
     modes = [(m, m.training) for m in wm.module.modules()]
     try:
-        with wm.gather_layerwise(), generation_modes(wm.module), synced_generate(wm.unwrap()), torch_ops():
+        with wm.gatherer.layerwise(), generation_modes(wm.module), synced_generate(wm.unwrap()), torch_ops():
             yield wm.unwrap()
     finally:
         restore_modes(modes)
@@ -110,4 +110,4 @@ def generation(wm: Adapter, gather: str = "auto") -> Iterator[torch.nn.Module]:
 def named_full_parameters(wm: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
     """``gather_each`` behind the operation's entry (taken at the first ``next()``)."""
     enter(Call.of("named_full_parameters"), wm)
-    yield from wm.gather_each()
+    yield from wm.gatherer.each()

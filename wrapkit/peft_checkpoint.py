@@ -116,20 +116,20 @@ def _gather(wm: Adapter, wanted: set[str], keep: bool) -> dict[str, torch.Tensor
             out[name] = value.detach().to("cpu", copy=True).contiguous()
 
     with torch.no_grad():
-        units = wm.gather_units()
+        units = wm.gatherer.units()
         if units is None:  # a layout gather_many does not serve: every parameter, one at a time
-            for name, full in wm.gather_each():
+            for name, full in wm.gatherer.each():
                 take(name, full)
         else:
             names: dict[int, list[str]] = {}
             for n, p in wm.named_live(buffers=False):
                 names.setdefault(id(p), []).append(n)
-            shapes = wm.full_shapes()
+            shapes = wm.weights.full_shapes()
             bucket: list[torch.nn.Parameter] = []
             size = 0
 
             def flush() -> None:
-                for p, full in wm.gather_exported(bucket):
+                for p, full in wm.gatherer.exported(bucket):
                     for n in names.get(id(p), ()):
                         take(n, full)
 
@@ -257,7 +257,7 @@ def adapter_shapes(wm: Adapter, adapters: Sequence[str]) -> dict[str, tuple[int,
     root: Any = wm.merge_root()
     if root is None:
         return {}
-    shapes = wm.param_shapes()
+    shapes = wm.weights.param_shapes()
     shapes.update((name, tuple(b.shape)) for name, b in wm.named_live(parameters=False))
     out: dict[str, tuple[int, ...]] = {}
     for name in adapters:

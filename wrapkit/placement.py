@@ -101,7 +101,7 @@ def to_eval_frozen(wm: Adapter) -> Adapter:
     place(frozen, op="to_eval_frozen")
     frozen.module.eval()
     set_modes(frozen.module, False)  # also reaches modules whose train() override skips children
-    for p in frozen.frozen_parameters():
+    for p in frozen.placement.frozen_parameters():
         p.requires_grad_(False)
     return frozen
 
@@ -113,20 +113,20 @@ def move_verified(wm: Adapter, target: torch.device, copy: bool) -> None:
     offload does between two devices), so the bookkeeping of every backend is exercised on a
     machine that has one device only.
     """
-    sources = {t.device for _, t in wm.placement_tensors()}
+    sources = {t.device for _, t in wm.placement.tensors()}
     failure: BaseException | None = None
     rolled_back = False
     try:
-        wm.move(target, copy)
+        wm.placement.move(target, copy)
     except Exception as exc:
         failure = exc
         if len(sources) == 1 and target not in sources:  # came from one device: go back there
             try:
-                wm.move(next(iter(sources)), False)
+                wm.placement.move(next(iter(sources)), False)
                 rolled_back = True
             except Exception:
                 pass
-    off = [name for name, t in wm.placement_tensors() if t.device != target]
+    off = [name for name, t in wm.placement.tensors() if t.device != target]
     if any_over_models(failure is not None or bool(off), wm):
         shown = ", ".join(off[:8]) + (f" and {len(off) - 8} more" if len(off) > 8 else "")
         if failure is not None:

@@ -153,7 +153,7 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
 
     def runtime() -> Iterator[tuple[str, torch.Tensor]]:
         # Parameters gathered one at a time, LoRA merged layer by layer with a plan; then buffers.
-        yield from lora_fold_stream(plan, wm.gather_each())
+        yield from lora_fold_stream(plan, wm.gatherer.each())
         yield from lora_fold_stream(plan, wm.named_live(parameters=False))
 
     def entries() -> Iterator[tuple[str, torch.Tensor]]:
@@ -177,7 +177,7 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
     writers = wm.world_size if wm.distributed else 1
     if any_over_models(me >= 0 and not os.path.isdir(tmp), wm):
         writers, me = 1, (0 if rank0 else -1)
-    live = {t.untyped_storage().data_ptr() for _, t in wm.placement_tensors() if t.numel()}
+    live = {t.untyped_storage().data_ptr() for _, t in wm.placement.tensors() if t.numel()}
     writer = _Writer(tmp, me, writers, live) if me >= 0 else None
     weight_map: dict[str, int] = {}
     k = size = total = 0

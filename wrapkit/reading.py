@@ -30,6 +30,7 @@ from ._module_internals import init_weights, own_buffers
 from ._names import model_class_name
 from ._protocol import LoadResult
 from ._safetensors import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, outside, torch_dtype
+from .adapters import Written
 from .peft_checkpoint import AdapterCheckpoint, adapter_files, adapter_shapes
 from .state_dict import check_entries, expected_shapes, report_skipped
 
@@ -320,7 +321,7 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
             else:
                 assert catalog is not None
                 _fill(wm, catalog)
-        wm.pieces_written()
+        wm.weights.written(Written.PIECES)
         if catalog is not None and _log.isEnabledFor(logging.DEBUG):
             _log.debug("load: rank %d read %d of the %d bytes in %s", wm.rank, catalog.bytes_read,
                        catalog.total_bytes(), path)
@@ -328,7 +329,7 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
 
 
 def _fill(wm: Adapter, catalog: Catalog) -> None:
-    for piece in wm.load_pieces():
+    for piece in wm.weights.pieces():
         if piece.name in catalog.entries:
             piece.write(catalog.read(piece.name, piece.start, piece.numel))
     for name, b in wm.named_live(parameters=False):
@@ -340,10 +341,10 @@ def _fill_broadcast(wm: Adapter, catalog: Catalog | None, entries: dict[str, tup
                     src: int, group: Any) -> None:
     """One tensor at a time: the source reads it whole and broadcasts it; each rank takes its pieces."""
     pieces: dict[str, list[Any]] = {}
-    for piece in wm.load_pieces():
+    for piece in wm.weights.pieces():
         pieces.setdefault(piece.name, []).append(piece)
     buffers = dict(wm.named_live(parameters=False))
-    params = wm.param_shapes()
+    params = wm.weights.param_shapes()
     names = [n for n in entries if n in params or n in buffers]
     device = wm.device if wm.device.type != "meta" else torch.device("cpu")
     global_src = dist.get_global_rank(group, src) if group is not None else src
@@ -370,7 +371,7 @@ def _fill_broadcast(wm: Adapter, catalog: Catalog | None, entries: dict[str, tup
 def _on_meta(wm: Adapter) -> list[tuple[torch.nn.Module, str]] | None:
     """None when nothing of the model is on the meta device; else its non-persistent buffers
     that are (as (module, name)): a checkpoint does not hold them, so they must be rebuilt."""
-    if not any(t.is_meta for _, t in wm.placement_tensors()):
+    if not any(t.is_meta for _, t in wm.placement.tensors()):
         return None
     return [(m, name) for m in wm.unwrap().modules() for name, b in own_buffers(m, persistent=False) if b.is_meta]
 

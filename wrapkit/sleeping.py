@@ -69,8 +69,8 @@ _ASLEEP: weakref.WeakKeyDictionary[torch.nn.Module, _Asleep] = weakref.WeakKeyDi
 def training_state(wm: Adapter, optimizer: Any) -> list[tuple[str, torch.Tensor]]:
     """``(what, tensor)`` for this rank's parameters (shards), gradients and optimizer state, each
     storage once."""
-    out = list(wm.placement_tensors())
-    out += [("grad", local_tensor(p.grad)) for p in wm.frozen_parameters() if p.grad is not None]
+    out = list(wm.placement.tensors())
+    out += [("grad", local_tensor(p.grad)) for p in wm.placement.frozen_parameters() if p.grad is not None]
     if optimizer is not None:
         out += list(wm.optimizer_tensors(optimizer))
     seen: set[int] = set()
@@ -117,7 +117,7 @@ def sleep(wm: Adapter, optimizer: Any = None, level: int = 1) -> SleepReport:
     home = home_device(wm)
     opt = wm.own_optimizer() or optimizer
     state_bytes = _bytes_on(training_state(wm, opt), home)
-    grads = [p for p in wm.frozen_parameters() if p.grad is not None]
+    grads = [p for p in wm.placement.frozen_parameters() if p.grad is not None]
     dropped = 0
     if level == 2:
         # Each storage once: FSDP1's gradients of the original parameters are views into its flat one.
@@ -154,7 +154,7 @@ def wake(wm: Adapter) -> None:
         move_verified(wm, asleep.home, copy=False)
     else:
         asleep.reload()
-        off = [name for name, t in wm.placement_tensors() if t.device != asleep.home]
+        off = [name for name, t in wm.placement.tensors() if t.device != asleep.home]
         if any_over_models(bool(off), wm):
             raise PlacementError(f"after wake() these are not on {asleep.home}: {', '.join(off[:8])}; the "
                                  "backend did not bring them back")

@@ -23,6 +23,7 @@ from ._agree import Call, enter, raise_agreed, writes_files
 from ._module_internals import live_entries
 from ._names import canonical_name
 from ._protocol import LoadResult
+from .adapters import Written
 from .full_parameters import gathered
 from .layers.peft import LoraFoldPlan, fold_plan, fold_state_dict
 
@@ -40,7 +41,7 @@ _log = logging.getLogger(__name__.rpartition(".")[0] or __name__)
 # -- names, shapes and live tensors ----------------------------------------------------
 def expected_shapes(wm: Adapter) -> dict[str, Shape]:
     """Canonical name -> full shape of every state-dict entry, read without gathering anything."""
-    out = wm.param_shapes()
+    out = wm.weights.param_shapes()
     out.update((name, tuple(b.shape)) for name, b in wm.named_live(parameters=False))
     return out
 
@@ -111,7 +112,7 @@ def gather_state_dict(wm: Adapter, rank0_only: bool, merge_adapters: bool = Fals
     owner = {name: id(p) for name, p in wm.named_live(buffers=False)}
     copies: dict[int, torch.Tensor] = {}
     with torch.no_grad():
-        for name, full in wm.gather_each():
+        for name, full in wm.gatherer.each():
             if not keep:
                 continue
             key = owner.get(name)
@@ -172,7 +173,7 @@ def write(target: Adapter, values: Iterable[tuple[str, torch.Tensor]], alpha: fl
         # Its parameters are full and local to this process, which may be the only one
         # calling (rank 0 loading a plain copy): no collective may be entered.
         _write_into(target.unwrap(), values, alpha)
-        target.weights_written()
+        target.weights.written(Written.WEIGHTS)
         return
     # modifier_rank=0: every rank writes the same values and rank 0's reach every shard,
     # replica and optimizer master copy on exit (gathered() refreshes those itself).
@@ -198,7 +199,7 @@ def load_full_state_dict(wm: Adapter, sd: Mapping[str, torch.Tensor], strict: bo
                   "Pass a full state dict of this architecture (the keys of wm.full_state_dict()), the same on "
                   "every rank; strict=False skips missing and unexpected keys, never a wrong shape.", wm, agreed=agreed)
     write(wm, sd.items(), 1.0)
-    wm.masters_written(sd)
+    wm.weights.written(Written.VALUES, sd)
     return report_skipped(wm, LoadResult.of(sd, expected), "load_full_state_dict", "the state dict")
 
 

@@ -157,19 +157,19 @@ def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     def converted(values: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(values) if hub is None else hub.export(values)
 
-    units = wm.gather_units()
+    units = wm.gatherer.units()
     if units is None:
-        yield from _from_each(wm, bucket_bytes, converted(lora_fold_stream(plan, wm.gather_each())), out_dtype, mine)
+        yield from _from_each(wm, bucket_bytes, converted(lora_fold_stream(plan, wm.gatherer.each())), out_dtype, mine)
         return
     names: dict[int, list[str]] = {}
     for n, p in wm.named_live(buffers=False):
         names.setdefault(id(p), []).append(n)
-    shapes = wm.full_shapes()
+    shapes = wm.weights.full_shapes()
     for bucket in _plan(units, names, shapes, plan, bucket_bytes, out_name, out_dtype):
         items = [(new, shapes.get(id(p), tuple(p.shape)), out_dtype(new, p.dtype), id(p))
                  for p in bucket for n in names.get(id(p), ()) if (new := out_name(n)) is not None]
         entries, total = _layout(items)
-        values = wm.gather_many(bucket)
+        values = wm.gatherer.many(bucket)
         if not mine:
             for _ in values:  # the collective, and nothing kept
                 pass

@@ -20,6 +20,7 @@ import torch
 from ._agree import Call, checking, enter, raise_agreed
 from ._errors import ArgumentError
 from ._module_internals import lerp_all_
+from .adapters import Written
 from .state_dict import Shape, assign, check_entries, expected_shapes, write
 
 if TYPE_CHECKING:
@@ -124,8 +125,8 @@ def _copy_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]], alpha: float, ta
         for dst, src_tensor in pairs:  # the rest: 16-bit targets, copies, integer buffers
             if id(dst) not in done:
                 assign(dst, src_tensor, alpha)
-    target.shards_written()
-    target.weights_written()
+    target.weights.written(Written.SHARDS)
+    target.weights.written(Written.WEIGHTS)
 
 
 # source module -> {id(target module): (the target, layout key, pairs)}. Weak on the source; the
@@ -138,7 +139,7 @@ def _layout_key(source: Adapter, target: Adapter) -> Any:
     """What a shard-to-shard pairing rests on, read cheaply: every shard tensor and buffer of both
     models (which object, which storage). Any parameter or buffer added, removed or replaced, or
     a shard moved (``place``, an offload, a load into new storage) changes it."""
-    src, dst = source.layout_tensors(), target.layout_tensors()
+    src, dst = source.weights.layout_tensors(), target.weights.layout_tensors()
     if src is None or dst is None:
         return None
     return tuple((id(t), t.data_ptr()) for t in src), tuple((id(t), t.data_ptr()) for t in dst)
@@ -168,7 +169,7 @@ def _shard_pairs(source: Adapter, target: Adapter) -> list[tuple[torch.Tensor, t
     """(target shard, source shard) for every parameter when both models hold the same slice of
     each parameter on this rank (ZeRO-3 to ZeRO-3, FSDP2 to FSDP2 over the same ranks): a sync is
     then a local copy, with nothing gathered. ``None`` when the layouts differ anywhere."""
-    src, dst = source.local_shards(), target.local_shards()
+    src, dst = source.weights.local_shards(), target.weights.local_shards()
     if src is None or dst is None or src.keys() != dst.keys():
         return None
     pairs = []
@@ -181,7 +182,7 @@ def _shard_pairs(source: Adapter, target: Adapter) -> list[tuple[torch.Tensor, t
 
 
 def _source_stream(source: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
-    yield from source.gather_each()
+    yield from source.gatherer.each()
     yield from source.named_live(parameters=False)
 
 

@@ -16,15 +16,16 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar, NoReturn
 
 import torch
 
 from ._agree import Call, enter
 from ._errors import PlacementError, ReferenceModelError, WrapkitError
-from ._gather import restore_modes, set_modes
-from .adapters import Adapter
+from ._gather import Bypass, restore_modes, set_modes
+from .adapters import Adapter, Written
+from .adapters._primitives import Piece
 from .layers.peft import adapters_off, base_key_map, merged_layers
 from .placement import resolve_device
 
@@ -47,6 +48,9 @@ class AdaptersOff(Adapter):
 
     def __init__(self, policy: Adapter) -> None:  # nothing of its own to detect or check
         self.policy = policy
+        # Parts that read the policy's under the base model's names; those that would write or move its
+        # weights refuse.
+        self.weights, self.gatherer, self.placement = OffWeights(self), OffGatherer(self), OffPlacement(self)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} of {self.policy!r}>"
@@ -73,42 +77,8 @@ class AdaptersOff(Adapter):
             if (new := rename(name)) is not None:
                 yield new, t
 
-    def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        rename = self._rename()
-        return {new: s for name, s in self.policy.param_shapes().items() if (new := rename(name)) is not None}
-
-    def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
-        rename = self._rename()
-        for name, t in self.policy.gather_each():
-            if (new := rename(name)) is not None:
-                yield new, t
-
     def merge_root(self) -> torch.nn.Module | None:
         return None  # the adapters are off: there is nothing to merge
-
-    def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
-        return None  # the policy's shards carry the policy's names: a copy from the view streams
-
-    def layout_tensors(self) -> list[torch.Tensor] | None:
-        return None
-
-    # -- gathering, with the adapters off --------------------------------------------------
-    @contextlib.contextmanager
-    def gather_full(self, modifier_rank: int | None) -> Iterator[Any]:
-        check_unmerged(self.policy)
-        if modifier_rank is not None:  # agreed on by the caller: refused on every rank alike
-            raise ReferenceModelError(
-                f"gathered(modifier_rank={modifier_rank}) on a view would write the policy's base weights; "
-                f"gather the policy to change them, or use {_OWN_REFERENCE}."
-            )
-        with self.policy.gather_full(None) as replace, adapters_off(self.policy.unwrap(keep_peft=True)):
-            yield replace
-
-    @contextlib.contextmanager
-    def gather_layerwise(self) -> Iterator[None]:
-        check_unmerged(self.policy)
-        with self.policy.gather_layerwise(), adapters_off(self.policy.unwrap(keep_peft=True)):
-            yield
 
     # -- counts and summary ----------------------------------------------------------------
     def num_parameters(self, trainable_only: bool = False) -> int:
@@ -116,14 +86,11 @@ class AdaptersOff(Adapter):
         if trainable_only:
             return 0
         # The policy's count less its adapters' (which are never tied, so counted once each).
-        rename = self._rename()
-        adapters = sum(math.prod(shape) for name, shape in self.policy.param_shapes().items()
-                       if rename(name) is None)
-        return self.policy.num_parameters() - adapters
+        return self.weights.count(trainable_only)
 
     def resident_parameter_bytes(self) -> int:
         """0: the weights belong to the policy and are counted there."""
-        return 0
+        return self.weights.resident_bytes()
 
     def describe(self) -> str:
         p = self.policy
@@ -146,17 +113,123 @@ class AdaptersOff(Adapter):
         return "the view owns no weights; sleep() the policy"
 
 
-# The policy's members a view reads through as they are: what the backend, group and device are, and
-# the gathers that read weights. Every other member of ``Adapter`` that the view does not define itself
-# is refused: a primitive added later that writes, moves or copies weights cannot reach the policy's
+class OffWeights:
+    """The policy's weights under the base model's names (``base_key_map``: no ``base_layer``, no LoRA keys).
+    Nothing is sharded shard to shard (``local_shards`` is None): a ``copy_to`` from the view streams renamed
+    full values. Loads into it are refused."""
+
+    def __init__(self, view: AdaptersOff) -> None:
+        self.view, self.policy = view, view.policy
+
+    def global_numel(self, p: torch.Tensor) -> int:
+        return self.policy.weights.global_numel(p)
+
+    def full_shapes(self) -> dict[int, tuple[int, ...]]:
+        return self.policy.weights.full_shapes()
+
+    def count(self, trainable_only: bool) -> int:
+        if trainable_only:
+            return 0  # nothing is trainable through a view
+        # The policy's count less its adapters' (which are never tied, so counted once each).
+        rename = self.view._rename()
+        adapters = sum(math.prod(shape) for name, shape in self.policy.weights.param_shapes().items()
+                       if rename(name) is None)
+        return self.policy.weights.count(False) - adapters
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        rename = self.view._rename()
+        return {new: s for name, s in self.policy.weights.param_shapes().items() if (new := rename(name)) is not None}
+
+    def resident_bytes(self) -> int:
+        return 0  # the weights belong to the policy and are counted there
+
+    def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
+        return None  # the policy's shards carry the policy's names
+
+    def layout_tensors(self) -> list[torch.Tensor] | None:
+        return None
+
+    def pieces(self) -> list[Piece]:
+        raise refusal("loading into it")
+
+    def written(self, kind: Written, values: Mapping[str, torch.Tensor] | None = None) -> None:
+        raise refusal("writing its weights")
+
+
+class OffGatherer:
+    """The policy's gatherer, run with every adapter disabled, its names the base model's; ``full`` refuses
+    a write-back."""
+
+    def __init__(self, view: AdaptersOff) -> None:
+        self.view, self.policy = view, view.policy
+
+    def one(self, p: torch.Tensor) -> torch.Tensor:
+        return self.policy.gatherer.one(p)
+
+    def each(self) -> Iterator[tuple[str, torch.Tensor]]:
+        rename = self.view._rename()
+        for name, t in self.policy.gatherer.each():
+            if (new := rename(name)) is not None:
+                yield new, t
+
+    def units(self) -> list[list[torch.nn.Parameter]] | None:
+        return self.policy.gatherer.units()
+
+    def many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        return self.policy.gatherer.many(params)
+
+    def exported(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        return self.policy.gatherer.exported(params)
+
+    def bypass(self) -> Bypass | None:
+        return self.policy.gatherer.bypass()
+
+    def full_bytes(self) -> int:
+        return self.policy.gatherer.full_bytes()
+
+    @contextlib.contextmanager
+    def full(self, modifier_rank: int | None) -> Iterator[Any]:
+        check_unmerged(self.policy)
+        if modifier_rank is not None:  # agreed on by the caller: refused on every rank alike
+            raise ReferenceModelError(
+                f"gathered(modifier_rank={modifier_rank}) on a view would write the policy's base weights; "
+                f"gather the policy to change them, or use {_OWN_REFERENCE}."
+            )
+        with self.policy.gatherer.full(None) as replace, adapters_off(self.policy.unwrap(keep_peft=True)):
+            yield replace
+
+    @contextlib.contextmanager
+    def layerwise(self) -> Iterator[None]:
+        check_unmerged(self.policy)
+        with self.policy.gatherer.layerwise(), adapters_off(self.policy.unwrap(keep_peft=True)):
+            yield
+
+
+class OffPlacement:
+    """Where the policy's tensors are, read; moving or freezing them through a view is refused."""
+
+    def __init__(self, view: AdaptersOff) -> None:
+        self.policy = view.policy
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.policy.placement.tensors()
+
+    def move(self, target: torch.device, copy: bool) -> None:
+        raise refusal("moving its weights")
+
+    def frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
+        raise refusal("freezing its weights")
+
+
+# The policy's members a view reads through as they are: what the backend, group and device are (its
+# weights are read through the view's parts, above). Every other member of ``Adapter`` that the view does
+# not define itself is refused: a primitive added later that writes, moves or copies weights cannot reach the policy's
 # through a view unless it is named here (``tests/test_view.py`` checks that none of these writes).
 READS = frozenset({
-    "backend", "backend_object", "config", "data_parallel_rank", "data_parallel_size", "device",
-    "distributed", "full_parameter_bytes", "full_shapes", "gather_bypass", "gather_exported", "gather_many",
-    "gather_one", "gather_units", "global_numel", "is_encoder_decoder", "is_sharded", "mesh", "module",
-    "optimizer_tensors", "own_optimizer", "patches_torch_ops", "peels", "placement_tensors", "process_group",
-    "rank", "replica_groups", "takes_ds_config", "topology", "unsupported_dtensor", "unwrap", "world_size",
-    "zero_stage",
+    "backend", "backend_object", "config", "data_parallel_rank", "data_parallel_size", "device", "distributed",
+    "is_encoder_decoder", "is_sharded", "mesh", "module", "optimizer_tensors", "own_optimizer", "patches_torch_ops",
+    "peels", "process_group", "rank", "replica_groups", "takes_ds_config", "topology", "unsupported_dtensor",
+    "unwrap", "world_size", "zero_stage",
 })
 
 
@@ -203,7 +276,7 @@ def verify_place(view: AdaptersOff, device: torch.device | str | int | None, op:
         target = policy.device if device is None else resolve_device(device)
     except WrapkitError as exc:
         problem, target = str(exc), policy.device
-    off = [] if problem else [name for name, t in policy.placement_tensors() if t.device != target]
+    off = [] if problem else [name for name, t in policy.placement.tensors() if t.device != target]
     bad, elsewhere = enter(Call.of(op), policy, flags=[problem is not None, bool(off)], invalid=1)
     if bad:
         raise PlacementError(problem or f"{op}({device!r}) names a device another rank cannot use; see its error")

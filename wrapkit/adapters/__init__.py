@@ -2,6 +2,7 @@
 
 from .._gather import Bypass
 from ._base import Adapter, ShardedAdapter
+from ._parts import Gatherer, Parts, Placement, Weights, Written
 from ._topology import Role, Topology
 from .ddp import DDPAdapter
 from .deepspeed import DeepSpeedAdapter
@@ -17,6 +18,11 @@ __all__ = [
     "Bypass",
     "Topology",
     "Role",
+    "Parts",
+    "Weights",
+    "Gatherer",
+    "Placement",
+    "Written",
     "PlainAdapter",
     "DataParallelAdapter",
     "DDPAdapter",

@@ -7,8 +7,7 @@ parameter count is read off its shards.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from copy import deepcopy
 from typing import Any, ClassVar
 
@@ -22,13 +21,12 @@ from .._errors import (
     ReferenceModelError,
     UnsupportedModelError,
 )
-from .._gather import Bypass
 from .._imports import lookup
 from .._module_internals import live_entries
 from .._names import canonical_name, model_class_name
 from ._dtensor import local_tensor
-from ._parts import PART_PRIMITIVES, Parts, Written
-from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives, Piece
+from ._parts import MOVED_TO_PARTS, Parts
+from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives
 from ._recipes import Recipe
 from ._topology import Topology
 from ._whole import move_buffers, whole_parts
@@ -60,6 +58,17 @@ class Adapter:
     patches_torch_ops: ClassVar[bool] = False
     # How the doctor and the tests build one (``_recipes.py``); None: detected and served, never built.
     recipe: ClassVar[Recipe | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Nothing calls these any more: an adapter that still defines one would be silently ignored.
+        moved = sorted(name for name in MOVED_TO_PARTS if name in vars(cls))
+        if moved:
+            raise AdapterRegistrationError(
+                f"{cls.__name__} defines {', '.join(moved)}, which are now members of an adapter's parts "
+                f"({', '.join(MOVED_TO_PARTS[n] for n in moved)}); return them from parts() (adapters/_parts.py: "
+                "Weights, Gatherer, Placement), deriving from the parts of the storage kind closest to yours."
+            )
 
     # -- detection -----------------------------------------------------------------
     @classmethod
@@ -244,14 +253,6 @@ class Adapter:
         return whole_parts(self)
 
     # -- primitives (adapters/_primitives.py) ---------------------------------------
-    def full_shapes(self) -> dict[int, tuple[int, ...]]:
-        """id(parameter) -> full shape, for parameters whose local tensor is only a shard."""
-        return self.weights.full_shapes()
-
-    def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Canonical name -> full shape of every parameter (tied ones under each name); nothing gathered."""
-        return self.weights.param_shapes()
-
     def named_live(self, parameters: bool = True, buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """(canonical name, this rank's live tensor) for every key of ``unwrap().state_dict()``, in its order."""
         return live_entries(self.unwrap(), parameters=parameters, buffers=buffers)
@@ -260,83 +261,6 @@ class Adapter:
         """The PEFT model whose LoRA layers ``merge_adapters`` folds in, or None without one."""
         peft = self.unwrap(keep_peft=True)
         return None if peft is self.unwrap(keep_peft=False) else peft
-
-    def weights_written(self) -> None:
-        """Called after weights were written in place (load, copy_to): refresh any private copies."""
-        self.weights.written(Written.WEIGHTS)
-
-    def masters_written(self, values: Mapping[str, torch.Tensor]) -> None:
-        """Called after ``values`` were loaded: a backend keeping fp32 masters of 16-bit weights
-        puts them there exactly (``weights_written`` refreshed the masters from the rounded weights)."""
-        self.weights.written(Written.VALUES, values)
-
-    def shards_written(self) -> None:
-        """Called after ``local_shards()`` tensors were written in place: rebuild any full
-        copies the backend keeps of them. Collective where the backend's refresh is."""
-        self.weights.written(Written.SHARDS)
-
-    def load_pieces(self) -> list[Piece]:
-        """This rank's part of every parameter (tied ones once)."""
-        return self.weights.pieces()
-
-    def pieces_written(self) -> None:
-        """Called after every ``load_pieces()`` piece was written."""
-        self.weights.written(Written.PIECES)
-
-    def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
-        """Canonical name -> (this rank's shard, a layout key), for backends that keep one shard per
-        parameter. Two models whose keys agree hold the same slice of every parameter on this rank,
-        so weights can be synced between them shard to shard, with no communication. ``None``: no
-        per-parameter shards (unsharded, or FSDP1's flat parameters)."""
-        return self.weights.local_shards()
-
-    def layout_tensors(self) -> list[torch.Tensor] | None:
-        """This rank's shard of every parameter, then every buffer (a shared one may come twice),
-        read in one walk without names or keys: what a cached sync pairing checks is still in
-        place (``sync``). ``None`` where ``local_shards()`` is."""
-        return self.weights.layout_tensors()
-
-    def gather_each(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(canonical name, full tensor)`` for every parameter, gathered one at a time."""
-        return self.gatherer.each()
-
-    def gather_units(self) -> list[list[torch.nn.Parameter]] | None:
-        """Every parameter (tied ones once) in the smallest sets the backend gathers together, in
-        module order: one each here; ``None`` where ``gather_many`` cannot serve this layout
-        (streaming then reads ``gather_each``)."""
-        return self.gatherer.units()
-
-    def gather_many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """``(parameter, full value)`` for each of ``params`` (whole ``gather_units``), detached, in
-        the parameter's own dtype: the weights the module holds. Sharded backends gather them
-        in one collective at the first ``next()``; each value is built as it is reached."""
-        return self.gatherer.many(params)
-
-    def gather_exported(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
-        """``gather_many`` for a checkpoint: each value as ``gather_each`` exports it, where the backend
-        keeps a truer copy than the module's weights (a 16-bit engine's fp32 masters)."""
-        return self.gatherer.exported(params)
-
-    def full_parameter_bytes(self) -> int:
-        """Bytes that every parameter, gathered, takes in the dtype the backend computes in."""
-        return self.gatherer.full_bytes()
-
-    def gather_layerwise(self) -> contextlib.AbstractContextManager[None]:
-        """Inside, ``unwrap()`` runs with the backend's own gathering, one unit at a time, for
-        its forward."""
-        return self.gatherer.layerwise()
-
-    # Backend hooks for the three above; the base serves every unsharded backend.
-    def gather_bypass(self) -> Bypass | None:
-        """What must leave the call path for the module to run on full parameters, or None."""
-        return self.gatherer.bypass()
-
-    def gather_one(self, p: torch.Tensor) -> torch.Tensor:
-        return self.gatherer.one(p)
-
-    def gather_full(self, modifier_rank: int | None) -> contextlib.AbstractContextManager[Any]:
-        """Make the parameters full; yield a ``Replace`` for ``bypassed`` (or None)."""
-        return self.gatherer.full(modifier_rank)
 
     # -- helpers for subclasses ----------------------------------------------------
     def topology(self) -> Topology:
@@ -424,27 +348,11 @@ class Adapter:
                 seen.add(id(p))
                 yield p
 
-    def global_numel(self, p: torch.Tensor) -> int:
-        """Elements of the full parameter ``p`` is (a shard of)."""
-        return self.weights.global_numel(p)
-
     # -- placement primitives (used by placement.py) ------------------------------------
     def frozen_form(self) -> Adapter:
         """The adapter a frozen copy of this model keeps: itself, or for a wrapper that only exists
         for training (DDP, DataParallel) the module inside it."""
         return self
-
-    def move(self, target: torch.device, copy: bool) -> None:
-        """Move this rank's parameters, gradients and buffers; identity of every Parameter kept."""
-        self.placement.move(target, copy)
-
-    def placement_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` for every parameter, shard and buffer that ``place`` moves."""
-        return self.placement.tensors()
-
-    def frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
-        """Every parameter whose ``requires_grad`` must go off to freeze the model."""
-        return self.placement.frozen_parameters()
 
     # -- sleep primitives (used by sleeping.py) ------------------------------------------
     def own_optimizer(self) -> Any:
@@ -507,16 +415,13 @@ class ShardedAdapter(Adapter):
         super().__init_subclass__(**kwargs)
         if abstract:
             return
-        # A class giving parts of its own (``parts()``) serves the primitives those parts implement.
-        own_parts = _defined_by(cls, "parts") not in (Adapter, ShardedAdapter)
-        missing = [name for name in SHARDED_PRIMITIVES if _defined_by(cls, name) in (Adapter, ShardedAdapter)
-                   and not (own_parts and name in PART_PRIMITIVES)]
+        missing = [name for name in SHARDED_PRIMITIVES if _defined_by(cls, name) in (Adapter, ShardedAdapter)]
         if missing:
             raise AdapterRegistrationError(
                 f"{cls.__name__} derives from ShardedAdapter but does not define {', '.join(missing)}: a sharded "
-                "backend must define each of these itself (adapters/_primitives.py says what each returns), or "
-                "give parts() of its storage kind (adapters/_parts.py) for those they serve, "
-                "since the unsharded defaults would read this rank's shard as the whole parameter."
+                "backend gives the parts of its storage kind (parts(), adapters/_parts.py) and says whether it "
+                "is sharded and over which ranks (topology()), since the whole-tensor defaults would read this "
+                "rank's shard as the whole parameter."
             )
 
     def bare_frozen(self) -> torch.nn.Module | None:

@@ -29,7 +29,7 @@ from ._dtensor import (
     pieces,
     shard_map,
 )
-from ._parts import Parts
+from ._parts import Parts, Written
 from ._primitives import Piece
 from ._whole import WholeGatherer, WholePlacement, WholeWeights
 
@@ -134,7 +134,7 @@ class DTensorGatherer(WholeGatherer):
             assert modifier_rank is not None
             broadcast_([p.data for p in params if not is_dtensor(p)], modifier_rank, model.process_group(),
                        model.world_size)
-            model.weights_written()
+            model.weights.written(Written.WEIGHTS)
 
         try:
             with full_copies(params, dtypes, modifier_rank, model.topology(), model.world_size, written) as replace:

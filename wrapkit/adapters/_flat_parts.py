@@ -16,7 +16,7 @@ from .._imports import lookup
 from .._names import canonical_name
 from ._fsdp_flat import flat_pieces, full_from_shards, gather_in, local_shard
 from ._internals import FSDP_MANAGED
-from ._parts import Parts
+from ._parts import Parts, Written
 from ._primitives import Piece
 from ._whole import WholeGatherer, WholePlacement, WholeWeights, move_buffers
 
@@ -209,7 +209,7 @@ class FlatGatherer(WholeGatherer):
                         for f, old in zip(flats, saved, strict=True):
                             f.data.copy_(old)
                     else:
-                        model.weights_written()
+                        model.weights.written(Written.WEIGHTS)
 
     def full_bytes(self) -> int:
         total = 0

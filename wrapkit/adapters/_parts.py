@@ -16,27 +16,53 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
 from .._gather import Bypass
-from ._primitives import Piece
 
-__all__ = ["Weights", "Gatherer", "Placement", "Parts", "PART_PRIMITIVES", "Written"]
-
-# The adapter's primitives that are one call into its parts (``Adapter`` forwards them): a sharded adapter
-# that gives parts of its own need not define these itself.
-PART_PRIMITIVES = frozenset({
-    "num_parameters", "param_shapes", "frozen_parameters", "global_numel", "full_shapes", "resident_parameter_bytes",
-    "local_shards", "layout_tensors", "load_pieces",
-    "weights_written", "masters_written", "shards_written", "pieces_written", "gather_exported",
-    "gather_one", "gather_each", "gather_units", "gather_many", "gather_full", "gather_layerwise", "gather_bypass",
-    "full_parameter_bytes", "move", "placement_tensors",
-})
+__all__ = ["Weights", "Gatherer", "Placement", "Parts", "Written", "Piece", "copy_into", "MOVED_TO_PARTS"]
 
 Shape = tuple[int, ...]
+
+# What adapters defined before they were made of parts, and the part member that does it now: an adapter
+# class that still defines one is refused (``Adapter.__init_subclass__``), since nothing calls it any more.
+MOVED_TO_PARTS = {
+    "global_numel": "weights.global_numel", "full_shapes": "weights.full_shapes",
+    "param_shapes": "weights.param_shapes",
+    "local_shards": "weights.local_shards", "layout_tensors": "weights.layout_tensors", "load_pieces": "weights.pieces",
+    "weights_written": "weights.written", "masters_written": "weights.written", "shards_written": "weights.written",
+    "pieces_written": "weights.written", "gather_one": "gatherer.one", "gather_each": "gatherer.each",
+    "gather_units": "gatherer.units", "gather_many": "gatherer.many", "gather_exported": "gatherer.exported",
+    "gather_full": "gatherer.full", "gather_layerwise": "gatherer.layerwise", "gather_bypass": "gatherer.bypass",
+    "full_parameter_bytes": "gatherer.full_bytes", "move": "placement.move", "placement_tensors": "placement.tensors",
+    "frozen_parameters": "placement.frozen_parameters",
+}
+
+
+class Piece(NamedTuple):
+    """Elements ``[start, start + numel)`` of the flattened full parameter ``name`` (shape
+    ``full_shape``) that this rank holds; ``write(values)`` stores them (a 1-D tensor of ``numel``
+    elements, any dtype) in this rank's storage, and in the optimizer's master copy where one is kept."""
+
+    name: str
+    start: int
+    numel: int
+    full_shape: Shape
+    write: Callable[[torch.Tensor], None]
+
+
+def copy_into(dst: torch.Tensor) -> Any:
+    """A ``Piece.write`` that copies 1-D values into ``dst`` (any shape), cast to its dtype."""
+    def write(values: torch.Tensor) -> None:
+        with torch.no_grad():
+            dst.copy_(values.reshape(dst.shape))
+    return write
+
+
+
 
 
 class Written(enum.Enum):

@@ -55,10 +55,10 @@ class WholeWeights:
 
     def count(self, trainable_only: bool) -> int:
         model = self.model
-        return sum(model.global_numel(p) for p in model._unique_parameters() if p.requires_grad or not trainable_only)
+        return sum(self.global_numel(p) for p in model._unique_parameters() if p.requires_grad or not trainable_only)
 
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
-        full = self.model.full_shapes()
+        full = self.full_shapes()
         return {canonical_name(name): full.get(id(p), tuple(p.shape))
                 for name, p in self.model.unwrap().named_parameters(remove_duplicate=False)}
 
@@ -102,7 +102,7 @@ class WholeGatherer:
 
     def full_bytes(self) -> int:
         model = self.model
-        return sum(model.global_numel(p) * p.element_size() for p in model._unique_parameters())
+        return sum(model.weights.global_numel(p) * p.element_size() for p in model._unique_parameters())
 
     @contextlib.contextmanager
     def layerwise(self) -> Iterator[None]:
@@ -125,7 +125,7 @@ class WholeGatherer:
                         p.copy_(old)
                 else:
                     broadcast_(params, modifier_rank, group, model.world_size)
-                    model.weights_written()
+                    model.weights.written(Written.WEIGHTS)
 
         # Only a write-back needs every rank's verdict; without one the exit has no
         # collective at all, so no rank waits there for a slower one.

@@ -328,7 +328,7 @@ class ZeroGatherer(WholeGatherer):
                     persistent[0].all_gather(param_list=persistent)
                     settle_gathers(persistent)
             if modifier_rank is not None and not failed:
-                self.model.weights_written()
+                self.model.weights.written(Written.WEIGHTS)
 
 
 class ZeroPlacement(WholePlacement):

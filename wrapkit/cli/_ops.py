@@ -67,18 +67,18 @@ def _describe(wm: Any, ctx: dict[str, Any]) -> None:
 
 # -- placement and reference models ---------------------------------------------------
 def _on_device(wm: Any, what: str) -> None:
-    off = sorted({str(t.device) for _, t in as_adapter(wm).placement_tensors()} - {str(wm.device)})
+    off = sorted({str(t.device) for _, t in as_adapter(wm).placement.tensors()} - {str(wm.device)})
     assert not off, f"{what}: tensors on {off}, expected all on {wm.device}"
 
 
 def _place(wm: Any, ctx: dict[str, Any]) -> None:
-    before = {n: t.detach().cpu().clone() for n, t in as_adapter(wm).placement_tensors()}
+    before = {n: t.detach().cpu().clone() for n, t in as_adapter(wm).placement.tensors()}
     assert wm.place("cpu") is wm
-    off = [n for n, t in as_adapter(wm).placement_tensors() if t.device.type != "cpu"]
+    off = [n for n, t in as_adapter(wm).placement.tensors() if t.device.type != "cpu"]
     assert not off, f"offload left tensors off the CPU: {off}"
     assert wm.place() is wm
     _on_device(wm, "place()")
-    after = {n: t.detach().cpu() for n, t in as_adapter(wm).placement_tensors()}
+    after = {n: t.detach().cpu() for n, t in as_adapter(wm).placement.tensors()}
     assert all(torch.equal(before[n], after[n]) for n in before if n in after), "the round trip changed values"
     _forward(wm, ctx)
 
@@ -87,13 +87,13 @@ def _to_eval_frozen(wm: Any, ctx: dict[str, Any]) -> None:
     from .._gather import restore_modes
 
     # Freezing works in place: the doctor's model gets its modes and flags back afterwards.
-    flags = [(p, p.requires_grad) for p in as_adapter(wm).frozen_parameters()]
+    flags = [(p, p.requires_grad) for p in as_adapter(wm).placement.frozen_parameters()]
     modes = [(m, m.training) for m in wm.module.modules()]
     try:
         frozen = wm.to_eval_frozen()
         assert frozen.to_eval_frozen() is frozen, "not idempotent"
         assert not any(m.training for m in frozen.module.modules()), "a submodule is still in training mode"
-        trainable = [p for p in as_adapter(frozen).frozen_parameters() if p.requires_grad]
+        trainable = [p for p in as_adapter(frozen).placement.frozen_parameters() if p.requires_grad]
         assert not trainable, "a parameter is still trainable"
         assert frozen.is_sharded == wm.is_sharded
         _on_device(frozen, "to_eval_frozen()")
