@@ -200,7 +200,7 @@ def test_an_adapter_defining_a_primitive_that_moved_to_the_parts_is_refused() ->
 
 def test_built_in_sharded_backends_define_the_sharded_primitives() -> None:
     from wrapkit.adapters import BUILTIN_ADAPTERS
-    from wrapkit.adapters._base import _defined_by
+    from wrapkit.adapters._kinds import defined_by as _defined_by
     from wrapkit.adapters._primitives import SHARDED_PRIMITIVES, BackendPrimitives
 
     sharded = {cls.name for cls in BUILTIN_ADAPTERS if issubclass(cls, wrapkit.ShardedAdapter)}
@@ -219,7 +219,7 @@ def test_backends_describe_their_groups_once() -> None:
     """``process_group()``, ``replica_groups()`` and ``mesh()`` are parts of ``topology()``: no backend
     defines them beside it, so the three can never disagree."""
     from wrapkit.adapters import BUILTIN_ADAPTERS
-    from wrapkit.adapters._base import _defined_by
+    from wrapkit.adapters._kinds import defined_by as _defined_by
 
     for cls in BUILTIN_ADAPTERS:
         for name in ("process_group", "replica_groups", "mesh"):
@@ -298,7 +298,7 @@ _SLEEP = {"own_optimizer", "optimizer_tensors", "sleep_refusal", "offload_states
 
 def test_backend_adapters_define_only_their_wrapper_topology_parts_and_recipe() -> None:
     from wrapkit.adapters import BUILTIN_ADAPTERS, CONTENT_ADAPTERS, PlainAdapter
-    from wrapkit.adapters._base import ReplicatedAdapter
+    from wrapkit.adapters._kinds import ReplicatedAdapter
 
     allowed = _WRAPPER | _COMPOSED | _LIKENESS | _SLEEP
     for cls in (*BUILTIN_ADAPTERS, *CONTENT_ADAPTERS, PlainAdapter, ReplicatedAdapter, wrapkit.ShardedAdapter):

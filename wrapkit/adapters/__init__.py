@@ -1,7 +1,8 @@
 """One adapter per backend; file name == backend name."""
 
 from .._gather import Bypass
-from ._base import Adapter, ShardedAdapter
+from ._base import Adapter
+from ._kinds import ShardedAdapter
 from ._parts import Gatherer, Parts, Placement, Weights, Written
 from ._topology import Role, Topology
 from .ddp import DDPAdapter

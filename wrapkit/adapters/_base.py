@@ -8,7 +8,6 @@ parameter count is read off its shards.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from copy import deepcopy
 from typing import Any, ClassVar
 
 import torch
@@ -16,23 +15,21 @@ import torch.distributed as dist
 
 from .._errors import (
     AdapterRegistrationError,
-    DistributedStateError,
     MissingConfigError,
-    ReferenceModelError,
-    UnsupportedModelError,
 )
-from .._imports import lookup
 from .._module_internals import live_entries
-from .._names import canonical_name, model_class_name
+from .._names import model_class_name
+from ._checks import check_group, check_layout
+from ._describe import describe
 from ._dtensor import local_tensor
+from ._likeness import replicated_copy
 from ._parts import MOVED_TO_PARTS, Parts
-from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives
+from ._primitives import BackendPrimitives
 from ._recipes import Recipe
 from ._topology import Topology
 from ._whole import move_buffers, whole_parts
 
-__all__ = ["Adapter", "ReplicatedAdapter", "ShardedAdapter", "Entry", "model_class_name", "move_buffers",
-           "local_tensor", "replicated_copy"]
+__all__ = ["Adapter", "Entry", "model_class_name", "move_buffers", "local_tensor"]
 
 # One peeled layer: (layer or backend name, the object at that level).
 Entry = tuple[str, torch.nn.Module]
@@ -206,41 +203,7 @@ class Adapter:
 
     def describe(self) -> str:
         """A human-readable multi-line summary."""
-        mods = list(self._innermost.modules())
-        training = sum(1 for m in mods if m.training)
-        total = self.num_parameters()
-        trainable = self.num_parameters(trainable_only=True)
-        lines = [
-            f"backend:      {self.backend}"
-            + (f" (ZeRO stage {self.zero_stage})" if self.zero_stage is not None else ""),
-            f"stack:        {' > '.join(self.stack)}",
-            f"device:       {self.device}",
-            f"group:        rank {self.rank} of {self.world_size}" + self._replicas_text(),
-            *self._mesh_lines(),
-            f"sharded:      {'yes' if self.is_sharded else 'no'}",
-            f"parameters:   {total:,} ({trainable:,} trainable); "
-            f"{self.resident_parameter_bytes() / 2**20:.2f} MiB held by this rank",
-            f"mode:         {training} of {len(mods)} modules in training mode",
-            f"config:       {type(getattr(self._innermost, 'config', None)).__name__}",
-        ]
-        return "\n".join(lines)
-
-    def _mesh_lines(self) -> list[str]:
-        """The mesh, each dimension's size and role, and the batches, where the model lies on a mesh."""
-        dims = self.topology().mesh_text()
-        if dims is None:
-            return []
-        size, rank = self._data_parallel()
-        return [f"mesh:         {dims}", f"batches:      data-parallel rank {rank} of {size}"]
-
-    def _replicas_text(self) -> str:
-        """Where the model is replicated across groups (HSDP): which copy this rank is in, of how many."""
-        groups = self.replica_groups()
-        if not groups:
-            return ""
-        copies = [(dist.get_rank(g), dist.get_world_size(g)) for g in groups]
-        where = ", ".join(f"copy {r} of {n}" for r, n in copies)
-        return f"; replicated: {where} (the shard group above holds one copy)"
+        return describe(self)
 
     def resident_parameter_bytes(self) -> int:
         """Bytes of parameter storage this rank holds right now (its shards, plus anything
@@ -278,50 +241,13 @@ class Adapter:
         return list(self.topology().replicas)
 
     def _check_group(self) -> None:
-        if not self.distributed:
-            return
-        if not (dist.is_available() and dist.is_initialized()):
-            raise DistributedStateError(
-                f"{type(self._module).__name__} is a {self.name} wrapper but torch.distributed has no process "
-                "group (never initialised, or destroyed); call adapt() between init_process_group() and "
-                "destroy_process_group()."
-            )
-        group = self.process_group()
-        try:
-            # get_rank (unlike get_world_size) consults the registry of live groups.
-            dist.get_rank(group)
-        except (RuntimeError, ValueError, KeyError) as exc:
-            raise DistributedStateError(
-                f"the process group of this {self.name} wrapper ({type(self._module).__name__}) is no longer "
-                f"valid ({exc}); it was probably destroyed. Re-create the group and wrap the model again."
-            ) from exc
+        check_group(self)
 
     def _check_internals(self) -> None:
         """Refuse a backend version whose private fields this adapter reads are missing (``_internals``)."""
 
     def _check_layout(self) -> None:
-        """Refuse a model whose DTensor parameters this adapter cannot read or write: taken for
-        unsharded, every operation after ``adapt()`` would hand out shards as full values."""
-        dtensor = lookup("torch.distributed.tensor", "DTensor")
-        if dtensor is None:  # never imported: no parameter can be one
-            return
-        for name, param in self._innermost.named_parameters():
-            if not isinstance(param, dtensor):
-                continue
-            p: Any = param
-            why = self.unsupported_dtensor(p)
-            if why is None:
-                continue
-            mesh = p.device_mesh
-            dims = f" ({', '.join(mesh.mesh_dim_names)})" if getattr(mesh, "mesh_dim_names", None) else ""
-            raise UnsupportedModelError(
-                f"{type(self._innermost).__name__} parameter {canonical_name(name)!r} is a DTensor with placements "
-                f"{tuple(p.placements)} on a {mesh.ndim}-D mesh of {mesh.size()} ranks{dims}: {why}. Tensor "
-                "parallelism is supported alone (parallelize_module over one mesh dimension, no wrapper around "
-                "it) and beside fully_shard (FSDP2 over the dimensions before it of one named mesh), not under "
-                "DDP, FSDP1 or DeepSpeed; shard the model with one of those alone, or use tensor parallelism "
-                "with FSDP2."
-            )
+        check_layout(self)
 
     def _check_stack(self) -> None:
         """Refuse a stack of layers this adapter cannot serve (none here; tensor parallelism refuses PEFT)."""
@@ -390,72 +316,6 @@ class Adapter:
     def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
         """A frozen copy of this model's weights, wrapped like it."""
         return replicated_copy(self, ds_config)
-
-
-def replicated_copy(adapter: Adapter, ds_config: dict[str, Any] | None) -> torch.nn.Module:
-    """A frozen copy of a model whose every rank holds the full weights, wrapped like it."""
-    source = adapter.unwrap(keep_peft=True)
-    if any(p.numel() == 0 for p in source.parameters()):
-        raise ReferenceModelError(
-            f"the {adapter.backend} policy's parameters are not all present on this rank (offloaded or sharded); "
-            "call policy.place() first or pass ref_model."
-        )
-    return adapter.wrap_like(deepcopy(source), ds_config)
-
-
-class ShardedAdapter(Adapter):
-    """Base of the backends that hold a part of each parameter per rank (FSDP1, FSDP2, ZeRO-3).
-
-    A subclass defines every one of ``SHARDED_PRIMITIVES`` itself, or the class statement raises
-    ``AdapterRegistrationError`` naming those it lacks: inheriting the unsharded default would
-    read a shard as the full parameter. An intermediate base passes ``abstract=True``.
-    """
-
-    def __init_subclass__(cls, abstract: bool = False, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if abstract:
-            return
-        missing = [name for name in SHARDED_PRIMITIVES if _defined_by(cls, name) in (Adapter, ShardedAdapter)]
-        if missing:
-            raise AdapterRegistrationError(
-                f"{cls.__name__} derives from ShardedAdapter but does not define {', '.join(missing)}: a sharded "
-                "backend gives the parts of its storage kind (parts(), adapters/_parts.py) and says whether it "
-                "is sharded and over which ranks (topology()), since the whole-tensor defaults would read this "
-                "rank's shard as the whole parameter."
-            )
-
-    def bare_frozen(self) -> torch.nn.Module | None:
-        return None
-
-    # A sharded backend builds its likeness itself: a whole-module copy would hold every weight on
-    # every rank. One that cannot says so, by name.
-    def wrap_like(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
-        raise UnsupportedModelError(
-            f"the {self.name} backend cannot wrap a reference model the way its policy is wrapped; wrap ref_model "
-            f"in {self.name} yourself and pass it to prepare_reference."
-        )
-
-    def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
-        raise UnsupportedModelError(
-            f"the {self.name} backend cannot build a frozen copy of its model; pass ref_model to prepare_reference "
-            f"(the model loaded again from its checkpoint, wrapped in {self.name})."
-        )
-
-
-def _defined_by(cls: type, name: str) -> type | None:
-    """The class in ``cls``'s method resolution order whose own namespace defines ``name``."""
-    return next((k for k in cls.__mro__ if name in vars(k)), None)
-
-
-class ReplicatedAdapter(Adapter):
-    """Base of the wrappers that keep a full replica per device or rank (DataParallel, DDP)."""
-
-    def frozen_form(self) -> Adapter:
-        # A replicated wrapper only exists to average gradients (DDP refuses a model with
-        # none to average): the frozen model is the module inside it, with the layers below.
-        assert self._backend_obj is not None
-        at = next(i for i, (_, obj) in enumerate(self._entries) if obj is self._backend_obj)
-        return Adapter(self.inner(self._backend_obj), list(self._entries[at + 1:]), None, self._innermost)
 
 
 def _conforms(adapter: Adapter) -> BackendPrimitives:

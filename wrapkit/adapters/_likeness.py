@@ -16,7 +16,7 @@ from ._dtensor import local_tensor
 if TYPE_CHECKING:
     from ._base import Adapter
 
-__all__ = ["block_classes", "skeleton", "copy_buffers", "distributed_copy"]
+__all__ = ["block_classes", "skeleton", "copy_buffers", "distributed_copy", "replicated_copy"]
 
 
 def block_classes(model: torch.nn.Module) -> set[type[torch.nn.Module]]:
@@ -103,3 +103,14 @@ def distributed_copy(adapter: Adapter) -> torch.nn.Module | None:
             local_tensor(p).copy_(local_tensor(theirs[name]))
     copy_buffers(inner, model)
     return model
+
+
+def replicated_copy(adapter: Adapter, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+    """A frozen copy of a model whose every rank holds the full weights, wrapped like it."""
+    source = adapter.unwrap(keep_peft=True)
+    if any(p.numel() == 0 for p in source.parameters()):
+        raise ReferenceModelError(
+            f"the {adapter.backend} policy's parameters are not all present on this rank (offloaded or sharded); "
+            "call policy.place() first or pass ref_model."
+        )
+    return adapter.wrap_like(copy.deepcopy(source), ds_config)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .._imports import is_instance
-from ._base import ReplicatedAdapter
+from ._kinds import ReplicatedAdapter
 from ._recipes import Recipe, Setting, halves, whole
 
 

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from .._imports import is_instance
-from ._base import ShardedAdapter, replicated_copy
 from ._internals import ZERO3_PARAM, require_internals
+from ._kinds import ShardedAdapter
+from ._likeness import replicated_copy
 from ._parts import Parts
 from ._recipes import Mpu, Recipe, Setting, ds_config
 from ._topology import Topology

@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from .._imports import is_instance
-from ._base import ShardedAdapter
 from ._flat_parts import flat_parts
 from ._flat_parts import units as fsdp_units
 from ._internals import FSDP1_FLAT, FSDP1_HANDLE, FSDP1_UNIT, require_internals
+from ._kinds import ShardedAdapter
 from ._likeness import block_classes, copy_buffers, skeleton
 from ._parts import Parts
 from ._recipes import Recipe, Setting, two_d_mesh

@@ -19,7 +19,6 @@ import torch.distributed as dist
 from .._errors import UnsupportedModelError
 from .._gather import Bypass
 from .._imports import is_instance, lookup
-from ._base import ShardedAdapter
 from ._dtensor import (
     TP_HOOKS,
     Layout,
@@ -31,6 +30,7 @@ from ._dtensor import (
 )
 from ._dtensor_parts import dtensor_parts
 from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, FSDP_MANAGED, require_internals
+from ._kinds import ShardedAdapter
 from ._likeness import block_classes, copy_buffers, distributed_copy, skeleton
 from ._parts import Parts
 from ._recipes import Recipe, Setting, dp_tp_mesh, tensor_parallel, two_d_mesh

@@ -20,7 +20,6 @@ import torch
 
 from .._gather import Bypass
 from .._imports import lookup
-from ._base import ShardedAdapter
 from ._dtensor import (
     TP_HOOKS,
     Layout,
@@ -31,6 +30,7 @@ from ._dtensor import (
     refuse_tp_adapters,
 )
 from ._dtensor_parts import dtensor_parts
+from ._kinds import ShardedAdapter
 from ._likeness import distributed_copy
 from ._parts import Parts
 from ._recipes import Recipe, Setting, dp_tp_mesh, tensor_parallel, whole

@@ -1,0 +1,63 @@
+"""What ``adapt()`` refuses of every adapter before any operation runs: a distributed wrapper without a
+live process group, and DTensor parameters the adapter cannot read or write."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from .._errors import DistributedStateError, UnsupportedModelError
+from .._imports import lookup
+from .._names import canonical_name
+
+if TYPE_CHECKING:
+    from ._base import Adapter
+
+__all__ = ["check_group", "check_layout"]
+
+
+def check_group(adapter: Adapter) -> None:
+    """Refuse a distributed wrapper whose process group is missing or destroyed."""
+    if not adapter.distributed:
+        return
+    if not (dist.is_available() and dist.is_initialized()):
+        raise DistributedStateError(
+            f"{type(adapter._module).__name__} is a {adapter.name} wrapper but torch.distributed has no process "
+            "group (never initialised, or destroyed); call adapt() between init_process_group() and "
+            "destroy_process_group()."
+        )
+    group = adapter.process_group()
+    try:
+        # get_rank (unlike get_world_size) consults the registry of live groups.
+        dist.get_rank(group)
+    except (RuntimeError, ValueError, KeyError) as exc:
+        raise DistributedStateError(
+            f"the process group of this {adapter.name} wrapper ({type(adapter._module).__name__}) is no longer "
+            f"valid ({exc}); it was probably destroyed. Re-create the group and wrap the model again."
+        ) from exc
+
+
+def check_layout(adapter: Adapter) -> None:
+    """Refuse a model whose DTensor parameters this adapter cannot read or write: taken for
+    unsharded, every operation after ``adapt()`` would hand out shards as full values."""
+    dtensor = lookup("torch.distributed.tensor", "DTensor")
+    if dtensor is None:  # never imported: no parameter can be one
+        return
+    for name, param in adapter._innermost.named_parameters():
+        if not isinstance(param, dtensor):
+            continue
+        p: Any = param
+        why = adapter.unsupported_dtensor(p)
+        if why is None:
+            continue
+        mesh = p.device_mesh
+        dims = f" ({', '.join(mesh.mesh_dim_names)})" if getattr(mesh, "mesh_dim_names", None) else ""
+        raise UnsupportedModelError(
+            f"{type(adapter._innermost).__name__} parameter {canonical_name(name)!r} is a DTensor with placements "
+            f"{tuple(p.placements)} on a {mesh.ndim}-D mesh of {mesh.size()} ranks{dims}: {why}. Tensor "
+            "parallelism is supported alone (parallelize_module over one mesh dimension, no wrapper around "
+            "it) and beside fully_shard (FSDP2 over the dimensions before it of one named mesh), not under "
+            "DDP, FSDP1 or DeepSpeed; shard the model with one of those alone, or use tensor parallelism "
+            "with FSDP2."
+        )

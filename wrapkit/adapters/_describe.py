@@ -1,0 +1,51 @@
+"""``describe()``: an adapter's summary, one line per thing a user asks about a wrapped model."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from ._base import Adapter
+
+__all__ = ["describe"]
+
+
+def describe(adapter: Adapter) -> str:
+    """``adapter.describe()``: a human-readable multi-line summary."""
+    mods = list(adapter._innermost.modules())
+    training = sum(1 for m in mods if m.training)
+    total = adapter.num_parameters()
+    trainable = adapter.num_parameters(trainable_only=True)
+    lines = [
+        f"backend:      {adapter.backend}"
+        + (f" (ZeRO stage {adapter.zero_stage})" if adapter.zero_stage is not None else ""),
+        f"stack:        {' > '.join(adapter.stack)}",
+        f"device:       {adapter.device}",
+        f"group:        rank {adapter.rank} of {adapter.world_size}" + _replicas_text(adapter),
+        *_mesh_lines(adapter),
+        f"sharded:      {'yes' if adapter.is_sharded else 'no'}",
+        f"parameters:   {total:,} ({trainable:,} trainable); "
+        f"{adapter.resident_parameter_bytes() / 2**20:.2f} MiB held by this rank",
+        f"mode:         {training} of {len(mods)} modules in training mode",
+        f"config:       {type(getattr(adapter._innermost, 'config', None)).__name__}",
+    ]
+    return "\n".join(lines)
+
+def _mesh_lines(adapter: Adapter) -> list[str]:
+    """The mesh, each dimension's size and role, and the batches, where the model lies on a mesh."""
+    dims = adapter.topology().mesh_text()
+    if dims is None:
+        return []
+    size, rank = adapter.data_parallel_size, adapter.data_parallel_rank
+    return [f"mesh:         {dims}", f"batches:      data-parallel rank {rank} of {size}"]
+
+def _replicas_text(adapter: Adapter) -> str:
+    """Where the model is replicated across groups (HSDP): which copy this rank is in, of how many."""
+    groups = adapter.replica_groups()
+    if not groups:
+        return ""
+    copies = [(dist.get_rank(g), dist.get_world_size(g)) for g in groups]
+    where = ", ".join(f"copy {r} of {n}" for r, n in copies)
+    return f"; replicated: {where} (the shard group above holds one copy)"
