@@ -39,9 +39,14 @@ def units(root: Any) -> Iterator[Any]:
             yield m
 
 
+def units_with_params(root: Any) -> list[Any]:
+    """The units under ``root`` that have parameters (a flat parameter handle), outermost first."""
+    return [u for u in units(root) if getattr(u, "_handle", None) is not None]
+
+
 def handles(root: Any) -> list[Any]:
     """The flat parameter handle of every unit that has parameters."""
-    return [u._handle for u in units(root) if getattr(u, "_handle", None) is not None]
+    return [u._handle for u in units_with_params(root)]
 
 
 def flat_params(root: Any) -> Iterator[Any]:
@@ -250,7 +255,7 @@ class FlatGatherer(WholeGatherer):
         """Every original parameter, full, in its unit's compute dtype, from one all-gather of all
         the units' shards; None where that layout does not hold (use_orig_params=False, NO_SHARD,
         units computing in different dtypes): summon_full_params serves those."""
-        with_params = [u for u in units(self.model.backend_object) if getattr(u, "_handle", None) is not None]
+        with_params = units_with_params(self.model.backend_object)
         return gather_in(with_params, dtypes, self.model.process_group(), self.model.world_size)
 
     def _cast_root_inputs(self) -> Any:
@@ -268,7 +273,7 @@ class FlatGatherer(WholeGatherer):
     def _sharded_units(self) -> list[Any] | None:
         """The units with parameters, where one all-gather of their shards serves any set of them
         (``gather_in``: use_orig_params=True, sharded, shards on the compute device); else None."""
-        with_params = [u for u in units(self.model.backend_object) if getattr(u, "_handle", None) is not None]
+        with_params = units_with_params(self.model.backend_object)
         if (self._offloaded() or self.model.world_size < 2
                 or any(u._handle.flat_param._params is None or not u._handle.uses_sharded_strategy
                        for u in with_params)):
@@ -299,7 +304,7 @@ class FlatGatherer(WholeGatherer):
         names: dict[int, list[str]] = {}
         for name, p in model.unwrap().named_parameters(remove_duplicate=False):
             names.setdefault(id(p), []).append(canonical_name(name))
-        with_params = [u for u in units(model.backend_object) if getattr(u, "_handle", None) is not None]
+        with_params = units_with_params(model.backend_object)
         if any(getattr(u._handle.flat_param, "_params", None) is None for u in with_params):
             # use_orig_params=False: the originals are not Parameters; gather the whole model.
             with self.full(None) as replace, bypassed(model.unwrap(), self.bypass(), replace) as inner:

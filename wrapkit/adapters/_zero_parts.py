@@ -176,10 +176,8 @@ class ZeroWeights(WholeWeights):
             id(p): p for m in submodules(self.model.unwrap()) for p in m._parameters.values()
             if getattr(getattr(p, "ds_status", None), "name", "") == "AVAILABLE"
         }.values())
-        gatherer = self.model.gatherer
-        assert isinstance(gatherer, ZeroGatherer)
         with torch.no_grad():
-            for p, full in gatherer.from_partitions(stale):
+            for p, full in ZeroGatherer(self.model).from_partitions(stale):
                 p.data.copy_(full.view(p.data.shape))
 
 
