@@ -226,20 +226,49 @@ def test_backends_describe_their_groups_once() -> None:
             assert _defined_by(cls, name) is wrapkit.Adapter, f"{cls.__name__} defines {name} beside topology()"
 
 
-def test_a_sharded_backend_that_cannot_build_a_likeness_says_so() -> None:
+def test_a_backend_without_likeness_or_states_says_so() -> None:
+    """A part a backend lacks is None, and each operation that needs it raises one typed error naming the
+    backend and the fix, before anything is built or moved."""
     from wrapkit._registry import as_adapter
-    from wrapkit.wrapping import wrap_like
+    from wrapkit.adapters import Parts
+    from wrapkit.adapters._whole import whole_parts
+    from wrapkit.reference import build_reference
+    from wrapkit.sleeping import sleep
+    from wrapkit.wrapping import bare_module, wrap_like
 
-    class NoLikeness(wrapkit.ShardedAdapter, abstract=True):  # every other primitive is beside the point here
-        name = "nolikeness"
+    class Bare(wrapkit.ShardedAdapter, abstract=True):  # every other primitive is beside the point here
+        name = "bare"
+
+        def parts(self) -> Parts:
+            return whole_parts(self).replace(likeness=None, states=None)
 
     module = torch.nn.Linear(2, 2)
-    policy = NoLikeness(module, [("nolikeness", module)], None, module)
-    assert policy.bare_frozen() is None  # a sharded wrapper is never peeled into a reference's start
-    with pytest.raises(wrapkit.UnsupportedModelError, match="nolikeness backend cannot build a frozen copy"):
-        policy.fresh_copy(None)
-    with pytest.raises(wrapkit.UnsupportedModelError, match="nolikeness backend cannot wrap a reference"):
+    policy = Bare(module, [("bare", module)], None, module)
+    assert policy.likeness is None and policy.states is None
+    with pytest.raises(wrapkit.UnsupportedModelError, match="bare backend cannot build a frozen copy"):
+        build_reference(policy)
+    with pytest.raises(wrapkit.UnsupportedModelError, match="bare backend cannot wrap a reference"):
         wrap_like(policy, as_adapter(torch.nn.Linear(2, 2)), None)  # a plain reference, to be wrapped the policy's way
+    # A model wrapped that way is no start for a reference wrapped another way.
+    with pytest.raises(wrapkit.ReferenceModelError, match="wrapped in bare but the policy uses ddp"):
+        bare_module(policy, "ddp")
+    before = [t.clone() for t in module.parameters()]
+    with pytest.raises(wrapkit.UnsupportedModelError, match="bare backend cannot move this model's training state"):
+        sleep(policy, torch.optim.SGD(module.parameters(), lr=0.1))
+    assert all(torch.equal(a, b) for a, b in zip(before, module.parameters(), strict=True))
+
+
+def test_an_adapter_defining_a_member_that_moved_into_parts_is_refused() -> None:
+    """Nothing calls the members that became parts: a third-party adapter still defining one would be
+    ignored without a word, so its class statement fails, naming the part member that replaced it."""
+    with pytest.raises(wrapkit.AdapterRegistrationError, match=r"fresh_copy.*likeness\.copy"):
+        class Old(wrapkit.Adapter):  # noqa: F841
+            def fresh_copy(self, ds_config: Any) -> torch.nn.Module:
+                return torch.nn.Linear(2, 2)
+    with pytest.raises(wrapkit.AdapterRegistrationError, match=r"sleep_refusal.*states"):
+        class Older(wrapkit.Adapter):  # noqa: F841
+            def sleep_refusal(self) -> str | None:
+                return None
 
 
 def test_topology_of_every_four_rank_layout(group4: Any) -> None:
@@ -287,20 +316,17 @@ def test_topology_of_every_four_rank_layout(group4: Any) -> None:
 
 
 # What a backend's adapter may define itself: what its wrapper is (detection, identity, the layouts it
-# refuses), its topology, its parts and its recipe; and, until they are parts of their own, its likeness
-# (copies like the model) and its sleep (training state off the device). Private helpers serve these.
+# refuses, the form a frozen copy keeps), its topology, its parts and its recipe. Private helpers serve these.
 _WRAPPER = {"name", "peels", "distributed", "matches", "inner", "claims", "device", "is_sharded", "zero_stage",
-            "takes_ds_config", "patches_torch_ops", "unsupported_dtensor"}
+            "unsupported_dtensor", "frozen_form"}
 _COMPOSED = {"topology", "parts", "recipe"}
-_LIKENESS = {"wrap_like", "fresh_copy", "bare_frozen", "frozen_form"}
-_SLEEP = {"own_optimizer", "optimizer_tensors", "sleep_refusal", "offload_states"}
 
 
 def test_backend_adapters_define_only_their_wrapper_topology_parts_and_recipe() -> None:
     from wrapkit.adapters import BUILTIN_ADAPTERS, CONTENT_ADAPTERS, PlainAdapter
     from wrapkit.adapters._kinds import ReplicatedAdapter
 
-    allowed = _WRAPPER | _COMPOSED | _LIKENESS | _SLEEP
+    allowed = _WRAPPER | _COMPOSED
     for cls in (*BUILTIN_ADAPTERS, *CONTENT_ADAPTERS, PlainAdapter, ReplicatedAdapter, wrapkit.ShardedAdapter):
         public = {n for n in vars(cls) if not n.startswith("_")}
         assert public <= allowed, (f"{cls.__name__} defines {sorted(public - allowed)}: a backend says how it "

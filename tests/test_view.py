@@ -73,10 +73,9 @@ def test_view_adapter_takes_nothing_from_the_unsharded_defaults() -> None:
 
 
 # What writes, moves or copies a model's weights: the view must refuse each.
-WRITES = {"offload_states", "bare_frozen", "wrap_like", "fresh_copy", "frozen_form", "parts"}
+WRITES = {"frozen_form", "parts"}
 # What the view defines itself: renamed reads, gathers with the adapters off, its counts and summary.
-OWN = {"name", "stack", "named_live", "merge_root", "num_parameters", "resident_parameter_bytes", "describe",
-       "sleep_refusal"}
+OWN = {"name", "stack", "named_live", "merge_root", "num_parameters", "resident_parameter_bytes", "describe"}
 
 
 def test_the_view_forwards_reads_only_and_refuses_the_rest() -> None:
@@ -105,6 +104,9 @@ def test_the_view_forwards_reads_only_and_refuses_the_rest() -> None:
     for name in sorted(READS):  # forwarded: the policy's own value
         value = getattr(view, name)
         assert value == getattr(view.policy, name) or callable(value), name
+    # It has no likeness and no states: a copy or a sleep would act on the policy's weights.
+    assert view.likeness is None and view.states is None
+    assert view.policy.likeness is not None and view.policy.states is not None
     # Its parts read the policy's weights under the base model's names; each member that would write or move
     # them refuses.
     from wrapkit.adapters import Written

@@ -27,6 +27,7 @@ from ._registry import as_adapter
 from ._torch_ops import keep_torch_ops
 from .adapters import Adapter
 from .adapters._dtensor import local_tensor
+from .adapters._parts import lacking
 from .placement import to_eval_frozen
 from .view import AdaptersOff, view_possible
 from .wrapping import wrap_like
@@ -38,7 +39,7 @@ def build_reference(policy: Any, ref_model: Any = None, *,
                     ds_config: dict[str, Any] | None = None) -> Adapter:
     """The reference ``prepare_reference`` hands out (see its docstring there)."""
     pol = as_adapter(policy, "using it as the policy of another reference")
-    misplaced = ds_config is not None and not pol.takes_ds_config
+    misplaced = ds_config is not None and not (pol.likeness is not None and pol.likeness.takes_config)
     # Adapted once, here: everything below works on this adapter.
     ref = as_adapter(ref_model, "using it as a reference") if ref_model is not None and not misplaced else None
     shared = ref is not None and _shares_parameters(pol, ref)
@@ -66,7 +67,7 @@ def build_reference(policy: Any, ref_model: Any = None, *,
 def _torch_forward(ref: Adapter) -> Adapter:
     """A reference outside DeepSpeed runs its forward with torch's own operators, even in a process
     where a ZeRO-3 engine has replaced them (``_torch_ops``); a DeepSpeed one keeps its engine's."""
-    if not ref.patches_torch_ops:
+    if ref.likeness is None or not ref.likeness.own_ops:
         keep_torch_ops(ref.module)
     return ref
 
@@ -93,4 +94,6 @@ def _shares_parameters(pol: Adapter, ref: Adapter) -> bool:
 def _fresh_copy(pol: Adapter, ds_config: dict[str, Any] | None) -> Adapter:
     """A frozen copy of the policy's weights wrapped like it: its backend builds it (a sharded one
     shard to shard, so no rank ever holds the full model)."""
-    return as_adapter(pol.fresh_copy(ds_config))
+    if pol.likeness is None:
+        raise lacking(pol.backend, "likeness.copy")
+    return as_adapter(pol.likeness.copy(ds_config))

@@ -23,6 +23,7 @@ from ._agree import Call, any_over_models, enter
 from ._errors import ArgumentError, DistributedStateError, PlacementError, UnsupportedModelError
 from ._memory import format_bytes
 from .adapters._dtensor import local_tensor
+from .adapters._parts import States, lacking
 from .placement import home_device, move_verified, remember_home
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ def training_state(wm: Adapter, optimizer: Any) -> list[tuple[str, torch.Tensor]
     out = list(wm.placement.tensors())
     out += [("grad", local_tensor(p.grad)) for p in wm.placement.frozen_parameters() if p.grad is not None]
     if optimizer is not None:
-        out += list(wm.optimizer_tensors(optimizer))
+        out += list(_states(wm).tensors(optimizer))
     seen: set[int] = set()
     unique = []
     for what, t in out:
@@ -81,6 +82,12 @@ def training_state(wm: Adapter, optimizer: Any) -> list[tuple[str, torch.Tensor]
             seen.add(key)
             unique.append((what, t))
     return unique
+
+
+def _states(wm: Adapter) -> States:
+    if wm.states is None:
+        raise lacking(wm.backend, "states")
+    return wm.states
 
 
 def _bytes_on(state: list[tuple[str, torch.Tensor]], device: torch.device) -> int:
@@ -94,7 +101,9 @@ def _problem(wm: Adapter, optimizer: Any, level: object) -> str | None:
         return f"sleep(level={level!r}): pass 1 (gradients kept, on the CPU) or 2 (gradients dropped)"
     if wm.module in _ASLEEP:
         return "sleep(): the model is asleep already; call wake() first"
-    own = wm.own_optimizer()
+    if wm.states is None:
+        return f"sleep(): {lacking(wm.backend, 'states')}"
+    own = wm.states.own_optimizer()
     if own is not None:
         if optimizer is not None and optimizer is not own and optimizer is not getattr(own, "optimizer", None):
             return (f"sleep(optimizer=...) on a {wm.name} model: the backend's own optimizer is used; pass "
@@ -102,20 +111,20 @@ def _problem(wm: Adapter, optimizer: Any, level: object) -> str | None:
     elif optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         return (f"sleep(optimizer={type(optimizer).__name__}): pass the torch.optim.Optimizer that steps this "
                 "model (or None to move the model alone)")
-    refusal = wm.sleep_refusal()
-    return f"sleep(): {refusal}" if refusal else None
+    return None
 
 
 def sleep(wm: Adapter, optimizer: Any = None, level: int = 1) -> SleepReport:
     """Move this rank's training state to the CPU; see ``WrappedModel.sleep``. Collective."""
     problem = _problem(wm, optimizer, level)
-    refused = wm.sleep_refusal() is not None
+    refused = wm.states is None
     [bad] = enter(Call.of("sleep", level=level), wm, flags=[problem is not None], invalid=1)
     if bad:
         error = UnsupportedModelError if refused else ArgumentError
         raise error(problem or "sleep() was refused on another rank of the group; see its error")
     home = home_device(wm)
-    opt = wm.own_optimizer() or optimizer
+    states = _states(wm)
+    opt = states.own_optimizer() or optimizer
     state_bytes = _bytes_on(training_state(wm, opt), home)
     grads = [p for p in wm.placement.frozen_parameters() if p.grad is not None]
     dropped = 0
@@ -127,7 +136,7 @@ def sleep(wm: Adapter, optimizer: Any = None, level: int = 1) -> SleepReport:
         for p in grads:
             p.grad = None
     moved: list[tuple[dict[str, Any], str]] = []
-    reload = wm.offload_states(home)
+    reload = states.offload(home)
     if reload is None:
         # A fresh copy even from the CPU: a machine without an accelerator still exercises every
         # backend's bookkeeping, and shows that nothing was left behind (every storage replaced).

@@ -49,8 +49,9 @@ class AdaptersOff(Adapter):
     def __init__(self, policy: Adapter) -> None:  # nothing of its own to detect or check
         self.policy = policy
         # Parts that read the policy's under the base model's names; those that would write or move its
-        # weights refuse.
+        # weights refuse. No likeness, no states: a copy or a sleep acts on the policy's.
         self.weights, self.gatherer, self.placement = OffWeights(self), OffGatherer(self), OffPlacement(self)
+        self.likeness, self.states = None, None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} of {self.policy!r}>"
@@ -108,9 +109,6 @@ class AdaptersOff(Adapter):
             f"config:       {type(getattr(p.unwrap(keep_peft=False), 'config', None)).__name__}",
         ]
         return "\n".join(lines)
-
-    def sleep_refusal(self) -> str | None:
-        return "the view owns no weights; sleep() the policy"
 
 
 class OffWeights:
@@ -227,9 +225,8 @@ class OffPlacement:
 # through a view unless it is named here (``tests/test_view.py`` checks that none of these writes).
 READS = frozenset({
     "backend", "backend_object", "config", "data_parallel_rank", "data_parallel_size", "device", "distributed",
-    "is_encoder_decoder", "is_sharded", "mesh", "module", "optimizer_tensors", "own_optimizer", "patches_torch_ops",
-    "peels", "process_group", "rank", "replica_groups", "takes_ds_config", "topology", "unsupported_dtensor",
-    "unwrap", "world_size", "zero_stage",
+    "is_encoder_decoder", "is_sharded", "mesh", "module", "peels", "process_group", "rank", "replica_groups",
+    "topology", "unsupported_dtensor", "unwrap", "world_size", "zero_stage",
 })
 
 

@@ -1,6 +1,6 @@
 """Wrapping a user's module the way a policy is wrapped, for references (``prepare_reference``)
 and the trainer drop-ins (``integrations``). What "the way a policy is wrapped" means is each
-backend's to say (its adapter's ``wrap_like``); this module only decides what gets wrapped.
+backend's to say (its likeness, ``Likeness.wrap``); this module only decides what gets wrapped.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import torch
 from ._errors import ReferenceModelError
 from ._registry import as_adapter
 from .adapters import Adapter
+from .adapters._parts import lacking
 
 __all__ = ["bare_module", "wrap_like"]
 
@@ -20,7 +21,7 @@ def bare_module(ref: Adapter, backend: str) -> torch.nn.Module | Adapter:
     """What wrapping ``ref`` the ``backend`` way starts from: the module itself, unwrapped from a
     replicated wrapper (which adds nothing to a frozen model); or ``ref`` when it is already
     wrapped that way. Any other wrapper is refused."""
-    module = ref.bare_frozen()
+    module = ref.likeness.start() if ref.likeness is not None else None
     if module is not None:
         return module
     if ref.backend == backend:
@@ -36,4 +37,6 @@ def wrap_like(pol: Adapter, ref: Adapter, ds_config: dict[str, Any] | None) -> A
     module = bare_module(ref, pol.backend)
     if isinstance(module, Adapter):
         return module
-    return as_adapter(pol.wrap_like(module, ds_config))
+    if pol.likeness is None:
+        raise lacking(pol.backend, "likeness.wrap")
+    return as_adapter(pol.likeness.wrap(module, ds_config))

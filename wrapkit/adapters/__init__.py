@@ -3,7 +3,7 @@
 from .._gather import Bypass
 from ._base import Adapter
 from ._kinds import ShardedAdapter
-from ._parts import Gatherer, Parts, Placement, Weights, Written
+from ._parts import Gatherer, Likeness, Parts, Placement, States, Weights, Written
 from ._topology import Role, Topology
 from .ddp import DDPAdapter
 from .deepspeed import DeepSpeedAdapter
@@ -23,6 +23,8 @@ __all__ = [
     "Weights",
     "Gatherer",
     "Placement",
+    "Likeness",
+    "States",
     "Written",
     "PlainAdapter",
     "DataParallelAdapter",

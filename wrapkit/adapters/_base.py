@@ -1,30 +1,22 @@
-"""The adapter base class: the plain-module behaviour that every backend shares.
-
-A backend adapter overrides only what its wrapper does differently: how it is
-detected and peeled, which device computes, which group it lives on, how the
-parameter count is read off its shards.
-"""
+"""The adapter base class: what every backend shares (identity, peeling, the read-only protocol) and the
+parts of whole tensors. A backend overrides what its wrapper does differently: detection, device, topology,
+parts."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+import itertools
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 
-from .._errors import (
-    AdapterRegistrationError,
-    MissingConfigError,
-)
+from .._errors import MissingConfigError
 from .._module_internals import live_entries
 from .._names import model_class_name
-from ._checks import check_group, check_layout
+from ._checks import check_group, check_layout, check_moved
 from ._describe import describe
 from ._dtensor import local_tensor
-from ._likeness import replicated_copy
-from ._parts import MOVED_TO_PARTS, Parts
-from ._primitives import BackendPrimitives
+from ._parts import Gatherer, Likeness, Parts, Placement, States, Weights
 from ._recipes import Recipe
 from ._topology import Topology
 from ._whole import move_buffers, whole_parts
@@ -49,23 +41,19 @@ class Adapter:
     peels: ClassVar[bool] = True
     # Whether this adapter needs an initialised process group.
     distributed: ClassVar[bool] = False
-    # Whether prepare_reference's ds_config applies (the reference is built from the backend's config).
-    takes_ds_config: ClassVar[bool] = False
-    # Whether the backend's modules run on torch functions it replaced process-wide (ZeRO-3).
-    patches_torch_ops: ClassVar[bool] = False
     # How the doctor and the tests build one (``_recipes.py``); None: detected and served, never built.
     recipe: ClassVar[Recipe | None] = None
 
+    # Set from ``parts()`` (``adapters/_parts.py``); likeness and states are None where the backend has none.
+    weights: Weights
+    gatherer: Gatherer
+    placement: Placement
+    likeness: Likeness | None
+    states: States | None
+
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        # Nothing calls these any more: an adapter that still defines one would be silently ignored.
-        moved = sorted(name for name in MOVED_TO_PARTS if name in vars(cls))
-        if moved:
-            raise AdapterRegistrationError(
-                f"{cls.__name__} defines {', '.join(moved)}, which are now members of an adapter's parts "
-                f"({', '.join(MOVED_TO_PARTS[n] for n in moved)}); return them from parts() (adapters/_parts.py: "
-                "Weights, Gatherer, Placement), deriving from the parts of the storage kind closest to yours."
-            )
+        check_moved(cls)
 
     # -- detection -----------------------------------------------------------------
     @classmethod
@@ -87,16 +75,14 @@ class Adapter:
         self._entries = tuple(entries)
         self._backend_obj = backend_obj
         self._innermost = innermost
-        self.weights, self.gatherer, self.placement = self.parts()
-        self._check_group()
+        self.weights, self.gatherer, self.placement, self.likeness, self.states = self.parts()
+        check_group(self)
         self._check_internals()
-        self._check_layout()
+        check_layout(self)
         self._check_stack()
         cfg = getattr(innermost, "config", None)
         # Read once: generation code branches on it every step.
-        self._is_encoder_decoder = bool(getattr(cfg, "is_encoder_decoder", False)) if cfg is not None else bool(
-            getattr(innermost, "is_encoder_decoder", False)
-        )
+        self._is_encoder_decoder = bool(getattr(innermost if cfg is None else cfg, "is_encoder_decoder", False))
 
     # -- identity ------------------------------------------------------------------
     def __repr__(self) -> str:
@@ -164,7 +150,7 @@ class Adapter:
 
     @property
     def device(self) -> torch.device:
-        for t in self._tensors():
+        for t in itertools.chain(self._innermost.parameters(), self._innermost.buffers()):
             return t.device
         return torch.device("cpu")
 
@@ -178,24 +164,21 @@ class Adapter:
 
     @property
     def world_size(self) -> int:
-        return self._group_size_and_rank()[0] if self.distributed else 1
+        return self.topology().size_and_rank()[0] if self.distributed else 1
 
     @property
     def rank(self) -> int:
-        return self._group_size_and_rank()[1] if self.distributed else 0
+        return self.topology().size_and_rank()[1] if self.distributed else 0
 
     @property
     def data_parallel_size(self) -> int:
         """How many different batches the ranks holding this model take at each step."""
-        return self._data_parallel()[0]
+        return self.topology().data_parallel()[0] if self.distributed else 1
 
     @property
     def data_parallel_rank(self) -> int:
         """Which of those batches this rank takes (tensor-parallel ranks share one)."""
-        return self._data_parallel()[1]
-
-    def _data_parallel(self) -> tuple[int, int]:
-        return self.topology().data_parallel() if self.distributed else (1, 0)
+        return self.topology().data_parallel()[1] if self.distributed else 0
 
     def num_parameters(self, trainable_only: bool = False) -> int:
         """Global parameter count, shared (tied) parameters counted once."""
@@ -212,7 +195,7 @@ class Adapter:
 
     # -- parts (adapters/_parts.py) ------------------------------------------------------
     def parts(self) -> Parts:
-        """This model's weights, gatherer and placement: here, those of whole tensors."""
+        """This model's weights, gatherer, placement, likeness and states: here, those of whole tensors."""
         return whole_parts(self)
 
     # -- primitives (adapters/_primitives.py) ---------------------------------------
@@ -240,14 +223,8 @@ class Adapter:
         """The groups across the copies of a model sharded within each copy (HSDP), else empty."""
         return list(self.topology().replicas)
 
-    def _check_group(self) -> None:
-        check_group(self)
-
     def _check_internals(self) -> None:
         """Refuse a backend version whose private fields this adapter reads are missing (``_internals``)."""
-
-    def _check_layout(self) -> None:
-        check_layout(self)
 
     def _check_stack(self) -> None:
         """Refuse a stack of layers this adapter cannot serve (none here; tensor parallelism refuses PEFT)."""
@@ -256,16 +233,6 @@ class Adapter:
         """Why this adapter cannot handle DTensor parameter ``p`` (None: it can). Only the backends that
         shard with DTensors (fsdp2, tp) read them, so here every one is refused."""
         return f"the {self.name} adapter does not shard with DTensors, so this is a layout it cannot read"
-
-    def _group_size_and_rank(self) -> tuple[int, int]:
-        group = self.process_group()
-        if not (dist.is_available() and dist.is_initialized()):
-            return 1, 0
-        return dist.get_world_size(group), dist.get_rank(group)
-
-    def _tensors(self) -> Iterator[torch.Tensor]:
-        yield from self._innermost.parameters()
-        yield from self._innermost.buffers()
 
     def _unique_parameters(self) -> Iterator[torch.nn.Parameter]:
         seen: set[int] = set()
@@ -280,44 +247,3 @@ class Adapter:
         for training (DDP, DataParallel) the module inside it."""
         return self
 
-    # -- sleep primitives (used by sleeping.py) ------------------------------------------
-    def own_optimizer(self) -> Any:
-        """The optimizer the backend itself holds (a DeepSpeed engine's), or None."""
-        return None
-
-    def optimizer_tensors(self, optimizer: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(what, tensor)`` for the state ``optimizer`` keeps of this rank's part of the model."""
-        for state in getattr(optimizer, "state", {}).values():
-            for value in state.values():
-                if isinstance(value, torch.Tensor):
-                    yield "optimizer state", local_tensor(value)
-
-    def sleep_refusal(self) -> str | None:
-        """Why this model's training state cannot be moved off the device and back, or None."""
-        return None
-
-    def offload_states(self, home: torch.device) -> Callable[[], None] | None:
-        """Move the training state the backend keeps itself (parameters, gradients, its optimizer's) to
-        the CPU, returning what brings it back to ``home``; None where the backend keeps nothing of its
-        own: parameters then go through ``move`` and the torch optimizer's state is moved by the caller."""
-        return None
-
-    # -- likeness: references and frozen copies -------------------------------------------------
-    def bare_frozen(self) -> torch.nn.Module | None:
-        """The module a frozen copy wrapped another way starts from: a replicated wrapper adds nothing
-        to a frozen model, so the module inside it (PEFT kept); None where the wrapper shards it."""
-        return self.unwrap(keep_peft=True)
-
-    def wrap_like(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
-        """``module`` (bare, whole, frozen) wrapped the way this model is; a replicated model's frozen copy
-        needs no wrapper, only its device."""
-        return module.to(self.device)
-
-    def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
-        """A frozen copy of this model's weights, wrapped like it."""
-        return replicated_copy(self, ds_config)
-
-
-def _conforms(adapter: Adapter) -> BackendPrimitives:
-    """Checked by mypy: every adapter implements the backend primitives."""
-    return adapter

@@ -1,5 +1,6 @@
 """What ``adapt()`` refuses of every adapter before any operation runs: a distributed wrapper without a
-live process group, and DTensor parameters the adapter cannot read or write."""
+live process group, and DTensor parameters the adapter cannot read or write; and what a class statement
+refuses of an adapter class: members that moved into its parts."""
 
 from __future__ import annotations
 
@@ -7,14 +8,28 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from .._errors import DistributedStateError, UnsupportedModelError
+from .._errors import AdapterRegistrationError, DistributedStateError, UnsupportedModelError
 from .._imports import lookup
 from .._names import canonical_name
+from ._parts import MOVED_TO_PARTS
 
 if TYPE_CHECKING:
     from ._base import Adapter
 
-__all__ = ["check_group", "check_layout"]
+__all__ = ["check_group", "check_layout", "check_moved"]
+
+
+def check_moved(cls: type) -> None:
+    """Refuse an adapter class that defines a member operations no longer call (``MOVED_TO_PARTS``): it
+    would be silently ignored."""
+    moved = sorted(name for name in MOVED_TO_PARTS if name in vars(cls))
+    if moved:
+        raise AdapterRegistrationError(
+            f"{cls.__name__} defines {', '.join(moved)}, which are now members of an adapter's parts "
+            f"({', '.join(MOVED_TO_PARTS[n] for n in moved)}); return them from parts() (adapters/_parts.py: "
+            "Weights, Gatherer, Placement, Likeness, States), deriving from the parts of the storage kind closest "
+            "to yours."
+        )
 
 
 def check_group(adapter: Adapter) -> None:

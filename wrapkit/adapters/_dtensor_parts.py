@@ -31,7 +31,7 @@ from ._dtensor import (
 )
 from ._parts import Parts, Written
 from ._primitives import Piece
-from ._whole import WholeGatherer, WholePlacement, WholeWeights
+from ._whole import TorchStates, WholeGatherer, WholePlacement, WholeWeights
 
 if TYPE_CHECKING:
     from ._base import Adapter
@@ -48,7 +48,7 @@ def dtensor_parts(model: Adapter, bypass: Callable[[], Bypass], *, reshard: Call
                   cast_hooks: Callable[[], list[Any]] = list) -> Parts:
     return Parts(DTensorWeights(model, reshard),
                  DTensorGatherer(model, bypass, reshard, compute_dtypes, cast_hooks),
-                 DTensorPlacement(model))
+                 DTensorPlacement(model), None, TorchStates())
 
 
 class DTensorWeights(WholeWeights):

@@ -18,7 +18,7 @@ from ._fsdp_flat import flat_pieces, full_from_shards, gather_in, local_shard
 from ._internals import FSDP_MANAGED
 from ._parts import Parts, Written
 from ._primitives import Piece
-from ._whole import WholeGatherer, WholePlacement, WholeWeights, move_buffers
+from ._whole import TorchStates, WholeGatherer, WholePlacement, WholeWeights, move_buffers
 
 if TYPE_CHECKING:
     from ._base import Adapter
@@ -27,7 +27,7 @@ __all__ = ["flat_parts", "units", "flat_params"]
 
 
 def flat_parts(model: Adapter) -> Parts:
-    return Parts(FlatWeights(model), FlatGatherer(model), FlatPlacement(model))
+    return Parts(FlatWeights(model), FlatGatherer(model), FlatPlacement(model), None, TorchStates())
 
 
 def units(root: Any) -> Iterator[Any]:

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from .._errors import AdapterRegistrationError, UnsupportedModelError
+from .._errors import AdapterRegistrationError
 from ._base import Adapter
-from ._primitives import SHARDED_PRIMITIVES
+from ._primitives import SHARDED_PRIMITIVES, BackendPrimitives
 
 __all__ = ["ShardedAdapter", "ReplicatedAdapter", "defined_by"]
 
@@ -33,25 +31,8 @@ class ShardedAdapter(Adapter):
                 f"{cls.__name__} derives from ShardedAdapter but does not define {', '.join(missing)}: a sharded "
                 "backend gives the parts of its storage kind (parts(), adapters/_parts.py) and says whether it "
                 "is sharded and over which ranks (topology()), since the whole-tensor defaults would read this "
-                "rank's shard as the whole parameter."
+                "rank's shard as the whole parameter (and copy it as the whole model)."
             )
-
-    def bare_frozen(self) -> torch.nn.Module | None:
-        return None
-
-    # A sharded backend builds its likeness itself: a whole-module copy would hold every weight on
-    # every rank. One that cannot says so, by name.
-    def wrap_like(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
-        raise UnsupportedModelError(
-            f"the {self.name} backend cannot wrap a reference model the way its policy is wrapped; wrap ref_model "
-            f"in {self.name} yourself and pass it to prepare_reference."
-        )
-
-    def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
-        raise UnsupportedModelError(
-            f"the {self.name} backend cannot build a frozen copy of its model; pass ref_model to prepare_reference "
-            f"(the model loaded again from its checkpoint, wrapped in {self.name})."
-        )
 
 
 def defined_by(cls: type, name: str) -> type | None:
@@ -68,3 +49,8 @@ class ReplicatedAdapter(Adapter):
         assert self._backend_obj is not None
         at = next(i for i, (_, obj) in enumerate(self._entries) if obj is self._backend_obj)
         return Adapter(self.inner(self._backend_obj), list(self._entries[at + 1:]), None, self._innermost)
+
+
+def _conforms(adapter: Adapter) -> BackendPrimitives:
+    """Checked by mypy: every adapter implements the backend primitives."""
+    return adapter

@@ -1,10 +1,11 @@
-"""What every backend's ``wrap_like`` and ``fresh_copy`` share: the transformer blocks that become
+"""What every backend's likeness (``Likeness.wrap`` and ``Likeness.copy``) shares: the transformer blocks that become
 units, an empty skeleton of the model's class to shard before it is filled, and the buffers that no
 shard holds."""
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -105,12 +106,13 @@ def distributed_copy(adapter: Adapter) -> torch.nn.Module | None:
     return model
 
 
-def replicated_copy(adapter: Adapter, ds_config: dict[str, Any] | None) -> torch.nn.Module:
-    """A frozen copy of a model whose every rank holds the full weights, wrapped like it."""
+def replicated_copy(adapter: Adapter, wrap: Callable[[torch.nn.Module, dict[str, Any] | None], torch.nn.Module],
+                    ds_config: dict[str, Any] | None) -> torch.nn.Module:
+    """A frozen copy of a model whose every rank holds the full weights, wrapped like it (``wrap``)."""
     source = adapter.unwrap(keep_peft=True)
     if any(p.numel() == 0 for p in source.parameters()):
         raise ReferenceModelError(
             f"the {adapter.backend} policy's parameters are not all present on this rank (offloaded or sharded); "
             "call policy.place() first or pass ref_model."
         )
-    return adapter.wrap_like(copy.deepcopy(source), ds_config)
+    return wrap(copy.deepcopy(source), ds_config)

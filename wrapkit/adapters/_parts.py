@@ -1,11 +1,15 @@
 """The parts an adapter is made of, one implementation per storage kind.
 
 A backend's adapter says what its wrapper is (detection, peeling, device, topology) and hands out
-three parts that say how its weights are stored:
+the parts that say how its weights are stored, copied and put to sleep:
 
 - ``Weights``: this rank's tensors, the full shapes, the slices a load fills;
 - ``Gatherer``: full values out of the shards, and back in (one gather, write-back or roll-back);
-- ``Placement``: moving this rank's tensors and naming what a move must have moved.
+- ``Placement``: moving this rank's tensors and naming what a move must have moved;
+- ``Likeness`` (or None): frozen copies wrapped the way the model is, for references;
+- ``States`` (or None): the training state kept beside the weights, and how it leaves the device.
+
+A part a backend lacks is None, and the operation that needs it raises one typed error (``lacking``).
 
 One implementation per storage kind: whole tensors (``_whole.py``: plain, DataParallel, DDP, ZeRO
 0-2), DTensors (``_dtensor_parts.py``: FSDP2 and tensor parallelism, with options). A backend that
@@ -21,9 +25,11 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from .._errors import UnsupportedModelError
 from .._gather import Bypass
 
-__all__ = ["Weights", "Gatherer", "Placement", "Parts", "Written", "Piece", "copy_into", "MOVED_TO_PARTS"]
+__all__ = ["Weights", "Gatherer", "Placement", "Likeness", "States", "Parts", "Written", "Piece", "copy_into",
+           "MOVED_TO_PARTS", "lacking"]
 
 Shape = tuple[int, ...]
 
@@ -38,7 +44,10 @@ MOVED_TO_PARTS = {
     "gather_units": "gatherer.units", "gather_many": "gatherer.many", "gather_exported": "gatherer.exported",
     "gather_full": "gatherer.full", "gather_layerwise": "gatherer.layerwise", "gather_bypass": "gatherer.bypass",
     "full_parameter_bytes": "gatherer.full_bytes", "move": "placement.move", "placement_tensors": "placement.tensors",
-    "frozen_parameters": "placement.frozen_parameters",
+    "frozen_parameters": "placement.frozen_parameters", "bare_frozen": "likeness.start", "wrap_like": "likeness.wrap",
+    "fresh_copy": "likeness.copy", "takes_ds_config": "likeness.takes_config", "patches_torch_ops": "likeness.own_ops",
+    "own_optimizer": "states.own_optimizer", "optimizer_tensors": "states.tensors", "offload_states": "states.offload",
+    "sleep_refusal": "states (None where the backend cannot move them)",
 }
 
 
@@ -60,9 +69,6 @@ def copy_into(dst: torch.Tensor) -> Any:
         with torch.no_grad():
             dst.copy_(values.reshape(dst.shape))
     return write
-
-
-
 
 
 class Written(enum.Enum):
@@ -166,9 +172,75 @@ class Placement(Protocol):
         ...
 
 
+class Likeness(Protocol):
+    """Copies like the model, for ``prepare_reference`` and the trainer drop-ins: a frozen reference
+    wrapped the way the policy is."""
+
+    # Whether ``prepare_reference``'s ``ds_config`` applies: copies are built from the backend's own config.
+    takes_config: bool
+    # Whether copies run on torch functions the backend replaced process-wide (ZeRO-3's), not torch's own.
+    own_ops: bool
+
+    def start(self) -> torch.nn.Module | None:
+        """The module a copy wrapped another way starts from (the module inside a replicated wrapper, which
+        adds nothing to a frozen model); None where the wrapper shards it."""
+        ...
+
+    def wrap(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        """``module`` (bare, whole, frozen) wrapped as this model is: its group or mesh, mixed precision, dtype."""
+        ...
+
+    def copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        """A frozen copy of this model wrapped like it; a sharded one filled shard to shard, never whole on a rank."""
+        ...
+
+
+class States(Protocol):
+    """The training state beside the weights (gradients, the optimizer's), for ``sleep`` / ``wake``."""
+
+    def own_optimizer(self) -> Any:
+        """The optimizer the backend holds itself (a DeepSpeed engine's), or None."""
+        ...
+
+    def tensors(self, optimizer: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(what, tensor)`` of the state ``optimizer`` keeps for this rank."""
+        ...
+
+    def offload(self, home: torch.device) -> Callable[[], None] | None:
+        """The backend's own state to the CPU; returns what brings it back to ``home``. None: it keeps nothing
+        of its own, so the parameters go through ``Placement.move`` and the caller moves the optimizer's state."""
+        ...
+
+
 class Parts(NamedTuple):
-    """What ``Adapter.parts()`` returns: the storage kind's three parts for this model."""
+    """What ``Adapter.parts()`` returns: the storage kind's parts for this model, and the backend's likeness
+    and states, each None where the backend has none."""
 
     weights: Weights
     gatherer: Gatherer
     placement: Placement
+    likeness: Likeness | None = None
+    states: States | None = None
+
+    def replace(self, **parts: Any) -> Parts:
+        """These parts with those named replaced: a backend's ``likeness=`` and ``states=`` beside its storage
+        kind's."""
+        return self._replace(**parts)
+
+
+# What an operation says when the model's backend lacks the part it needs: written once, here.
+_LACKING = {
+    "likeness.wrap": "cannot wrap a reference model the way its policy is wrapped{why}; wrap ref_model in {backend} "
+                     "yourself (the policy's mesh and plan) and pass it to prepare_reference.",
+    "likeness.copy": "cannot build a frozen copy of its model{why}; pass ref_model to prepare_reference (the model "
+                     "loaded again from its checkpoint, wrapped in {backend}).",
+    "states": "cannot move this model's training state off the device and back{why} (a DeepSpeed engine moves its "
+              "own with offload_states(): ZeRO-1/2/3 from DeepSpeed 0.17, and only with an optimizer); upgrade "
+              "DeepSpeed, or use place('cpu') to move the parameters alone.",
+}
+
+
+def lacking(backend: str, part: str, why: str = "") -> UnsupportedModelError:
+    """The typed error for an operation that needs ``part`` (a key of ``_LACKING``) of a ``backend``
+    model that has none; ``why`` (", because ...") says more where the backend knows it."""
+    return UnsupportedModelError(f"the {backend} backend " + _LACKING[part].format(backend=backend, why=why))

@@ -56,12 +56,18 @@ class Topology(NamedTuple):
         """The groups, innermost first, whose ranks compute on one batch together."""
         return tuple(g for g in (self.tp_group, self.cp_group) if g is not None)
 
+    def size_and_rank(self) -> tuple[int, int]:
+        """(How many ranks ``group`` has, this rank's index in it); (1, 0) without a process group."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return 1, 0
+        return dist.get_world_size(self.group), dist.get_rank(self.group)
+
     def data_parallel(self) -> tuple[int, int]:
         """(How many different batches the ranks holding this model take at each step, which one this
         rank takes): the group's ranks less those sharing a batch, times the copies."""
         if not (dist.is_available() and dist.is_initialized()):
             return 1, 0
-        size, rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        size, rank = self.size_and_rank()
         for shared in self.batch_sharing_groups():
             n = dist.get_world_size(shared)
             size, rank = size // n, rank // n

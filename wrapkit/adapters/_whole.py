@@ -1,10 +1,11 @@
 """The parts of a model whose every rank holds each parameter whole: a plain module, DataParallel,
-DDP, and a DeepSpeed engine below ZeRO-3. Gathering is reading; a write on one rank is broadcast."""
+DDP, and a DeepSpeed engine below ZeRO-3. Gathering is reading; a write on one rank is broadcast; a
+frozen copy is a deep copy; sleeping moves the module and the torch optimizer's state."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,13 +13,16 @@ import torch
 from .._agree import settle
 from .._gather import Bypass, broadcast_
 from .._names import canonical_name
+from ._dtensor import local_tensor
+from ._likeness import replicated_copy
 from ._parts import Parts, Written
 from ._primitives import Piece, copy_into
 
 if TYPE_CHECKING:
     from ._base import Adapter
 
-__all__ = ["WholeWeights", "WholeGatherer", "WholePlacement", "whole_parts", "move_buffers"]
+__all__ = ["WholeWeights", "WholeGatherer", "WholePlacement", "WholeLikeness", "TorchStates", "whole_parts",
+           "move_buffers"]
 
 
 def move_buffers(root: torch.nn.Module, target: torch.device, copy: bool) -> None:
@@ -30,7 +34,8 @@ def move_buffers(root: torch.nn.Module, target: torch.device, copy: bool) -> Non
 
 
 def whole_parts(model: Adapter) -> Parts:
-    return Parts(WholeWeights(model), WholeGatherer(model), WholePlacement(model))
+    return Parts(WholeWeights(model), WholeGatherer(model), WholePlacement(model), WholeLikeness(model),
+                 TorchStates())
 
 
 class WholeWeights:
@@ -150,3 +155,38 @@ class WholePlacement:
 
     def frozen_parameters(self) -> Iterator[torch.nn.Parameter]:
         yield from self.model.module.parameters()
+
+
+class WholeLikeness:
+    """A replicated model's copies: a frozen copy needs no wrapper, only the model's device."""
+
+    takes_config = False
+    own_ops = False
+
+    def __init__(self, model: Adapter, start: Callable[[], torch.nn.Module] | None = None) -> None:
+        self.model = model
+        # A replicated wrapper adds nothing to a frozen model: copies start from the module inside it
+        # (PEFT kept); a plain model gives its own (``start``).
+        self.start = start or (lambda: model.unwrap(keep_peft=True))
+
+    def wrap(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        return module.to(self.model.device)
+
+    def copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        return replicated_copy(self.model, self.wrap, ds_config)
+
+
+class TorchStates:
+    """A backend that keeps no training state of its own: the torch optimizer passed in holds it."""
+
+    def own_optimizer(self) -> Any:
+        return None
+
+    def tensors(self, optimizer: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        for state in getattr(optimizer, "state", {}).values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    yield "optimizer state", local_tensor(value)
+
+    def offload(self, home: torch.device) -> Callable[[], None] | None:
+        return None

@@ -18,6 +18,7 @@ from ._likeness import replicated_copy
 from ._parts import Parts
 from ._recipes import Mpu, Recipe, Setting, ds_config
 from ._topology import Topology
+from ._whole import TorchStates
 from ._zero_parts import zero_parts
 from ._zero_reference import engine_dtype, reference_config, reference_engine, zero3_copy
 from ._zero_states import offload_engine_states, sleep_way
@@ -43,8 +44,6 @@ class DeepSpeedAdapter(ShardedAdapter):
     distributed = True
     recipe = Recipe(("zero0", "zero1", "zero2", "zero3"), _build, order=5, topologies=frozenset({"subgroup"}),
                     needs="deepspeed")
-    takes_ds_config = True
-    patches_torch_ops = True
 
     @classmethod
     def matches(cls, obj: object) -> bool:
@@ -81,39 +80,55 @@ class DeepSpeedAdapter(ShardedAdapter):
         return self.zero_stage == 3 and self.world_size > 1
 
     def parts(self) -> Parts:
-        return zero_parts(self)
+        # Without a way to move the engine's states (older DeepSpeed, or no optimizer), it has none.
+        movable = sleep_way(self.zero_stage or 0, getattr(self._engine(), "optimizer", None)) is not None
+        states = _EngineStates(self) if movable else None
+        return zero_parts(self).replace(likeness=_EngineLikeness(self), states=states)
 
-    # -- sleep / wake ------------------------------------------------------------------
+
+
+class _EngineLikeness:
+    """A ZeRO-3 reference is an engine of its own, configured like the policy's; below ZeRO-3 the module
+    alone, in the engine's compute dtype."""
+
+    takes_config = True
+    own_ops = True  # ZeRO-3 replaces torch functions process-wide; its engines run on them
+
+    def __init__(self, model: DeepSpeedAdapter) -> None:
+        self.model = model
+
+    def start(self) -> torch.nn.Module | None:
+        return None
+
+    def wrap(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        model = self.model
+        if model.zero_stage == 3:
+            return reference_engine(model, module, reference_config(model._engine(), ds_config))
+        return module.to(device=model.device, dtype=engine_dtype(model._engine(), ds_config))
+
+    def copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        model = self.model
+        return zero3_copy(model, ds_config) if model.zero_stage == 3 else replicated_copy(model, self.wrap, ds_config)
+
+
+class _EngineStates(TorchStates):
+    """The engine's optimizer, whose fp32 masters and gradient partitions live in flat buffers of its own
+    (outside the torch optimizer's ``state``), moved by DeepSpeed's ``offload_states``."""
+
+    def __init__(self, model: DeepSpeedAdapter) -> None:
+        self.model = model
+
     def own_optimizer(self) -> Any:
-        return getattr(self._engine(), "optimizer", None)
+        return getattr(self.model._engine(), "optimizer", None)
 
-    def optimizer_tensors(self, optimizer: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        # A ZeRO optimizer keeps the fp32 masters and the gradient partitions in flat buffers of its
-        # own, outside the torch optimizer's ``state``.
+    def tensors(self, optimizer: Any) -> Iterator[tuple[str, torch.Tensor]]:
         for attr in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
             for t in getattr(optimizer, attr, None) or ():
                 yield "fp32 masters", t
         buffer = getattr(optimizer, "grad_partitions_flat_buffer", None)
         if isinstance(buffer, torch.Tensor):
             yield "gradient partitions", buffer
-        yield from super().optimizer_tensors(getattr(optimizer, "optimizer", optimizer))
+        yield from super().tensors(getattr(optimizer, "optimizer", optimizer))
 
-    def sleep_refusal(self) -> str | None:
-        if sleep_way(self.zero_stage or 0, self.own_optimizer()) is not None:
-            return None
-        return (f"a ZeRO-{self.zero_stage} engine moves its states with DeepSpeed's offload_states(), which it has "
-                "from DeepSpeed 0.17 for ZeRO-1/2/3 (before, for ZeRO-3 with DeepSpeed's FusedAdam only); upgrade "
-                "DeepSpeed, or use place('cpu') to move the parameters alone")
-
-    def offload_states(self, home: torch.device) -> Callable[[], None] | None:
-        return offload_engine_states(self._engine(), self.zero_stage or 0, home)
-
-    # -- likeness (_zero_reference.py) ------------------------------------------------------------
-    def wrap_like(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
-        if self.zero_stage == 3:
-            return reference_engine(self, module, reference_config(self._engine(), ds_config))
-        # ZeRO-0/1/2 replicate the weights: the module alone, in the engine's compute dtype.
-        return module.to(device=self.device, dtype=engine_dtype(self._engine(), ds_config))
-
-    def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
-        return zero3_copy(self, ds_config) if self.zero_stage == 3 else replicated_copy(self, ds_config)
+    def offload(self, home: torch.device) -> Callable[[], None] | None:
+        return offload_engine_states(self.model._engine(), self.model.zero_stage or 0, home)

@@ -81,36 +81,48 @@ class FSDPAdapter(ShardedAdapter):
         return self.world_size > 1 and getattr(strategy, "name", "") != "NO_SHARD"
 
     def parts(self) -> Parts:
-        return flat_parts(self)
+        return flat_parts(self).replace(likeness=_Fsdp1Likeness(self))
 
-    # -- likeness ------------------------------------------------------------------------------------
+
+class _Fsdp1Likeness:
+    """Copies wrapped per block with the policy root's group(s), strategy and mixed precision."""
+
+    takes_config = False
+    own_ops = False
+
+    def __init__(self, model: FSDPAdapter) -> None:
+        self.model = model
+
+    def start(self) -> torch.nn.Module | None:
+        return None
+
     def _like(self, module: torch.nn.Module, init_on: torch.device | None) -> torch.nn.Module:
-        """``module`` wrapped per block with this root's group(s), strategy and mixed precision."""
-        root: Any = self._backend_obj
-        topology = self.topology()
+        model = self.model
+        root: Any = model.backend_object
+        topology = model.topology()
         group, replicas, mesh = topology.group, topology.replicas, topology.mesh
         groups: dict[str, Any] = {"process_group": group}
         if replicas:
             # HYBRID_SHARD takes its two groups together: the mesh it was given, or (shard, replicate).
             groups = {"device_mesh": mesh} if mesh is not None else {"process_group": (group, *replicas)}
-        return wrap_fsdp1(module, device=self.device, sharding_strategy=getattr(root, "sharding_strategy", None),
+        return wrap_fsdp1(module, device=model.device, sharding_strategy=getattr(root, "sharding_strategy", None),
                           mixed_precision=getattr(root, "mixed_precision", None), init_on=init_on, **groups)
 
-    def wrap_like(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+    def wrap(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
         return self._like(module, init_on=None)
 
-    def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+    def copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel, StateDictType
 
         with torch.device("meta"):
-            model = skeleton(self)
-        ref = self._like(model, init_on=self.device)
-        src: Any = self._backend_obj
+            model = skeleton(self.model)
+        ref = self._like(model, init_on=self.model.device)
+        src: Any = self.model.backend_object
         # Sharded state dicts move shard to shard, one unit at a time: the full model is never built.
         with FullyShardedDataParallel.state_dict_type(src, StateDictType.SHARDED_STATE_DICT), \
                 FullyShardedDataParallel.state_dict_type(ref, StateDictType.SHARDED_STATE_DICT):
             ref.load_state_dict(src.state_dict())
-        copy_buffers(self.unwrap(keep_peft=False), model)
+        copy_buffers(self.model.unwrap(keep_peft=False), model)
         return ref
 
 

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._errors import UnsupportedModelError
 from .._gather import Bypass
 from .._imports import is_instance, lookup
 from ._dtensor import (
@@ -32,7 +31,7 @@ from ._dtensor_parts import dtensor_parts
 from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, FSDP_MANAGED, require_internals
 from ._kinds import ShardedAdapter
 from ._likeness import block_classes, copy_buffers, distributed_copy, skeleton
-from ._parts import Parts
+from ._parts import Parts, lacking
 from ._recipes import Recipe, Setting, dp_tp_mesh, tensor_parallel, two_d_mesh
 from ._topology import Role, Topology
 
@@ -229,7 +228,7 @@ class FSDP2Adapter(ShardedAdapter):
 
         return dtensor_parts(self, bypass, reshard=self._reshard,
                              compute_dtypes=lambda: self._compute_dtypes(list(self._fsdp_states())),
-                             cast_hooks=cast_hooks)
+                             cast_hooks=cast_hooks).replace(likeness=_Fsdp2Likeness(self))
 
     def _reshard(self) -> None:
         """Every unit back to its shards. After a forward that no backward followed, FSDP2 keeps
@@ -239,36 +238,47 @@ class FSDP2Adapter(ShardedAdapter):
         for m, _ in self._fsdp_states():
             m.reshard()
 
-    # -- likeness ------------------------------------------------------------------------------------
+
+class _Fsdp2Likeness:
+    """Copies sharded per block on the policy's mesh, with its root's mixed precision."""
+
+    takes_config = False
+    own_ops = False
+
+    def __init__(self, model: FSDP2Adapter) -> None:
+        self.model = model
+
+    def start(self) -> torch.nn.Module | None:
+        return None
+
     def _like(self, module: torch.nn.Module) -> torch.nn.Module:
-        """``module`` sharded per block on this model's mesh, with its root's mixed precision."""
-        if self._tp_mesh is not None:
-            raise UnsupportedModelError(
-                "the fsdp2 backend cannot shard a reference model the way this policy is: tensor parallelism "
-                "beside fully_shard keeps no record of its plan on the model; parallelize ref_model with the "
-                "policy's plan, fully_shard it on the same mesh, and pass it to prepare_reference.")
-        root: Any = self._backend_obj
+        model = self.model
+        if model._tp_mesh is not None:
+            raise lacking(model.name, "likeness.wrap", why=", because tensor parallelism beside fully_shard keeps "
+                          "no record of its plan on the model")
+        root: Any = model.backend_object
         state = root._get_fsdp_state() if hasattr(root, "_get_fsdp_state") else None
         mp = getattr(state, "_mp_policy", None)
-        return shard_fsdp2(module, self._own_mesh(), **({"mp_policy": mp} if mp is not None else {}))
+        return shard_fsdp2(module, model._own_mesh(), **({"mp_policy": mp} if mp is not None else {}))
 
-    def wrap_like(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
-        module.to(self.device)
+    def wrap(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        module.to(self.model.device)
         return self._like(module)
 
-    def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
-        if self._tp_mesh is not None:
-            self._reshard()  # copied shard to shard: every parameter in its sharded layout
-            copied = distributed_copy(self)
+    def copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        policy = self.model
+        if policy._tp_mesh is not None:
+            policy._reshard()  # copied shard to shard: every parameter in its sharded layout
+            copied = distributed_copy(policy)
             if copied is not None:
                 return copied
         with torch.device("meta"):
-            model = skeleton(self)
+            model = skeleton(policy)
         ref = self._like(model)
-        model.to_empty(device=self.device)
+        model.to_empty(device=policy.device)
         # Every parameter a DTensor to copy from, not the full copies a no-grad forward leaves.
-        self._reshard()
-        inner = self.unwrap(keep_peft=False)
+        policy._reshard()
+        inner = policy.unwrap(keep_peft=False)
         theirs = dict(inner.named_parameters())
         with torch.no_grad():
             for name, p in model.named_parameters():

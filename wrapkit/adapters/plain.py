@@ -5,7 +5,9 @@ from __future__ import annotations
 import torch
 
 from ._base import Adapter
+from ._parts import Parts
 from ._recipes import Recipe, Setting, whole
+from ._whole import WholeLikeness, whole_parts
 
 
 def _build(layer: str, model: torch.nn.Module, setting: Setting) -> torch.nn.Module:
@@ -16,6 +18,6 @@ class PlainAdapter(Adapter):
     name = "plain"
     recipe = Recipe(("plain",), _build, order=0)
 
-    def bare_frozen(self) -> torch.nn.Module | None:
-        # The module as the user handed it, compiled or not.
-        return self.module
+    def parts(self) -> Parts:
+        # A copy starts from the module as the user handed it, compiled or not.
+        return whole_parts(self).replace(likeness=WholeLikeness(self, start=lambda: self.module))

@@ -32,7 +32,7 @@ from ._dtensor import (
 from ._dtensor_parts import dtensor_parts
 from ._kinds import ShardedAdapter
 from ._likeness import distributed_copy
-from ._parts import Parts
+from ._parts import Parts, lacking
 from ._recipes import Recipe, Setting, dp_tp_mesh, tensor_parallel, whole
 from ._topology import Role, Topology
 
@@ -99,9 +99,28 @@ class TensorParallelAdapter(ShardedAdapter):
         return self.world_size > 1
 
     def parts(self) -> Parts:
-        return dtensor_parts(self, lambda: Bypass(TP_HOOKS))
+        return dtensor_parts(self, lambda: Bypass(TP_HOOKS)).replace(likeness=_TpLikeness(self))
 
-    # -- likeness ------------------------------------------------------------------------------------
-    def fresh_copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
-        # Only transformers records the plan it applied; a plan applied by hand cannot be applied again.
-        return distributed_copy(self) or super().fresh_copy(ds_config)
+
+class _TpLikeness:
+    """Only transformers records the plan it applied: a copy applies it again, shard to shard. A plan applied by
+    hand cannot be applied again, so neither copies nor wrapping are possible there."""
+
+    takes_config = False
+    own_ops = False
+
+    def __init__(self, model: TensorParallelAdapter) -> None:
+        self.model = model
+
+    def start(self) -> torch.nn.Module | None:
+        return None
+
+    def wrap(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        raise lacking(self.model.name, "likeness.wrap")
+
+    def copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        copied = distributed_copy(self.model)
+        if copied is None:
+            raise lacking(self.model.name, "likeness.copy", why=", because its plan was applied by hand and "
+                          "tensor parallelism keeps no record of it")
+        return copied
