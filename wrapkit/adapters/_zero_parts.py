@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from .._agree import any_over_models
+from .._agree import settle
 from .._gather import Bypass, submodules
 from .._imports import require
 from .._names import canonical_name
@@ -306,16 +306,9 @@ class ZeroGatherer(WholeGatherer):
         ctx = deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank)
         ctx.__enter__()
         settle_gathers(params)  # before anything reads or writes the gathered values
-        failed = False
-        try:
-            yield None
-        except BaseException:
-            failed = True
-            raise
-        finally:
+
+        def finish(failed: bool) -> None:
             try:
-                if modifier_rank is not None:
-                    failed = any_over_models(failed, self.model)
                 if failed and ctx.enabled:
                     # Re-partition without the broadcast: the shards were never written.
                     ctx.src_rank = None
@@ -326,7 +319,12 @@ class ZeroGatherer(WholeGatherer):
                     persistent[0].all_gather(param_list=persistent)
                     settle_gathers(persistent)
             if modifier_rank is not None and not failed:
-                self.model.weights.written(Written.WEIGHTS)
+                model.weights.written(Written.WEIGHTS)
+
+        model = self.model
+        with settle(finish, modifier_rank is not None, model.process_group(), model.world_size,
+                    model.replica_groups()):
+            yield None
 
 
 class ZeroPlacement(WholePlacement):
