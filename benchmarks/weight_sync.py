@@ -113,7 +113,8 @@ def _times(backend: str, hidden: int, reps: int) -> dict[str, Any]:
         opt.zero_grad(set_to_none=True)
     report = wm.sleep(opt)
     wm.wake()
-    state = [t for _, t in training_state(as_adapter(wm), as_adapter(wm).own_optimizer() or opt)]
+    below = as_adapter(wm)
+    state = [t for _, t in training_state(below, (below.states and below.states.own_optimizer()) or opt)]
 
     def cycle() -> None:
         wm.sleep(opt)
