@@ -11,6 +11,7 @@ import torch.distributed as dist
 from .._errors import AdapterRegistrationError, DistributedStateError, UnsupportedModelError
 from .._imports import lookup
 from .._names import canonical_name
+from ._foreign import refuse_foreign
 from ._parts import MOVED_TO_PARTS
 
 if TYPE_CHECKING:
@@ -54,8 +55,10 @@ def check_group(adapter: Adapter) -> None:
 
 
 def check_layout(adapter: Adapter) -> None:
-    """Refuse a model whose DTensor parameters this adapter cannot read or write: taken for
-    unsharded, every operation after ``adapt()`` would hand out shards as full values."""
+    """Refuse a model partitioned by another framework (``_foreign.py``), and one whose DTensor parameters
+    this adapter cannot read or write: taken for unsharded, every operation after ``adapt()`` would hand
+    out shards as full values."""
+    refuse_foreign(adapter.module, adapter.name)
     dtensor = lookup("torch.distributed.tensor", "DTensor")
     if dtensor is None:  # never imported: no parameter can be one
         return

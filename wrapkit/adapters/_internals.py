@@ -72,6 +72,8 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     "transformers PreTrainedModel": ("_init_weights", "_no_split_modules", "_weight_conversions"),
     # Where transformers distributed the model itself (tp_plan, distributed_config): the meshes it made.
     "transformers distributed model": ("_mesh_manager",),
+    # Set on the experts modules transformers split over expert-parallel ranks: refused on adapt() (_foreign.py).
+    "transformers expert-parallel experts": ("_is_expert_parallel",),
     "ms-swift lazy module": ("_class_to_module",),
     "Python's atexit": ("_run_exitfuncs",),
 }

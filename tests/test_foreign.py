@@ -1,0 +1,108 @@
+"""Never a silent ``plain``: a model another framework partitioned itself (pipeline stages, experts over
+their own ranks, Megatron-Core's parallel layers) is refused at ``adapt()``, naming the parameter or module,
+the mark and the fix. Each mark with its producer where one runs here (``wrapkit/adapters/_foreign.py``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import wrapkit
+from wrapkit.adapters._foreign import foreign_marks
+
+
+def _refusal(model: torch.nn.Module) -> str:
+    with pytest.raises(wrapkit.UnsupportedModelError) as info:
+        wrapkit.adapt(model)
+    return str(info.value)
+
+
+def test_deepspeed_moe_experts_are_refused() -> None:
+    """DeepSpeed's MoE layer keeps each rank's own experts, marked ``allreduce=False``."""
+    experts = pytest.importorskip("deepspeed.moe.experts")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), experts.Experts(torch.nn.Linear(4, 4), num_local_experts=2))
+    message = _refusal(model)
+    assert "1.deepspeed_experts.0.weight: allreduce=False" in message, message
+    assert "(and 3 more)" in message and "instead of expert parallelism" in message, message
+    assert {m.where for m in foreign_marks(model)} == {f"1.deepspeed_experts.{e}.{p}" for e in (0, 1)
+                                                      for p in ("weight", "bias")}
+
+
+def test_megatron_parallel_layers_are_refused() -> None:
+    """Megatron-Core's parallel layers keep this rank's slice in a plain tensor, marked with the dimension."""
+    layers = pytest.importorskip("megatron.core.tensor_parallel.layers")
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 4))
+    layers.set_tensor_model_parallel_attributes(model[0].weight, True, 0, 1)
+    layers.set_tensor_model_parallel_attributes(model[1].weight, True, 1, 1)
+    message = _refusal(model)
+    assert "0.weight: tensor_model_parallel=True, partition_dim=0" in message and "(and 1 more)" in message, message
+    assert [m.what.split(":")[0] for m in foreign_marks(model)] == [
+        "tensor_model_parallel=True, partition_dim=0", "tensor_model_parallel=True, partition_dim=1"]
+    assert "Megatron-Core" in message and "dist_checkpointing" in message, message
+    # Megatron marks a layer it did not split as not parallel: that alone is no partitioning.
+    plain = torch.nn.Linear(4, 4)
+    layers.set_tensor_model_parallel_attributes(plain.weight, False, -1, 1)
+    assert foreign_marks(plain) == [] and wrapkit.adapt(plain).backend == "plain"
+
+
+def test_a_pipeline_placeholder_is_refused_under_any_wrapper() -> None:
+    """transformers' placeholder for a layer another stage holds, inside a model a data-parallel wrapper holds:
+    the mark is found below the wrapper as well."""
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+
+    from wrapkit.cli._models import tiny_llama
+
+    model: Any = tiny_llama(0)
+    model.model.layers[1] = PipelineIdentityLayer()
+    message = _refusal(torch.nn.DataParallel(model))
+    assert "model.layers.1: a placeholder for a layer another pipeline stage holds" in message, message
+    assert "without pipeline stages" in message
+
+
+def test_an_unmarked_model_has_no_marks() -> None:
+    from wrapkit.cli._families import FAMILIES, family_model
+
+    for family in FAMILIES:
+        assert foreign_marks(family_model(family, 0)) == [], family
+
+
+def test_every_distributed_producer_is_refused_on_every_rank(group: Any, tmp_path: Path) -> None:
+    """transformers' own pipeline (pp_size) and expert (ep_size beside fsdp_size) parallelism, and DTensors on a
+    mesh dimension named for stages or experts: refused on each rank, naming what that rank holds."""
+    for rank, obs in enumerate(group.run("tests.scenarios_foreign:adapt_each", str(tmp_path), timeout=240)):
+        for producer, said in obs.items():
+            assert said.startswith("UnsupportedModelError: this model was partitioned by another framework"), \
+                (rank, producer, said)
+        # Stage 0 holds layers 0-1 and stands in for 2-3, the norm and the head; stage 1 the other way round.
+        placeholder = "model.layers.2" if rank == 0 else "model.embed_tokens"
+        assert f"{placeholder}: a placeholder for a layer another pipeline stage holds" in obs["transformers-pp"], obs
+        assert "DistributedConfig(pp_size=...)" in obs["transformers-pp"]
+        assert "experts of this rank's only" in obs["transformers-ep"], obs["transformers-ep"]
+        assert "1.weight: a DTensor on a mesh dimension named 'ep'" in obs["mesh-ep"], obs["mesh-ep"]
+        assert "1.weight: a DTensor on a mesh dimension named 'pp'" in obs["mesh-pp"], obs["mesh-pp"]
+        split = "embedding.word_embeddings.weight: tensor_model_parallel=True, partition_dim=0"
+        assert split in obs["megatron-tp"], obs["megatron-tp"]
+        lacks = "the final norm and head (pre_process=True, post_process=False)" if rank == 0 else \
+            "the embedding (pre_process=False, post_process=True)"
+        assert f"GPTModel: a pipeline stage without {lacks}" in obs["megatron-pp"], obs
+        emptied = "lm_head set to None" if rank == 0 else "embed_tokens set to None"
+        assert emptied in obs["torch-pipelining"] and "torchtitan" in obs["torch-pipelining"], obs["torch-pipelining"]
+
+
+def test_a_torchtitan_stage_keeps_its_layer_numbers() -> None:
+    """torchtitan's own models keep layers in a ModuleDict under their global numbers: a later stage's start
+    above 0."""
+
+    class Stage(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleDict({str(i): torch.nn.Linear(4, 4) for i in (2, 3)})
+
+    message = _refusal(Stage())
+    assert "Stage: layers 2-3 of a numbering that does not start at 0" in message, message
+    first = Stage()
+    first.layers = torch.nn.ModuleDict({str(i): torch.nn.Linear(4, 4) for i in (0, 1)})
+    assert foreign_marks(first) == []  # the first stage of a split that keeps the head is no different from a model
