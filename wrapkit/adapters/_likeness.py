@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import torch
 
@@ -17,7 +17,24 @@ from ._dtensor import local_tensor
 if TYPE_CHECKING:
     from ._base import Adapter
 
-__all__ = ["block_classes", "skeleton", "copy_buffers", "distributed_copy", "replicated_copy"]
+__all__ = ["block_classes", "skeleton", "copy_buffers", "distributed_copy", "replicated_copy", "ShardedLikeness"]
+
+A = TypeVar("A", bound="Adapter")
+
+
+class ShardedLikeness(Generic[A]):
+    """What a sharded backend's likeness shares: it holds its adapter (``model``), a copy never starts from
+    the module inside its wrapper (that module is sharded), and by default copies are built without the
+    backend's own config and run on torch's own operators."""
+
+    takes_config = False
+    own_ops = False
+
+    def __init__(self, model: A) -> None:
+        self.model = model
+
+    def start(self) -> torch.nn.Module | None:
+        return None
 
 
 def block_classes(model: torch.nn.Module) -> set[type[torch.nn.Module]]:

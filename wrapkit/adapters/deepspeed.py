@@ -14,7 +14,7 @@ import torch
 from .._imports import is_instance
 from ._internals import ZERO3_PARAM, require_internals
 from ._kinds import ShardedAdapter
-from ._likeness import replicated_copy
+from ._likeness import ShardedLikeness, replicated_copy
 from ._parts import Parts
 from ._recipes import Mpu, Recipe, Setting, ds_config
 from ._topology import Topology
@@ -87,18 +87,12 @@ class DeepSpeedAdapter(ShardedAdapter):
 
 
 
-class _EngineLikeness:
+class _EngineLikeness(ShardedLikeness["DeepSpeedAdapter"]):
     """A ZeRO-3 reference is an engine of its own, configured like the policy's; below ZeRO-3 the module
     alone, in the engine's compute dtype."""
 
     takes_config = True
     own_ops = True  # ZeRO-3 replaces torch functions process-wide; its engines run on them
-
-    def __init__(self, model: DeepSpeedAdapter) -> None:
-        self.model = model
-
-    def start(self) -> torch.nn.Module | None:
-        return None
 
     def wrap(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
         model = self.model

@@ -12,7 +12,7 @@ from ._flat_parts import flat_parts
 from ._flat_parts import units as fsdp_units
 from ._internals import FSDP1_FLAT, FSDP1_HANDLE, FSDP1_UNIT, require_internals
 from ._kinds import ShardedAdapter
-from ._likeness import block_classes, copy_buffers, skeleton
+from ._likeness import ShardedLikeness, block_classes, copy_buffers, skeleton
 from ._parts import Parts
 from ._recipes import Recipe, Setting, two_d_mesh
 from ._topology import Role, Topology
@@ -84,17 +84,8 @@ class FSDPAdapter(ShardedAdapter):
         return flat_parts(self).replace(likeness=_Fsdp1Likeness(self))
 
 
-class _Fsdp1Likeness:
+class _Fsdp1Likeness(ShardedLikeness["FSDPAdapter"]):
     """Copies wrapped per block with the policy root's group(s), strategy and mixed precision."""
-
-    takes_config = False
-    own_ops = False
-
-    def __init__(self, model: FSDPAdapter) -> None:
-        self.model = model
-
-    def start(self) -> torch.nn.Module | None:
-        return None
 
     def _like(self, module: torch.nn.Module, init_on: torch.device | None) -> torch.nn.Module:
         model = self.model

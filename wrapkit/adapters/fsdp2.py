@@ -30,7 +30,7 @@ from ._dtensor import (
 from ._dtensor_parts import dtensor_parts
 from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, FSDP_MANAGED, require_internals
 from ._kinds import ShardedAdapter
-from ._likeness import block_classes, copy_buffers, distributed_copy, skeleton
+from ._likeness import ShardedLikeness, block_classes, copy_buffers, distributed_copy, skeleton
 from ._parts import Parts, lacking
 from ._recipes import Recipe, Setting, dp_tp_mesh, tensor_parallel, two_d_mesh
 from ._topology import Role, Topology
@@ -239,17 +239,8 @@ class FSDP2Adapter(ShardedAdapter):
             m.reshard()
 
 
-class _Fsdp2Likeness:
+class _Fsdp2Likeness(ShardedLikeness["FSDP2Adapter"]):
     """Copies sharded per block on the policy's mesh, with its root's mixed precision."""
-
-    takes_config = False
-    own_ops = False
-
-    def __init__(self, model: FSDP2Adapter) -> None:
-        self.model = model
-
-    def start(self) -> torch.nn.Module | None:
-        return None
 
     def _like(self, module: torch.nn.Module) -> torch.nn.Module:
         model = self.model

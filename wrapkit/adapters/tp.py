@@ -31,7 +31,7 @@ from ._dtensor import (
 )
 from ._dtensor_parts import dtensor_parts
 from ._kinds import ShardedAdapter
-from ._likeness import distributed_copy
+from ._likeness import ShardedLikeness, distributed_copy
 from ._parts import Parts, lacking
 from ._recipes import Recipe, Setting, dp_tp_mesh, tensor_parallel, whole
 from ._topology import Role, Topology
@@ -102,18 +102,9 @@ class TensorParallelAdapter(ShardedAdapter):
         return dtensor_parts(self, lambda: Bypass(TP_HOOKS)).replace(likeness=_TpLikeness(self))
 
 
-class _TpLikeness:
+class _TpLikeness(ShardedLikeness["TensorParallelAdapter"]):
     """Only transformers records the plan it applied: a copy applies it again, shard to shard. A plan applied by
     hand cannot be applied again, so neither copies nor wrapping are possible there."""
-
-    takes_config = False
-    own_ops = False
-
-    def __init__(self, model: TensorParallelAdapter) -> None:
-        self.model = model
-
-    def start(self) -> torch.nn.Module | None:
-        return None
 
     def wrap(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
         raise lacking(self.model.name, "likeness.wrap")
