@@ -34,6 +34,10 @@ OUTSIDE_ADAPTERS = {
     ("integrations/swift.py", "_class_to_module"),
     ("layers/compile.py", "_orig_mod"),
     ("shutdown.py", "_run_exitfuncs"),
+    # Not an operation: the worker group destroys the groups a scenario made, and empties the caches
+    # that would hand a later scenario their meshes.
+    ("cli/_workers.py", "_world"),
+    ("cli/_workers.py", "_clear_sharding_prop_cache"),
 }
 
 

@@ -66,3 +66,25 @@ def test_a_full_collection_walks_only_what_the_scenario_made(group: Any) -> None
     group.run(build_zero3, timeout=120)
     for walked, zero3_modules in group.run(what_a_full_collection_walks, timeout=30):
         assert zero3_modules == 0 and walked < 20_000, (walked, zero3_modules)
+
+
+def make_groups() -> tuple[int, int]:
+    """Make a device mesh and a subgroup, as a scenario does; the number of groups and threads now."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("dp",))
+    dist.new_group([0, 1])
+    return len(distributed_c10d._world.pg_map), len(os.listdir("/proc/self/task"))
+
+
+def test_the_groups_a_scenario_made_are_destroyed_when_it_returns() -> None:
+    # Each gloo group keeps three threads, one waking every 10 ms: a worker that had run the suite
+    # held hundreds of them and slowed every later scenario several times over.
+    with WorkerGroup(world_size=2) as g:
+        first = g.run(make_groups, timeout=60)
+        for _ in range(4):
+            again = g.run(make_groups, timeout=60)
+    assert [groups for groups, _ in again] == [groups for groups, _ in first]
+    assert all(threads <= before + 2 for (_, threads), (_, before) in zip(again, first, strict=True))

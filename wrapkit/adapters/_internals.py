@@ -76,6 +76,9 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     "transformers expert-parallel experts": ("_is_expert_parallel",),
     "ms-swift lazy module": ("_class_to_module",),
     "Python's atexit": ("_run_exitfuncs",),
+    # The worker group (the doctor's and the tests' processes) destroys the groups each scenario made.
+    "torch.distributed's group registry": ("_world",),
+    "DTensor's memoised sharding propagation": ("_clear_sharding_prop_cache",),
 }
 
 # The oldest releases the test-suite runs against (.ci/oldest.txt), for the error message.

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["WorkerGroup", "WorkerError", "free_port"]
+__all__ = ["WorkerGroup", "WorkerError", "free_port", "keep_groups", "release_kept_groups"]
 
 
 class WorkerError(RuntimeError):
@@ -46,6 +46,103 @@ def _resolve(target: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
+_started: set[Any] = set()  # the process groups alive once the worker had started
+_kept: set[Any] = set()  # the groups a scenario asked to outlive it (keep_groups)
+
+
+def keep_groups() -> None:
+    """Inside a scenario whose model lives on into later calls (the doctor keeps one per backend):
+    the process groups made so far are not destroyed when the scenario returns."""
+    _kept.update(_live_groups())
+
+
+def release_kept_groups() -> None:
+    """The kept groups are destroyed when the current scenario returns."""
+    _kept.clear()
+
+
+def _live_groups() -> list[Any]:
+    # torch lists its groups only in this private registry; without it nothing is released.
+    from torch.distributed import distributed_c10d
+
+    world = getattr(distributed_c10d, "_world", None)
+    return list(getattr(world, "pg_map", {}))
+
+
+def _release_groups() -> None:
+    """Destroy the process groups the last scenario made (device meshes, ``new_group``) and forget
+    DeepSpeed's module-level references to them.
+
+    Each gloo group keeps a socket loop thread that wakes every 10 ms, and two worker threads: a
+    worker that had run the test suite held 300 groups, 975 threads, and spent a fifth of a core
+    idle, which slowed every later scenario on this machine several times over.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    if not _started:
+        _started.update(_live_groups())
+        return
+    gone = [pg for pg in _live_groups() if pg not in _started and pg not in _kept]
+    for pg in gone:
+        try:
+            dist.destroy_process_group(pg)
+        except Exception:  # already shut down by its owner: nothing left to release
+            pass
+    if not gone:
+        return
+    groups = sys.modules.get("deepspeed.utils.groups")
+    if groups is not None:
+        _forget(groups, set(gone))
+    _clear_torch_caches()
+
+
+def _clear_torch_caches() -> None:
+    """Empty torch.distributed's memoised lookups. DTensor's sharding propagation (in Python and in C++)
+    and redistribution plans key on device meshes, which compare by their ranks and names: a later
+    scenario's mesh equal to a destroyed one would be handed results holding the old mesh, and with it
+    its destroyed groups."""
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    debug = importlib.import_module("torch.distributed.tensor.debug")
+    redistribute = importlib.import_module("torch.distributed.tensor._redistribute")
+    for clear in (getattr(debug, "_clear_sharding_prop_cache", None),
+                  getattr(redistribute, "clear_redistribute_planner_cache", None)):
+        if callable(clear):
+            clear()
+    # Module-level functions memoised with lru_cache (redistribution's transform plans among them).
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed") and module is not None:
+            for value in list(vars(module).values()):
+                # By type name: reading attributes off every module global would trip deprecation warnings.
+                if type(value).__name__ == "_lru_cache_wrapper":
+                    value.cache_clear()
+
+
+def _forget(module: Any, gone: set[Any]) -> None:
+    """Reset a library's cached groups that were destroyed, so that it makes new ones when asked."""
+    for name, value in list(vars(module).items()):
+        if not name.startswith("_") or name.startswith("__"):
+            continue
+        if isinstance(value, dict):
+            stale = [k for k, v in value.items() if _is_gone(v, gone)]
+            for k in stale:
+                del value[k]
+                ranks = getattr(module, name + "_RANKS", None)
+                if isinstance(ranks, dict):
+                    ranks.pop(k, None)
+        elif _is_gone(value, gone):
+            setattr(module, name, None)
+
+
+def _is_gone(value: Any, gone: set[Any]) -> bool:
+    try:
+        return value in gone
+    except TypeError:  # unhashable values are not groups
+        return False
+
+
 def _settle() -> None:
     """Between scenarios: let go of what the last one left behind, and keep what lives on out of the
     garbage collector's full passes.
@@ -60,6 +157,7 @@ def _settle() -> None:
     stack = getattr(offload, "FWD_MODULE_STACK", None)
     if isinstance(stack, list):
         stack.clear()
+    _release_groups()
     gc.collect()
     # The imported libraries and anything still alive are moved out of the collected generations.
     gc.freeze()

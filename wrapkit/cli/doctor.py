@@ -21,7 +21,7 @@ from .._imports import is_available, version_of
 from ._families import FAMILIES, TP_RECIPE, any_model, model_inputs
 from ._models import build, needs, recipes, supports
 from ._ops import OPS, Refused
-from ._workers import WorkerError, WorkerGroup
+from ._workers import WorkerError, WorkerGroup, keep_groups, release_kept_groups
 
 __all__ = ["run_doctor", "setup_backend", "run_op", "teardown_backend", "cause_of"]
 
@@ -103,6 +103,7 @@ def setup_backend(backend: str, model: str, device: str = "cpu", dtype: str = "f
     except Exception as exc:
         return _cell(False, t0, exc)
     _STATE[backend] = (wm, ctx)
+    keep_groups()  # the model lives on through the operations' calls
     _barrier()
     return _cell(True, t0)
 
@@ -149,6 +150,7 @@ def process_wide(model_name: str) -> dict[str, Any]:
 
 def teardown_backend(backend: str) -> None:
     _STATE.pop(backend, None)
+    release_kept_groups()
     import gc
 
     gc.collect()
