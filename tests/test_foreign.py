@@ -70,16 +70,15 @@ def test_an_unmarked_model_has_no_marks() -> None:
 
 
 def test_every_distributed_producer_is_refused_on_every_rank(group: Any, tmp_path: Path) -> None:
-    """transformers' own pipeline (pp_size) and expert (ep_size beside fsdp_size) parallelism, and DTensors on a
-    mesh dimension named for stages or experts: refused on each rank, naming what that rank holds."""
+    """transformers' own expert parallelism (ep_size beside fsdp_size), Megatron-Core's and torch's stages, and
+    DTensors on a mesh dimension named for stages or experts: refused on each rank, naming what that rank holds.
+    transformers' own pipeline (pp_size) is the one producer read."""
     for rank, obs in enumerate(group.run("tests.scenarios_foreign:adapt_each", str(tmp_path), timeout=240)):
+        # transformers' own stages are read (tests/test_pipeline.py); every other producer is refused.
+        assert obs.pop("transformers-pp") == "adapted as pipeline", obs
         for producer, said in obs.items():
             assert said.startswith("UnsupportedModelError: this model was partitioned by another framework"), \
                 (rank, producer, said)
-        # Stage 0 holds layers 0-1 and stands in for 2-3, the norm and the head; stage 1 the other way round.
-        placeholder = "model.layers.2" if rank == 0 else "model.embed_tokens"
-        assert f"{placeholder}: a placeholder for a layer another pipeline stage holds" in obs["transformers-pp"], obs
-        assert "DistributedConfig(pp_size=...)" in obs["transformers-pp"]
         assert "experts of this rank's only" in obs["transformers-ep"], obs["transformers-ep"]
         assert "1.weight: a DTensor on a mesh dimension named 'ep'" in obs["mesh-ep"], obs["mesh-ep"]
         assert "1.weight: a DTensor on a mesh dimension named 'pp'" in obs["mesh-pp"], obs["mesh-pp"]

@@ -212,6 +212,33 @@ _MISSING = object()
 
 
 @contextlib.contextmanager
+def shared_rng(group: Any) -> Iterator[None]:
+    """Inside, every rank of ``group`` draws the random numbers its first rank draws, so that pipeline stages
+    sample the same tokens from the logits they share. On exit the first rank keeps its advanced generator,
+    the others get their own back. Nothing happens without a group."""
+    if group is None:
+        yield
+        return
+    first = dist.get_global_rank(group, 0)
+    gpu = dist.get_backend(group) != "gloo"
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    own = [torch.get_rng_state()] + ([torch.cuda.get_rng_state()] if gpu else [])
+    shared = [state.to(device) for state in own]
+    for state in shared:
+        dist.broadcast(state, src=first, group=group)
+    torch.set_rng_state(shared[0].cpu())
+    if gpu:
+        torch.cuda.set_rng_state(shared[1].cpu())
+    try:
+        yield
+    finally:
+        if dist.get_rank() != first:
+            torch.set_rng_state(own[0])
+            if gpu:
+                torch.cuda.set_rng_state(own[1])
+
+
+@contextlib.contextmanager
 def synced_generate(root: torch.nn.Module) -> Iterator[None]:
     """Make transformers' ``generate()`` keep every rank stepping until all are done.
 

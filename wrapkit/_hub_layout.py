@@ -135,9 +135,10 @@ class HubLayout:
         self._in_by_pattern = {p: c for c in self._in_converters for p in c.source_patterns}
 
     @staticmethod
-    def of(model: torch.nn.Module) -> HubLayout | None:
+    def of(model: torch.nn.Module, tied: Mapping[str, str] | None = None) -> HubLayout | None:
         """The layout of ``model`` (the innermost model, PEFT layers peeled), or None when it is not a
-        transformers model or its layouts coincide."""
+        transformers model or its layouts coincide. ``tied``: the tie map, where the model's own is not the
+        whole model's (a pipeline stage's)."""
         base = lookup("transformers.modeling_utils", "PreTrainedModel")
         if base is None or not isinstance(model, base):
             return None
@@ -145,7 +146,8 @@ class HubLayout:
         conversions = recorded_conversions(model)
         if conversions is None:
             conversions = _default_conversions(pretrained, base)
-        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        if tied is None:
+            tied = getattr(model, "all_tied_weights_keys", None) or {}
         if not conversions and not tied:
             return None
         return HubLayout(pretrained, list(conversions), tied)

@@ -7,8 +7,8 @@ Rules:
    cannot have produced the object.
 2. Adapters are tried in order, most specific first: registered third-party
    adapters, then DeepSpeed, FSDP1, FSDP2, DDP, DataParallel. Where no wrapper
-   matched, a model holding DTensor parameters is tensor parallel (``CONTENT_ADAPTERS``);
-   plain is the fallback.
+   matched, a model holding DTensor parameters is tensor parallel, and one carrying
+   transformers' pipeline stage is a pipeline (``CONTENT_ADAPTERS``); plain is the fallback.
 3. The object is peeled from the outside in. ``torch.compile`` and PEFT layers
    may sit anywhere; the first backend wrapper met decides ``backend``. FSDP2
    does not wrap, so it is recognised on the module itself and not peeled.
@@ -176,7 +176,7 @@ def as_adapter(model: Any, purpose: str = "this") -> Adapter:
             f"(known: {', '.join(a.name for a in registered_adapters())}), or pass the model inside it."
         )
     if backend is None:
-        # No wrapper: a backend that changes no class (tensor parallelism) is known by what it holds.
+        # No wrapper: a backend that changes no class (tensor parallelism, pipeline stages) is known by what it holds.
         claimed = next((a for a in CONTENT_ADAPTERS if a.claims(cur)), None)
         if claimed is not None:
             return claimed(model, [*entries, (claimed.name, cur)], cur, cur)

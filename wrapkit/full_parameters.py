@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._agree import Call, check_modifier_rank, enter
-from ._errors import ArgumentError, PlacementError
-from ._gather import bypassed, generation_modes, restore_modes, synced_generate
+from ._errors import ArgumentError, PlacementError, UnsupportedModelError
+from ._gather import bypassed, generation_modes, restore_modes, shared_rng, synced_generate
 from ._memory import BUDGET_ENV, format_bytes, memory_budget
 from ._torch_ops import torch_ops
 
@@ -55,6 +55,7 @@ def _refuse_too_big(why: str | None) -> None:
 @contextlib.contextmanager
 def gathered(wm: Adapter, modifier_rank: int | None = None) -> Iterator[torch.nn.Module]:
     """``wm.unwrap()`` holding the full parameters on every rank; see ``WrappedModel.gathered``."""
+    _refuse_stages(wm, "gathered()")
     why = _over_budget(wm)
     [too_big] = check_modifier_rank("gathered", modifier_rank, wm, [why is not None])
     if too_big:
@@ -84,16 +85,21 @@ def generation(wm: Adapter, gather: str = "auto") -> Iterator[torch.nn.Module]:
     """``gathered()`` (or per-unit gathering) plus eval mode, no autograd and gradient
     checkpointing off; see ``WrappedModel.generation``."""
     bad = gather not in GATHER_MODES
-    why = None if bad or gather == "layerwise" else _over_budget(wm)
+    stages = wm.topology().stage() is not None
+    why = None if bad or gather == "layerwise" or stages else _over_budget(wm)
     bad_any, too_big = enter(Call.of("generation", gather=gather), wm, flags=[bad, why is not None], invalid=1)
     if bad_any:
         raise ArgumentError(f"generation(gather=...) got an unknown mode on at least one rank (this rank: "
                             f"{gather!r}); pass one of {', '.join(map(repr, GATHER_MODES))}, the same on every rank")
-    layerwise = wm.is_sharded and (gather == "layerwise" or (gather == "auto" and too_big))
+    # Pipeline stages generate as they train: every stage steps, each with its own layers.
+    layerwise = stages or (wm.is_sharded and (gather == "layerwise" or (gather == "auto" and too_big)))
+    if gather == "full":
+        _refuse_stages(wm, 'generation(gather="full")')
     if gather == "full" and too_big:
         _refuse_too_big(why)
     if gather == "auto":
         _log.info("generation(gather='auto') on %s: %s", wm.backend,
+                  "layerwise (pipeline stages)" if stages else
                   f"layerwise ({why or 'too big on another rank'})" if layerwise else "full")
     if not layerwise:
         with _gathered(wm, None) as inner, generation_modes(wm.module):
@@ -101,10 +107,21 @@ def generation(wm: Adapter, gather: str = "auto") -> Iterator[torch.nn.Module]:
         return
     modes = [(m, m.training) for m in wm.module.modules()]
     try:
-        with wm.gatherer.layerwise(), generation_modes(wm.module), synced_generate(wm.unwrap()), torch_ops():
+        with wm.gatherer.layerwise(), generation_modes(wm.module), synced_generate(wm.unwrap()), torch_ops(), \
+                shared_rng(wm.topology().pp_group):
             yield wm.unwrap()
     finally:
         restore_modes(modes)
+
+
+def _refuse_stages(wm: Adapter, op: str) -> None:
+    # Known alike on every rank (the model's structure): no agreement needed before raising.
+    if wm.topology().stage() is not None:
+        raise UnsupportedModelError(
+            f"{op} would hold the whole model on every rank, and each rank of this pipeline holds only its own "
+            "stage's layers; gathering every stage onto every rank is not supported yet. Use full_state_dict(), "
+            "named_full_parameters() or stream_full_parameters() for the whole model's values, and generation() "
+            "(every stage stepping) to generate.")
 
 
 def named_full_parameters(wm: Adapter) -> Iterator[tuple[str, torch.Tensor]]:

@@ -35,9 +35,9 @@ from ._agree import (
     writes_files,
 )
 from ._errors import ArgumentError, StateDictError, WrapkitError
-from ._hub_layout import HubLayout
 from ._memory import parse_size
 from ._safetensors import INDEX_NAME
+from .adapters._stages import layout_of, stage_buffers
 from .layers.peft import lora_fold_stream
 from .state_dict import lora_fold_plan
 
@@ -149,12 +149,12 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
     base_keys = plan is not None or wm.merge_root() is None
 
     # In the Hub's layout (transformers' own save's names and tensors) where the keys are the base model's.
-    layout = HubLayout.of(wm.unwrap(keep_peft=False)) if base_keys else None
+    layout = layout_of(wm) if base_keys else None
 
     def runtime() -> Iterator[tuple[str, torch.Tensor]]:
         # Parameters gathered one at a time, LoRA merged layer by layer with a plan; then buffers.
         yield from lora_fold_stream(plan, wm.gatherer.each())
-        yield from lora_fold_stream(plan, wm.named_live(parameters=False))
+        yield from lora_fold_stream(plan, stage_buffers(wm))
 
     def entries() -> Iterator[tuple[str, torch.Tensor]]:
         return runtime() if layout is None else layout.export(runtime())

@@ -31,6 +31,7 @@ from ._names import model_class_name
 from ._protocol import LoadResult
 from ._safetensors import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, outside, torch_dtype
 from .adapters import Written
+from .adapters._stages import layout_of
 from .peft_checkpoint import AdapterCheckpoint, adapter_files, adapter_shapes
 from .state_dict import check_entries, expected_shapes, report_skipped
 
@@ -257,7 +258,7 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
                          agreed=True)
     # A checkpoint of the whole model may be in the Hub's layout: read under the runtime names, and a
     # tied copy may be absent.
-    layout = HubLayout.of(wm.unwrap(keep_peft=False))
+    layout = layout_of(wm)
     with ExitStack() as stack:
         catalog: Catalog | None = None
         entries: dict[str, tuple[tuple[int, ...], str]] = {}

@@ -24,6 +24,7 @@ from ._module_internals import live_entries
 from ._names import canonical_name
 from ._protocol import LoadResult
 from .adapters import Written
+from .adapters._stages import buffer_shapes, stage_buffers, state_keys
 from .full_parameters import gathered
 from .layers.peft import LoraFoldPlan, fold_plan, fold_state_dict
 
@@ -42,7 +43,7 @@ _log = logging.getLogger(__name__.rpartition(".")[0] or __name__)
 def expected_shapes(wm: Adapter) -> dict[str, Shape]:
     """Canonical name -> full shape of every state-dict entry, read without gathering anything."""
     out = wm.weights.param_shapes()
-    out.update((name, tuple(b.shape)) for name, b in wm.named_live(parameters=False))
+    out.update(buffer_shapes(wm))
     return out
 
 
@@ -123,13 +124,15 @@ def gather_state_dict(wm: Adapter, rank0_only: bool, merge_adapters: bool = Fals
             out[name] = full.detach().to("cpu", copy=True).contiguous()
             if key is not None:
                 copies[key] = out[name]
-        if keep:
-            for name, b in wm.named_live(parameters=False):
+        # Every rank walks the buffers: a pipeline stage's come from the stages that hold them.
+        for name, b in stage_buffers(wm):
+            if keep:
                 out[name] = b.detach().to("cpu", copy=True).contiguous()
     if not keep:
         return out
-    # Key order of the unwrapped model's own state_dict(): per module, its parameters then its buffers.
-    order = dict.fromkeys(name for name, _ in wm.named_live())
+    # Key order of the unwrapped model's own state_dict(): per module, its parameters then its buffers
+    # (the whole model's, where a pipeline stage holds some of its modules).
+    order = dict.fromkeys(state_keys(wm))
     out = {k: out[k] for k in order if k in out} | {k: v for k, v in out.items() if k not in order}
     if merge_adapters and plan is not None:
         out = fold_state_dict(out, plan)
@@ -169,9 +172,10 @@ def _write_into(root: torch.nn.Module, values: Iterable[tuple[str, torch.Tensor]
 
 def write(target: Adapter, values: Iterable[tuple[str, torch.Tensor]], alpha: float) -> None:
     """Write ``values`` (canonical name -> full tensor) into ``target``'s parameters and buffers."""
-    if not target.distributed:
+    if not target.distributed or target.topology().stage() is not None:
         # Its parameters are full and local to this process, which may be the only one
-        # calling (rank 0 loading a plain copy): no collective may be entered.
+        # calling (rank 0 loading a plain copy): no collective may be entered. A pipeline
+        # stage's are too: each stage writes its own layers from the values every rank has.
         _write_into(target.unwrap(), values, alpha)
         target.weights.written(Written.WEIGHTS)
         return

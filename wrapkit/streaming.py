@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ._agree import Call, enter
 from ._errors import ArgumentError, WrapkitError
-from ._hub_layout import HubLayout
+from .adapters._stages import layout_of
 from .layers.peft import LoraFoldPlan, lora_fold_stream, lora_layer_keys
 from .state_dict import lora_fold_plan
 
@@ -151,7 +151,7 @@ def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES
         return dtype
 
     # The Hub's names and tensors where the names are the base model's (merged, or without PEFT).
-    hub = HubLayout.of(wm.unwrap(keep_peft=False)) if layout == "hub" and (
+    hub = layout_of(wm) if layout == "hub" and (
         plan is not None or wm.merge_root() is None) else None
 
     def converted(values: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

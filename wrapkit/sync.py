@@ -21,6 +21,7 @@ from ._agree import Call, checking, enter, raise_agreed
 from ._errors import ArgumentError
 from ._module_internals import lerp_all_
 from .adapters import Written
+from .adapters._stages import stage_buffers
 from .state_dict import Shape, assign, check_entries, expected_shapes, write
 
 if TYPE_CHECKING:
@@ -183,6 +184,6 @@ def _shard_pairs(source: Adapter, target: Adapter) -> list[tuple[torch.Tensor, t
 
 def _source_stream(source: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
     yield from source.gatherer.each()
-    yield from source.named_live(parameters=False)
+    yield from stage_buffers(source)
 
 

@@ -10,6 +10,7 @@ from .deepspeed import DeepSpeedAdapter
 from .dp import DataParallelAdapter
 from .fsdp import FSDPAdapter
 from .fsdp2 import FSDP2Adapter
+from .pipeline import PipelineAdapter
 from .plain import PlainAdapter
 from .tp import TensorParallelAdapter
 
@@ -33,6 +34,7 @@ __all__ = [
     "FSDP2Adapter",
     "DeepSpeedAdapter",
     "TensorParallelAdapter",
+    "PipelineAdapter",
     "BUILTIN_ADAPTERS",
     "CONTENT_ADAPTERS",
 ]
@@ -49,4 +51,5 @@ BUILTIN_ADAPTERS: tuple[type[Adapter], ...] = (
 
 # Backends with no wrapper object and no class of their own, recognised by what the model holds
 # (``claims``), tried on the innermost module once no wrapper matched.
-CONTENT_ADAPTERS: tuple[type[TensorParallelAdapter], ...] = (TensorParallelAdapter,)
+CONTENT_ADAPTERS: tuple[type[TensorParallelAdapter] | type[PipelineAdapter], ...] = (TensorParallelAdapter,
+                                                                                  PipelineAdapter)

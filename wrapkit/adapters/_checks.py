@@ -58,7 +58,7 @@ def check_layout(adapter: Adapter) -> None:
     """Refuse a model partitioned by another framework (``_foreign.py``), and one whose DTensor parameters
     this adapter cannot read or write: taken for unsharded, every operation after ``adapt()`` would hand
     out shards as full values."""
-    refuse_foreign(adapter.module, adapter.name)
+    refuse_foreign(adapter.module, adapter.name, getattr(adapter, "reads_marks", ()))
     dtensor = lookup("torch.distributed.tensor", "DTensor")
     if dtensor is None:  # never imported: no parameter can be one
         return

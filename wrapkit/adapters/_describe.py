@@ -17,7 +17,10 @@ def describe(adapter: Adapter) -> str:
     mods = list(adapter._innermost.modules())
     training = sum(1 for m in mods if m.training)
     total = adapter.num_parameters()
-    trainable = adapter.num_parameters(trainable_only=True)
+    stage = adapter.topology().stage()
+    # Counting what trains across pipeline stages is a collective; a summary never enters one.
+    trainable = (f"{sum(p.numel() for p in adapter._unique_parameters() if p.requires_grad):,} trainable in this "
+                 "stage" if stage is not None else f"{adapter.num_parameters(trainable_only=True):,} trainable")
     lines = [
         f"backend:      {adapter.backend}"
         + (f" (ZeRO stage {adapter.zero_stage})" if adapter.zero_stage is not None else ""),
@@ -25,8 +28,10 @@ def describe(adapter: Adapter) -> str:
         f"device:       {adapter.device}",
         f"group:        rank {adapter.rank} of {adapter.world_size}" + _replicas_text(adapter),
         *_mesh_lines(adapter),
+        *([f"pipeline:     stage {stage[0]} of {stage[1]}, holding its own layers; the stages share each batch"]
+          if stage is not None else []),
         f"sharded:      {'yes' if adapter.is_sharded else 'no'}",
-        f"parameters:   {total:,} ({trainable:,} trainable); "
+        f"parameters:   {total:,} ({trainable}); "
         f"{adapter.resident_parameter_bytes() / 2**20:.2f} MiB held by this rank",
         f"mode:         {training} of {len(mods)} modules in training mode",
         f"config:       {type(getattr(adapter._innermost, 'config', None)).__name__}",

@@ -26,8 +26,8 @@ _ENDS = {"tok_embeddings", "embed_tokens", "norm", "output", "lm_head", "final_l
 
 # What a user can do about each kind of partitioning today.
 _FIXES = {
-    "pipeline": "load the model without pipeline stages (FSDP2 or tensor parallelism shard it in a way wrapkit "
-                "reads) until pipeline parallelism is supported",
+    "pipeline": "load the model with transformers' DistributedConfig(pp_size=...) alone (wrapkit reads its "
+                "stages), or without pipeline stages (FSDP2 or tensor parallelism shard it in a way wrapkit reads)",
     "experts": "shard the experts with FSDP2 or ZeRO-3 instead of expert parallelism until it is supported",
     "megatron": "export it with Megatron-Core's own tools (dist_checkpointing, Megatron-Bridge) until wrapkit "
                 "has a Megatron-Core adapter",
@@ -108,9 +108,10 @@ def _parameter_mark(where: str, p: torch.Tensor) -> Mark | None:
     return None
 
 
-def refuse_foreign(model: torch.nn.Module, backend: str) -> None:
-    """``UnsupportedModelError`` naming the first marks and every fix, where ``model`` carries any."""
-    marks = foreign_marks(model)
+def refuse_foreign(model: torch.nn.Module, backend: str, reads: tuple[str, ...] = ()) -> None:
+    """``UnsupportedModelError`` naming the first marks and every fix, where ``model`` carries any but those
+    of the producers the adapter ``reads``."""
+    marks = [m for m in foreign_marks(model) if m.producer not in reads]
     if not marks:
         return
     by_producer: dict[str, list[Mark]] = {}

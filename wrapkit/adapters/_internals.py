@@ -74,6 +74,8 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     "transformers distributed model": ("_mesh_manager",),
     # Set on the experts modules transformers split over expert-parallel ranks: refused on adapt() (_foreign.py).
     "transformers expert-parallel experts": ("_is_expert_parallel",),
+    # The stage DistributedConfig(pp_size=...) records on the model, and its flag for the forward it installed.
+    "transformers pipeline-parallel model": ("_pp_stage", "_pp_forward_wrapped"),
     "ms-swift lazy module": ("_class_to_module",),
     "Python's atexit": ("_run_exitfuncs",),
     # The worker group (the doctor's and the tests' processes) destroys the groups each scenario made.

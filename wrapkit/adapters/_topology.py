@@ -19,6 +19,7 @@ class Role(str, enum.Enum):
     REPLICATE = "replicate"  # copies of the model; each rank takes its own batches
     SHARD = "shard"  # slices of each parameter; each rank takes its own batches
     TENSOR = "tp"  # slices of each layer; the ranks share one batch
+    PIPELINE = "pp"  # some of the layers each (pipeline stages); the ranks share one batch
 
     def __str__(self) -> str:
         return self.value
@@ -29,7 +30,7 @@ class Role(str, enum.Enum):
     @property
     def shares_batch(self) -> bool:
         """Whether the ranks along a dimension of this role compute on one batch together."""
-        return self is Role.TENSOR
+        return self in (Role.TENSOR, Role.PIPELINE)
 
 
 class Topology(NamedTuple):
@@ -43,7 +44,9 @@ class Topology(NamedTuple):
     ranks that split each layer and share one batch (tensor parallelism), else None. ``cp_group``: the
     ranks within ``group`` that split the sequence of one shared batch (context parallelism folded into
     the dimension the model is sharded over), else None. Within ``group``, tp ranks are the innermost,
-    cp ranks the next."""
+    cp ranks the next. ``pp_group``: one rank per pipeline stage, in stage order, where each holds some of the
+    layers; they share one batch. A pipeline is read only as the whole of ``group`` yet (transformers'
+    ``pp_size`` alone), so it is the outermost of the ranks sharing a batch."""
 
     group: Any
     replicas: tuple[Any, ...]
@@ -51,10 +54,17 @@ class Topology(NamedTuple):
     roles: tuple[Role, ...] = ()
     tp_group: Any = None
     cp_group: Any = None
+    pp_group: Any = None
 
     def batch_sharing_groups(self) -> tuple[Any, ...]:
         """The groups, innermost first, whose ranks compute on one batch together."""
-        return tuple(g for g in (self.tp_group, self.cp_group) if g is not None)
+        return tuple(g for g in (self.tp_group, self.cp_group, self.pp_group) if g is not None)
+
+    def stage(self) -> tuple[int, int] | None:
+        """(This rank's pipeline stage, how many there are); None without pipeline stages."""
+        if self.pp_group is None:
+            return None
+        return dist.get_rank(self.pp_group), dist.get_world_size(self.pp_group)
 
     def size_and_rank(self) -> tuple[int, int]:
         """(How many ranks ``group`` has, this rank's index in it); (1, 0) without a process group."""

@@ -1,0 +1,348 @@
+"""Pipeline stages: a model whose ranks each hold some of its layers, under the whole model's names.
+
+A stage's parts wrap those of the storage kind its own layers are in (whole tensors, for transformers'
+``pp_size``). What a stage holds is read once, when the model is adapted: every stage says which names it
+holds and which of them are one tensor (a tied head and embedding), and the plan assigns each tensor of the
+whole model to the first stage that holds it. An export then runs through the plan on every stage in the
+same order: the stage that owns the next tensor reads it from its own parts and broadcasts it over the
+pipeline group, the others receive it. Everything local (counting this rank's bytes, moving its tensors,
+loading its own layers from a checkpoint) is the inner part's, unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .._agree import Call, enter
+from .._errors import UnsupportedModelError
+from .._gather import Bypass
+from .._hub_layout import HubLayout
+from .._names import canonical_name
+from ._parts import Gatherer, Parts, Piece, Weights, Written
+
+if TYPE_CHECKING:
+    from ._base import Adapter
+
+__all__ = ["Stage", "StagePlan", "stage_parts", "stage_buffers", "buffer_shapes", "state_keys", "transformers_stage",
+           "layout_of"]
+
+Shape = tuple[int, ...]
+
+
+class Stage(NamedTuple):
+    """This rank's place in a pipeline: ``group`` has one rank per stage, in stage order."""
+
+    group: Any
+    number: int  # this rank's stage
+    stages: int
+    producer: str
+
+
+def transformers_stage(model: torch.nn.Module) -> Stage | None:
+    """The stage transformers' ``DistributedConfig(pp_size=...)`` recorded on ``model``, or None."""
+    stage: Any = getattr(model, "_pp_stage", None)
+    group = getattr(stage, "pp_group", None)
+    size = getattr(stage, "pp_size", None)
+    if group is None or not isinstance(size, int) or size < 2:
+        return None
+    return Stage(group, int(stage.pp_rank), size, "transformers' DistributedConfig(pp_size=...)")
+
+
+class _Held(NamedTuple):
+    """What one stage holds: each parameter name with its shape, the names that are one tensor, its persistent
+    buffers, and transformers' tie map (tied copy -> what it is tied to), which only the last stage keeps."""
+
+    names: list[tuple[str, Shape]]
+    ties: list[list[str]]
+    buffers: list[tuple[str, Shape]]
+    tied_keys: dict[str, str]
+    keys: list[str]  # its state dict's keys, in order
+
+
+def _held(weights: Weights, root: torch.nn.Module, buffers: list[tuple[str, Shape]], keys: list[str]) -> _Held:
+    ids: dict[int, list[str]] = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        ids.setdefault(id(p), []).append(canonical_name(name))
+    tied_keys = dict(getattr(root, "all_tied_weights_keys", None) or {})
+    return _Held(list(weights.param_shapes().items()), [names for names in ids.values() if len(names) > 1], buffers,
+                 tied_keys, keys)
+
+
+class StagePlan:
+    """Which stage owns each tensor of the whole model, and the order every stage walks them in.
+
+    ``order``: every parameter name of the whole model, stage by stage (each stage's own names in its own
+    order, names an earlier stage holds left out). ``tensor_of``: name -> the tensor it is (names tied on
+    any stage are one tensor). ``owner``: tensor -> the first stage holding one of its names.
+    """
+
+    def __init__(self, stage: Stage, held: list[_Held]) -> None:
+        self.stage = stage
+        self.held = held
+        parent: dict[str, str] = {}
+
+        def find(name: str) -> str:
+            while parent.setdefault(name, name) != name:
+                name = parent[name]
+            return name
+
+        for h in held:
+            for names in h.ties:
+                for other in names[1:]:
+                    parent[find(other)] = find(names[0])
+        self.order: list[str] = []
+        self.shapes: dict[str, Shape] = {}
+        self.owner: dict[str, int] = {}  # tensor (its first name) -> stage
+        self.tensor_of: dict[str, str] = {}
+        for s, h in enumerate(held):
+            for name, shape in h.names:
+                if name in self.shapes:
+                    continue
+                self.order.append(name)
+                self.shapes[name] = shape
+                self.tensor_of[name] = find(name)
+                self.owner.setdefault(find(name), s)
+        # Persistent buffers (a router's bias in a layer): each from the first stage holding it.
+        self.buffer_shapes: dict[str, Shape] = {}
+        self.buffer_owner: dict[str, int] = {}
+        for s, h in enumerate(held):
+            for name, shape in h.buffers:
+                self.buffer_shapes.setdefault(name, shape)
+                self.buffer_owner.setdefault(name, s)
+        # The whole model's state dict keys in its order: the stages hold consecutive modules.
+        self.keys = list(dict.fromkeys(k for h in held for k in h.keys))
+        # The whole model's tie map, for its Hub layout: the same on every stage.
+        self.tied_keys: dict[str, str] = {k: v for h in held for k, v in h.tied_keys.items()}
+        self.names_of: dict[str, list[str]] = {}
+        for name in self.order:
+            self.names_of.setdefault(self.tensor_of[name], []).append(name)
+
+    @classmethod
+    def read(cls, stage: Stage, weights: Weights, root: torch.nn.Module,
+             buffers: list[tuple[str, Shape]], keys: list[str]) -> StagePlan:
+        """Collective over the pipeline group: every stage says what it holds."""
+        mine = _held(weights, root, buffers, keys)
+        every: list[Any] = [None] * stage.stages
+        dist.all_gather_object(every, mine, group=stage.group)
+        return cls(stage, [_Held(*h) for h in every])
+
+    def global_rank(self, s: int) -> int:
+        return dist.get_global_rank(self.stage.group, s)
+
+    def tensors(self) -> Iterator[tuple[str, int]]:
+        """(tensor, owning stage) once each, in the order every stage walks them."""
+        seen: set[str] = set()
+        for name in self.order:
+            t = self.tensor_of[name]
+            if t not in seen:
+                seen.add(t)
+                yield t, self.owner[t]
+
+    def mine(self) -> set[str]:
+        """The names of the tensors this stage owns (all their names, tied ones included)."""
+        return {n for t, s in self.tensors() if s == self.stage.number for n in self.names_of[t]}
+
+
+def layout_of(model: Adapter) -> HubLayout | None:
+    """The Hub layout of ``model`` (``HubLayout.of`` its innermost model), with the whole model's tie map
+    where it is a pipeline stage: transformers keeps that map on the last stage only."""
+    weights = model.weights
+    ties = weights.plan.tied_keys if isinstance(weights, StageWeights) else None
+    return HubLayout.of(model.unwrap(keep_peft=False), ties)
+
+
+def stage_parts(model: Adapter, parts: Parts, plan: StagePlan) -> Parts:
+    """``parts`` of a stage's own layers, with the whole model's names, counts and exports. No likeness yet:
+    a copy of a stage must run the pipeline's forward of its own."""
+    weights = StageWeights(parts.weights, plan, model)
+    return parts.replace(weights=weights, gatherer=StageGatherer(parts.gatherer, weights, plan, model),
+                         likeness=None)
+
+
+class StageWeights:
+    def __init__(self, inner: Weights, plan: StagePlan, model: Adapter) -> None:
+        self.inner, self.plan, self.model = inner, plan, model
+
+    def global_numel(self, p: torch.Tensor) -> int:
+        return self.inner.global_numel(p)
+
+    def full_shapes(self) -> dict[int, Shape]:
+        return self.inner.full_shapes()
+
+    def count(self, trainable_only: bool) -> int:
+        plan = self.plan
+        if not trainable_only:
+            return sum(_numel(plan.shapes[t]) for t, _ in plan.tensors())
+        # Which parameters train can change at any time on any stage: each stage counts its own, so every
+        # stage must ask (entered first: a rank asking alone gets an error, not a hang).
+        enter(Call.of("num_parameters", trainable_only=True), self.model)
+        trains = {canonical_name(n): p.requires_grad
+                  for n, p in self.model.unwrap().named_parameters(remove_duplicate=False)}
+        own = sum(_numel(plan.shapes[t]) for t, s in plan.tensors()
+                  if s == plan.stage.number and any(trains.get(n, False) for n in plan.names_of[t]))
+        total = torch.tensor([own], dtype=torch.int64)
+        dist.all_reduce(total, group=plan.stage.group)
+        return int(total.item())
+
+    def param_shapes(self) -> dict[str, Shape]:
+        return {name: self.plan.shapes[name] for name in self.plan.order}
+
+    def resident_bytes(self) -> int:
+        return self.inner.resident_bytes()
+
+    def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
+        return None  # a stage holds some layers only: never paired shard to shard with another layout
+
+    def layout_tensors(self) -> list[torch.Tensor] | None:
+        return None
+
+    def pieces(self) -> list[Piece]:
+        return self.inner.pieces()  # this stage's own layers only: a load reads just their slices
+
+    def written(self, kind: Written, values: Mapping[str, torch.Tensor] | None = None) -> None:
+        self.inner.written(kind, values)
+
+
+class StageGatherer:
+    """Exports walk the plan on every stage alike: the owner of each tensor broadcasts it."""
+
+    def __init__(self, inner: Gatherer, weights: Weights, plan: StagePlan, model: Adapter) -> None:
+        self.inner, self.weights, self.plan, self.model = inner, weights, plan, model
+
+    def one(self, p: torch.Tensor) -> torch.Tensor:
+        return self.inner.one(p)
+
+    def each(self) -> Iterator[tuple[str, torch.Tensor]]:
+        plan, me = self.plan, self.plan.stage.number
+        # The dtypes are read now: the model may have been cast since it was adapted.
+        dtypes = _exchange(plan, self._own_dtypes())
+        local = self.inner.each() if any(s == me for _, s in plan.tensors()) else iter(())
+        waiting: dict[str, torch.Tensor] = {}
+        kept: dict[str, torch.Tensor] = {}  # tied tensors, until their last name has been yielded
+        for name in plan.order:
+            t = plan.tensor_of[name]
+            names = plan.names_of[t]
+            if t in kept:
+                value = kept.pop(t) if name == names[-1] else kept[t]
+            else:
+                s = plan.owner[t]
+                mine = _take(local, names, waiting) if s == me else None
+                value = _broadcast(plan, s, mine, plan.shapes[t], dtypes[s][t], self.model.device)
+                if len(names) > 1:
+                    kept[t] = value
+            yield name, value
+
+    def _own_dtypes(self) -> dict[str, str]:
+        plan = self.plan
+        owned = {t for t, s in plan.tensors() if s == plan.stage.number}
+        out: dict[str, str] = {}
+        for name, p in self.model.unwrap().named_parameters(remove_duplicate=False):
+            t = plan.tensor_of.get(canonical_name(name))
+            if t in owned and t not in out:
+                out[t] = _dtype_name(p)
+        return out
+
+    def units(self) -> list[list[torch.nn.Parameter]] | None:
+        return None  # a unit is local: an export walks the plan (``each``)
+
+    def many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        return self.inner.many(params)
+
+    def exported(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        return self.inner.exported(params)
+
+    def full(self, modifier_rank: int | None) -> contextlib.AbstractContextManager[Any]:
+        return self.inner.full(modifier_rank)  # this stage's own layers; ``gathered()`` refuses a pipeline
+
+    def layerwise(self) -> contextlib.AbstractContextManager[None]:
+        return self.inner.layerwise()
+
+    def bypass(self) -> Bypass | None:
+        return self.inner.bypass()
+
+    def full_bytes(self) -> int:
+        size = next((p.element_size() for p in self.model.unwrap().parameters()), 4)
+        return size * self.weights.count(False)
+
+
+def stage_buffers(model: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every persistent buffer of the whole model (``model.named_live(parameters=False)`` where it is not a
+    pipeline stage). Collective on a stage: each buffer comes from the first stage that holds it."""
+    weights = model.weights
+    if not isinstance(weights, StageWeights):
+        yield from model.named_live(parameters=False)
+        return
+    plan, me = weights.plan, weights.plan.stage.number
+    local = dict(model.named_live(parameters=False))
+    dtypes = _exchange(plan, {n: _dtype_name(local[n]) for n, s in plan.buffer_owner.items() if s == me})
+    for name, s in plan.buffer_owner.items():
+        value = _broadcast(plan, s, local.get(name) if s == me else None, plan.buffer_shapes[name], dtypes[s][name],
+                           model.device)
+        yield name, value
+
+
+def state_keys(model: Adapter) -> list[str]:
+    """The keys of the whole model's state dict, in its order; nothing gathered."""
+    weights = model.weights
+    if isinstance(weights, StageWeights):
+        return list(weights.plan.keys)
+    return [name for name, _ in model.named_live()]
+
+
+def buffer_shapes(model: Adapter) -> dict[str, Shape]:
+    """Name -> shape of every persistent buffer of the whole model; nothing gathered."""
+    weights = model.weights
+    if isinstance(weights, StageWeights):
+        return dict(weights.plan.buffer_shapes)
+    return {name: tuple(b.shape) for name, b in model.named_live(parameters=False)}
+
+
+def _exchange(plan: StagePlan, mine: dict[str, str]) -> list[dict[str, str]]:
+    """Every stage's ``mine`` (name -> dtype of what it sends), in stage order."""
+    every: list[Any] = [None] * plan.stage.stages
+    dist.all_gather_object(every, mine, group=plan.stage.group)
+    return every
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _broadcast(plan: StagePlan, owner: int, value: torch.Tensor | None, shape: Shape, dtype: str,
+               device: torch.device) -> torch.Tensor:
+    """``value`` on the ``owner`` stage (returned as it is there), a copy of it received everywhere else."""
+    # gloo moves CPU tensors only; NCCL moves them on the model's device.
+    comm = torch.device("cpu") if dist.get_backend(plan.stage.group) == "gloo" else device
+    if value is not None:
+        sent = value.detach().to(comm).contiguous()
+    else:
+        sent = torch.empty(shape, dtype=getattr(torch, dtype), device=comm)
+    dist.broadcast(sent, src=plan.global_rank(owner), group=plan.stage.group)
+    return value.detach() if value is not None else sent
+
+
+def _take(local: Iterator[tuple[str, torch.Tensor]], names: list[str],
+          waiting: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The value of one of ``names`` from this stage's own export, kept in order of the plan; values read
+    past it wait in ``waiting`` (the inner part may yield a stage's names in another order)."""
+    for name in names:
+        if name in waiting:
+            return waiting.pop(name)
+    for name, value in local:
+        if name in names:
+            return value
+        waiting[name] = value
+    raise UnsupportedModelError(f"a pipeline stage's export lacks {names[0]}, which it held when the model was "
+                                "adapted; adapt() the model again after changing its layers")
+
+
+def _numel(shape: Shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
