@@ -140,3 +140,119 @@ def pipeline_ops(tmp: str, name: str, dtype: str = "float32") -> dict[str, Any]:
     wm.wake()
     out["sleep"] = (report is not None, _whole_same(wm, ref))
     return out
+
+
+# -- torch.distributed.pipelining, a model cut as torchtitan cuts one --------------------------------------
+class _Block(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, dim))  # persistent: in every export
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + torch.tanh(self.proj(h)) * self.scale
+
+
+class TitanLike(torch.nn.Module):
+    """torchtitan's layout: the layers in a ModuleDict under their global numbers, and ends a stage can empty."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, layers: int = 4) -> None:
+        super().__init__()
+        self.tok_embeddings: torch.nn.Module | None = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleDict({str(i): _Block(dim) for i in range(layers)})
+        self.norm: torch.nn.Module | None = torch.nn.LayerNorm(dim)
+        self.output: torch.nn.Module | None = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for layer in self.layers.values():
+            h = layer(h)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+
+def _titan(seed: int) -> TitanLike:
+    torch.manual_seed(seed)
+    return TitanLike()
+
+
+def _cut(model: TitanLike, stage: int) -> TitanLike:
+    """The two-stage split torchtitan makes: layers 0-1 and the embedding, layers 2-3 with the norm and head."""
+    keep = {0: ("0", "1"), 1: ("2", "3")}[stage]
+    for key in list(model.layers.keys()):
+        if key not in keep:
+            del model.layers[key]
+    if stage == 0:
+        model.norm = model.output = None
+    else:
+        model.tok_embeddings = None
+    return model
+
+
+def torch_pipeline_ops(tmp: str) -> dict[str, Any]:
+    """Every operation on a ``PipelineStage`` (one per rank), and one training step of a GPipe schedule against the
+    same step on the whole model."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+
+    rank = dist.get_rank()
+    whole = wrapkit.adapt(_titan(0))
+    stage = PipelineStage(_cut(_titan(0), rank), stage_index=rank, num_stages=2, device=torch.device("cpu"))
+    wm = wrapkit.adapt(stage)
+    out: dict[str, Any] = {"backend": wm.backend, "module": wm.unwrap() is stage.submod,
+                           "count": (wm.num_parameters(), whole.num_parameters()),
+                           "full_state_dict": _whole_same(wm, whole),
+                           "named_full_parameters": _same(dict((n, t.clone()) for n, t in wm.named_full_parameters()),
+                                                          dict(whole.named_full_parameters())),
+                           "stream": _same(_streamed(wm, "runtime"), _streamed(whole, "runtime"))}
+    other = wrapkit.adapt(_titan(1))
+    out["load_full_state_dict"] = (wm.load_full_state_dict(other.full_state_dict(rank0_only=False)),
+                                   _whole_same(wm, other))
+    path = os.path.join(tmp, "titan.safetensors")
+    whole.save(path) if rank == 0 else None
+    dist.barrier()
+    out["load"] = (wm.load(path), _whole_same(wm, whole))
+    target = wrapkit.adapt(_titan(2))
+    wm.copy_to(target)
+    out["copy_to"] = _whole_same(target, whole)
+    reference = wrapkit.prepare_reference(wm)
+    out["reference"] = (reference.backend, any(p.requires_grad for p in reference.unwrap().parameters()),
+                        _whole_same(reference, wm))
+
+    # One step: the schedule on the stages, the same batch and optimizer on the whole model.
+    tokens = torch.arange(16).reshape(4, 4) % 32
+    targets = (tokens + 1) % 32
+
+    def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), target.reshape(-1))
+
+    schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=loss_fn)
+    losses: list[torch.Tensor] = []
+    if rank == 0:
+        schedule.step(tokens)
+    else:
+        schedule.step(target=targets, losses=losses)
+    optimizer = torch.optim.SGD(stage.submod.parameters(), lr=0.1)
+    optimizer.step()
+    plain = whole.module
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    halves = [loss_fn(plain(t), y) / 2 for t, y in zip(tokens.chunk(2), targets.chunk(2), strict=True)]
+    sum(halves).backward()  # type: ignore[union-attr]
+    plain_opt.step()
+    mine, want = wm.full_state_dict(rank0_only=False), whole.full_state_dict(rank0_only=False)
+    out["trained"] = (list(mine) == list(want), max((mine[k] - want[k]).abs().max().item() for k in want))
+    out["loss"] = (sum(x.item() for x in losses) / 2 - sum(h.item() for h in halves)) if losses else None
+    return out
+
+
+def torch_pipeline_refusals() -> dict[str, str]:
+    """Stages this adapter cannot read: a ModuleList that lost layers (renumbered), several stages per rank."""
+    from torch.distributed.pipelining import PipelineStage
+
+    rank = dist.get_rank()
+    out: dict[str, str] = {}
+    cut = tiny_llama(0, layers=4)
+    del cut.model.layers[(2 if rank == 0 else 0):(4 if rank == 0 else 2)]
+    out["renumbered"] = _refused(lambda: wrapkit.adapt(PipelineStage(cut, rank, 2, torch.device("cpu"))))
+    virtual = PipelineStage(_cut(_titan(0), 0), stage_index=2 * rank, num_stages=4, device=torch.device("cpu"))
+    out["virtual"] = _refused(lambda: wrapkit.adapt(virtual))
+    return out

@@ -45,3 +45,27 @@ def test_every_operation_on_transformers_pipeline_stages(group: Any, tmp_path_fa
     # Sampling draws the first stage's random numbers on every stage, whatever each rank's generator held.
     assert results[0]["sampled"] == results[1]["sampled"]
 
+
+
+def test_every_operation_on_torch_pipelining_stages(group: Any, tmp_path: Any) -> None:
+    """A model cut as torchtitan cuts one, each rank's part in a ``PipelineStage``: exports, loads and copies
+    exact, and after one GPipe step the stages hold what one step of the whole model gives."""
+    results = group.run("tests.scenarios_pipeline:torch_pipeline_ops", str(tmp_path), timeout=180)
+    for rank, r in enumerate(results):
+        assert r["backend"] == "pipeline" and r["module"], (rank, r["backend"])
+        assert r["count"][0] == r["count"][1], r["count"]
+        for op in ("full_state_dict", "named_full_parameters", "stream", "copy_to"):
+            assert r[op] == [], (rank, op, r[op][:3])
+        for op in ("load_full_state_dict", "load"):
+            result, differ = r[op]
+            assert differ == [] and not result.missing_keys and not result.unexpected_keys, (rank, op, r[op])
+        assert r["reference"] == ("pipeline", False, []), r["reference"]
+        same_keys, diff = r["trained"]
+        assert same_keys and diff < 1e-5, (rank, r["trained"])
+    assert abs(results[1]["loss"]) < 1e-5, results[1]["loss"]
+
+
+def test_stages_it_cannot_read_are_refused(group: Any) -> None:
+    for r in group.run("tests.scenarios_pipeline:torch_pipeline_refusals", timeout=120):
+        assert "renumbers the rest" in r["renumbered"], r["renumbered"]
+        assert "several stages per rank" in r["virtual"], r["virtual"]

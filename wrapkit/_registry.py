@@ -30,6 +30,7 @@ from ._errors import AdapterRegistrationError, UnsupportedModelError
 from ._protocol import Handle
 from .adapters import BUILTIN_ADAPTERS, CONTENT_ADAPTERS, Adapter, PlainAdapter
 from .adapters._base import Entry
+from .adapters._stages import adopt_torch_stage
 from .layers import LAYERS, Layer
 
 __all__ = ["as_adapter", "copy_target", "register_adapter", "registered_adapters"]
@@ -121,6 +122,8 @@ def as_adapter(model: Any, purpose: str = "this") -> Adapter:
         return model
     if isinstance(model, Handle):
         return model._as_adapter(purpose)
+    # A torch.distributed.pipelining stage is read through its module, recorded with the stage's place.
+    model = adopt_torch_stage(model)
     if model is None:
         raise UnsupportedModelError(
             "adapt() got None; pass the model (an nn.Module, or the DDP/FSDP/DeepSpeed object wrapping it). "

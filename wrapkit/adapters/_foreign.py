@@ -16,7 +16,13 @@ import torch
 from .._errors import UnsupportedModelError
 from .._names import canonical_name
 
-__all__ = ["Mark", "foreign_marks", "refuse_foreign"]
+__all__ = ["Mark", "foreign_marks", "refuse_foreign", "CUT_STAGE", "RENUMBERED_STAGE", "TRANSFORMERS_STAGES"]
+
+# The producers of pipeline marks that the pipeline adapter reads where it knows the stage (``_stages.py``).
+TRANSFORMERS_STAGES = "transformers' DistributedConfig(pp_size=...)"
+CUT_STAGE = "a pipeline stage built by deleting layers (torch.distributed.pipelining, torchtitan)"
+# Not read: a ModuleList that lost layers renumbers the rest from 0, so names no longer say which layer is which.
+RENUMBERED_STAGE = "a pipeline stage built by deleting layers from a ModuleList, which renumbers the rest"
 
 # Mesh dimensions that split a model in a way no adapter reads: stages, and experts over their own ranks.
 _FOREIGN_DIMS = {"pp": "pipeline stages", "ep": "experts"}
@@ -52,7 +58,7 @@ def foreign_marks(model: torch.nn.Module) -> list[Mark]:
         cls = type(module)
         if cls.__name__ == "PipelineIdentityLayer":
             marks.append(Mark(at, "a placeholder for a layer another pipeline stage holds (PipelineIdentityLayer)",
-                              "transformers' DistributedConfig(pp_size=...)", "pipeline"))
+                              TRANSFORMERS_STAGES, "pipeline"))
         if getattr(module, "_is_expert_parallel", False) is True:
             marks.append(Mark(at, f"{getattr(module, 'num_experts', '?')} experts of this rank's only "
                               "(_is_expert_parallel)", "transformers' DistributedConfig(ep_size=...)", "experts"))
@@ -62,10 +68,8 @@ def foreign_marks(model: torch.nn.Module) -> list[Mark]:
                                 if flag is False)
             marks.append(Mark(at, f"a pipeline stage without {lacks} (pre_process={pre}, post_process={post})",
                               "Megatron-Core", "pipeline"))
-        share = _stage_share(module)
-        if share is not None:
-            marks.append(Mark(at, share, "a pipeline stage built by deleting layers (torch.distributed.pipelining, "
-                              "torchtitan)", "pipeline"))
+        for what, renumbered in _stage_share(module):
+            marks.append(Mark(at, what, RENUMBERED_STAGE if renumbered else CUT_STAGE, "pipeline"))
         for name, p in module.named_parameters(recurse=False):
             mark = _parameter_mark(canonical_name(f"{path}.{name}" if path else name), p)
             if mark is not None:
@@ -73,24 +77,26 @@ def foreign_marks(model: torch.nn.Module) -> list[Mark]:
     return marks
 
 
-def _stage_share(module: torch.nn.Module) -> str | None:
-    """What says that ``module`` is a pipeline stage's share of a model, or None: the embedding, the final norm
-    or the head emptied (torchtitan's split); fewer layers than its config numbers (a stage cut from a
-    transformers model); or a ``ModuleDict`` of layers numbered from above 0 (torchtitan's keep their numbers)."""
+def _stage_share(module: torch.nn.Module) -> list[tuple[str, bool]]:
+    """What says that ``module`` is a pipeline stage's share of a model, each with whether its layers lost their
+    numbers. The embedding, the final norm or the head emptied (torchtitan's split); fewer layers than its
+    config numbers (a stage cut from a transformers model: renumbered from 0); or a ``ModuleDict`` of layers
+    numbered from above 0 (torchtitan's keep their numbers)."""
+    found: list[tuple[str, bool]] = []
     emptied = [name for name, child in module._modules.items() if child is None and name in _ENDS]
     if emptied:
         # Assigning None to a registered submodule keeps its slot: the model was built with it.
-        return f"{', '.join(emptied)} set to None after the model was built"
+        found.append((f"{', '.join(emptied)} set to None after the model was built", False))
     layers = getattr(module, "layers", None)
     if isinstance(layers, torch.nn.ModuleList):
         want = getattr(getattr(module, "config", None), "num_hidden_layers", None)
         if isinstance(want, int) and len(layers) < want:
-            return f"{len(layers)} of the {want} layers its config numbers"
+            found.append((f"{len(layers)} of the {want} layers its config numbers, renumbered from 0", True))
     elif isinstance(layers, torch.nn.ModuleDict) and all(k.isdigit() for k in layers.keys()):
         keys = sorted(int(k) for k in layers.keys())
         if keys and keys != list(range(len(keys))):
-            return f"layers {keys[0]}-{keys[-1]} of a numbering that does not start at 0"
-    return None
+            found.append((f"layers {keys[0]}-{keys[-1]} of a numbering that does not start at 0", False))
+    return found
 
 
 def _parameter_mark(where: str, p: torch.Tensor) -> Mark | None:

@@ -12,6 +12,7 @@ loading its own layers from a checkpoint) is the inner part's, unchanged.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -22,14 +23,16 @@ from .._agree import Call, enter
 from .._errors import UnsupportedModelError
 from .._gather import Bypass
 from .._hub_layout import HubLayout
+from .._imports import lookup
 from .._names import canonical_name
+from ._foreign import CUT_STAGE, TRANSFORMERS_STAGES
 from ._parts import Gatherer, Parts, Piece, Weights, Written
 
 if TYPE_CHECKING:
     from ._base import Adapter
 
-__all__ = ["Stage", "StagePlan", "stage_parts", "stage_buffers", "buffer_shapes", "state_keys", "transformers_stage",
-           "layout_of"]
+__all__ = ["Stage", "StagePlan", "recorded_stage", "adopt_torch_stage", "record", "stage_parts", "stage_buffers",
+           "buffer_shapes", "state_keys", "transformers_stage", "layout_of"]
 
 Shape = tuple[int, ...]
 
@@ -43,6 +46,40 @@ class Stage(NamedTuple):
     producer: str
 
 
+# The module of each torch.distributed.pipelining stage handed to adapt(): the stage object holds the group,
+# the module does not. Weak: a module that is gone needs no entry.
+_TORCH_STAGES: weakref.WeakKeyDictionary[torch.nn.Module, Stage] = weakref.WeakKeyDictionary()
+
+
+def recorded_stage(model: torch.nn.Module) -> Stage | None:
+    """The pipeline stage ``model`` is, as transformers records it on the model or as the
+    ``torch.distributed.pipelining`` stage it was adapted through; None for a model that is no stage."""
+    return transformers_stage(model) or _TORCH_STAGES.get(model)
+
+
+def adopt_torch_stage(obj: Any) -> Any:
+    """For a ``torch.distributed.pipelining`` stage: its module, recorded with the stage's place; else ``obj``."""
+    base = lookup("torch.distributed.pipelining.stage", "_PipelineStageBase")
+    if base is None or not isinstance(obj, base):
+        return obj
+    stage: Any = obj
+    group = stage.group if stage.group is not None else dist.group.WORLD
+    ranks = dist.get_world_size(group)
+    if stage.num_stages != ranks or stage.stage_index != dist.get_rank(group):
+        raise UnsupportedModelError(
+            f"this rank holds stage {stage.stage_index} of {stage.num_stages} over a group of {ranks} ranks: several "
+            "stages per rank (virtual stages, interleaved schedules) are not read yet. Build one stage per rank, "
+            "stage i on the group's rank i.")
+    module: torch.nn.Module = stage.submod
+    record(module, Stage(group, stage.stage_index, stage.num_stages, CUT_STAGE))
+    return module
+
+
+def record(module: torch.nn.Module, stage: Stage) -> None:
+    """``module`` is a ``torch.distributed.pipelining`` stage at ``stage`` (a copy of one, for references)."""
+    _TORCH_STAGES[module] = stage
+
+
 def transformers_stage(model: torch.nn.Module) -> Stage | None:
     """The stage transformers' ``DistributedConfig(pp_size=...)`` recorded on ``model``, or None."""
     stage: Any = getattr(model, "_pp_stage", None)
@@ -50,7 +87,7 @@ def transformers_stage(model: torch.nn.Module) -> Stage | None:
     size = getattr(stage, "pp_size", None)
     if group is None or not isinstance(size, int) or size < 2:
         return None
-    return Stage(group, int(stage.pp_rank), size, "transformers' DistributedConfig(pp_size=...)")
+    return Stage(group, int(stage.pp_rank), size, TRANSFORMERS_STAGES)
 
 
 class _Held(NamedTuple):

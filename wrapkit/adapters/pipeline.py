@@ -1,9 +1,11 @@
-"""A model split into pipeline stages by transformers (``DistributedConfig(pp_size=...)``).
+"""A model split into pipeline stages, one per rank, each holding its own layers whole under the whole
+model's names.
 
-Each rank keeps its own decoder layers whole, under the whole model's names, and holds a
-``PipelineIdentityLayer`` in place of every other stage's; the model's forward runs on every rank
-together (activations passed stage to stage, logits broadcast from the last). Nothing changes the
-model's class, so it is known by what it holds: the stage transformers records on it (``_pp_stage``).
+Two producers: transformers (``DistributedConfig(pp_size=...)``) keeps a ``PipelineIdentityLayer`` in place
+of every other stage's layer and runs its forward on every rank together; ``torch.distributed.pipelining``
+(as torchtitan cuts a model: layers in a ``ModuleDict`` under their global numbers, the ends of the other
+stages set to None) runs the stage in a schedule. Nothing changes the model's class, so it is known by its
+stage: the one transformers records on it (``_pp_stage``), or the ``PipelineStage`` passed to ``adapt()``.
 Its parts are those of whole tensors, wrapped by the stage parts (``_stages.py``): exports gather every
 stage's tensors, loads fill each stage's own layers.
 """
@@ -16,9 +18,11 @@ from typing import Any, ClassVar
 
 import torch
 
+from .._errors import UnsupportedModelError
 from ._base import Adapter
+from ._foreign import CUT_STAGE, TRANSFORMERS_STAGES
 from ._parts import Parts
-from ._stages import Stage, StagePlan, stage_parts, transformers_stage
+from ._stages import Stage, StagePlan, record, recorded_stage, stage_parts
 from ._topology import Topology
 from ._whole import whole_parts
 
@@ -30,12 +34,12 @@ class PipelineAdapter(Adapter):
     peels = False
     distributed = True
     # The partitioning this adapter reads; ``adapt()`` refuses any other (``_foreign.py``).
-    reads_marks: ClassVar[tuple[str, ...]] = ("transformers' DistributedConfig(pp_size=...)",)
+    reads_marks: ClassVar[tuple[str, ...]] = (TRANSFORMERS_STAGES, CUT_STAGE)
 
     @classmethod
     def claims(cls, module: torch.nn.Module) -> bool:
-        """Whether ``module`` (no wrapper around it) is one stage of transformers' pipeline."""
-        return transformers_stage(module) is not None
+        """Whether ``module`` (no wrapper around it) is one stage of a pipeline."""
+        return recorded_stage(module) is not None
 
     @classmethod
     def inner(cls, obj: torch.nn.Module) -> torch.nn.Module:
@@ -43,7 +47,7 @@ class PipelineAdapter(Adapter):
 
     @functools.cached_property
     def _stage(self) -> Stage:
-        stage = transformers_stage(self._innermost)
+        stage = recorded_stage(self._innermost)
         assert stage is not None  # claimed for it
         return stage
 
@@ -64,7 +68,8 @@ class PipelineAdapter(Adapter):
 
 
 class _PipelineLikeness:
-    """Copies split into the same stages: transformers' own split applied again, over the same group."""
+    """Copies split into the same stages: transformers' own split applied again over the same group, or a
+    copy of a ``torch.distributed.pipelining`` stage's module recorded at the same place."""
 
     takes_config = False
     own_ops = False
@@ -76,13 +81,22 @@ class _PipelineLikeness:
         return None  # a stage lacks the other stages' layers: a copy wrapped another way has nothing to start from
 
     def wrap(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        if self.model._stage.producer != TRANSFORMERS_STAGES:
+            raise UnsupportedModelError(
+                "a torch.distributed.pipelining stage is cut by the code that built it, which wrapkit cannot repeat "
+                "on another module; cut the reference the same way and pass its PipelineStage, or use "
+                "prepare_reference(policy) for a copy of this stage")
         return self._staged(module.to(self.model.device))
 
     def copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
         source = self.model.unwrap(keep_peft=True)
+        if self.model._stage.producer != TRANSFORMERS_STAGES:
+            clone = copy.deepcopy(source)
+            record(clone, self.model._stage)
+            return clone
         # The stage object holds the process group, which cannot be copied: the copy shares it until split again.
-        record = getattr(self.model._innermost, "_pp_stage", None)
-        return self._staged(copy.deepcopy(source, memo={id(record): record}))
+        held = getattr(self.model._innermost, "_pp_stage", None)
+        return self._staged(copy.deepcopy(source, memo={id(held): held}))
 
     def _staged(self, module: torch.nn.Module) -> torch.nn.Module:
         """``module`` split as the model is. The forward transformers installed on the model runs the model
