@@ -256,3 +256,26 @@ def torch_pipeline_refusals() -> dict[str, str]:
     virtual = PipelineStage(_cut(_titan(0), 0), stage_index=2 * rank, num_stages=4, device=torch.device("cpu"))
     out["virtual"] = _refused(lambda: wrapkit.adapt(virtual))
     return out
+
+
+def pipeline_peft(tmp: str) -> dict[str, Any]:
+    """LoRA on transformers' stages: the unmerged export is exact; a merge, which reads only this stage's LoRA
+    layers, is refused rather than left partial."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    directory = _saved(tmp, "llama4", lambda: _model("llama4", 0))
+    config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    torch.manual_seed(3)  # the same random adapters on every rank
+    whole = get_peft_model(AutoModelForCausalLM.from_pretrained(directory), config)
+    staged = AutoModelForCausalLM.from_pretrained(directory, distributed_config=DistributedConfig(pp_size=2))
+    pp = get_peft_model(staged, config)
+    values = whole.state_dict()
+    with torch.no_grad():  # the same adapter values on both
+        for name, p in pp.named_parameters():
+            p.copy_(values[name])
+    wm, ref = wrapkit.adapt(pp), wrapkit.adapt(whole)
+    return {"backend": wm.backend, "unmerged": _whole_same(wm, ref),
+            "merged": _refused(lambda: wm.full_state_dict(rank0_only=False, merge_adapters=True)),
+            "adapters_only": _refused(lambda: wm.save_pretrained(os.path.join(tmp, "lora"), adapters_only=True))}

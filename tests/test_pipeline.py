@@ -69,3 +69,10 @@ def test_stages_it_cannot_read_are_refused(group: Any) -> None:
     for r in group.run("tests.scenarios_pipeline:torch_pipeline_refusals", timeout=120):
         assert "renumbers the rest" in r["renumbered"], r["renumbered"]
         assert "several stages per rank" in r["virtual"], r["virtual"]
+
+
+def test_lora_on_pipeline_stages_exports_and_refuses_a_partial_merge(group: Any, tmp_path: Any) -> None:
+    for r in group.run("tests.scenarios_pipeline:pipeline_peft", str(tmp_path), timeout=120):
+        assert r["backend"] == "pipeline" and r["unmerged"] == [], r
+        for op in ("merged", "adapters_only"):
+            assert "the other stages' adapters would be left out" in r[op], (op, r[op])

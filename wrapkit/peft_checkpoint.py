@@ -25,6 +25,7 @@ from . import _safetensors
 from ._agree import Call, writes_files
 from ._errors import UnsupportedModelError
 from ._safetensors import INDEX_NAME, SINGLE_NAME, outside
+from .adapters._stages import refuse_stage_adapters
 from .layers.peft import (
     ADAPTER_CONFIG,
     ADAPTER_PICKLE,
@@ -67,6 +68,7 @@ def _peft_root(wm: Adapter, what: str) -> Any:
 def save_adapters(wm: Adapter, directory: str | os.PathLike[str], adapter_names: Sequence[str] | None) -> None:
     """Every selected adapter (all of them with ``None``) in PEFT's layout; see the module docstring.
     Collective."""
+    refuse_stage_adapters(wm, "save_pretrained(adapters_only=True)")
     problems: list[str] = []
     maps: dict[str, dict[str, str]] = {}  # adapter -> {canonical key: saved key}
     root: Any = None

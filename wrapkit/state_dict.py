@@ -24,7 +24,7 @@ from ._module_internals import live_entries
 from ._names import canonical_name
 from ._protocol import LoadResult
 from .adapters import Written
-from .adapters._stages import buffer_shapes, stage_buffers, state_keys
+from .adapters._stages import buffer_shapes, refuse_stage_adapters, stage_buffers, state_keys
 from .full_parameters import gathered
 from .layers.peft import LoraFoldPlan, fold_plan, fold_state_dict
 
@@ -143,6 +143,7 @@ def gather_state_dict(wm: Adapter, rank0_only: bool, merge_adapters: bool = Fals
 def lora_fold_plan(wm: Adapter) -> LoraFoldPlan | None:
     """What merging ``wm``'s LoRA adapters needs (None without PEFT); ``UnsupportedModelError``,
     raised alike on every rank, for layers that cannot be merged."""
+    refuse_stage_adapters(wm, "merge_adapters=True")
     peft_root = wm.merge_root()
     return None if peft_root is None else fold_plan(peft_root)
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ._base import Adapter
 
 __all__ = ["Stage", "StagePlan", "recorded_stage", "adopt_torch_stage", "record", "stage_parts", "stage_buffers",
-           "buffer_shapes", "state_keys", "transformers_stage", "layout_of"]
+           "buffer_shapes", "state_keys", "refuse_stage_adapters", "transformers_stage", "layout_of"]
 
 Shape = tuple[int, ...]
 
@@ -321,6 +321,17 @@ def stage_buffers(model: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
         value = _broadcast(plan, s, local.get(name) if s == me else None, plan.buffer_shapes[name], dtypes[s][name],
                            model.device)
         yield name, value
+
+
+def refuse_stage_adapters(model: Adapter, op: str) -> None:
+    """Refuse ``op`` (a merge or a save of PEFT adapters) on a pipeline stage: it reads the adapters' layers off the
+    local PEFT model, which lacks the other stages', so the result would be silently partial. Known alike on
+    every rank (the model's structure)."""
+    if isinstance(model.weights, StageWeights) and model.merge_root() is not None:
+        raise UnsupportedModelError(
+            f"{op} reads the LoRA layers of the PEFT model on this rank, and a pipeline stage holds only its own "
+            "layers': the other stages' adapters would be left out. Export without merging (full_state_dict(), "
+            "save_pretrained()), or merge each stage with PEFT's merge_and_unload() before exporting.")
 
 
 def state_keys(model: Adapter) -> list[str]:
