@@ -15,7 +15,8 @@ from wrapkit.cli._families import family_model
 from wrapkit.cli._models import tiny_llama
 
 
-def _saved(tmp: str, name: str, build: Callable[[], torch.nn.Module]) -> str:
+def saved(tmp: str, name: str, build: Callable[[], torch.nn.Module]) -> str:
+    """``build()``'s ``save_pretrained`` directory under ``tmp`` (written once, by rank 0), on every rank."""
     directory = os.path.join(tmp, name)
     if dist.get_rank() == 0 and not os.path.isdir(directory):
         build().save_pretrained(directory)
@@ -27,7 +28,7 @@ def _transformers_pp(tmp: str) -> torch.nn.Module:
     from transformers import LlamaForCausalLM
     from transformers.distributed import DistributedConfig
 
-    directory = _saved(tmp, "llama4", lambda: tiny_llama(0, layers=4))
+    directory = saved(tmp, "llama4", lambda: tiny_llama(0, layers=4))
     return LlamaForCausalLM.from_pretrained(directory, distributed_config=DistributedConfig(pp_size=2))
 
 
@@ -35,7 +36,7 @@ def _transformers_ep(tmp: str) -> torch.nn.Module:
     from transformers import Qwen3MoeForCausalLM
     from transformers.distributed import DistributedConfig
 
-    directory = _saved(tmp, "qwen3-moe", lambda: family_model("qwen3-moe", 0))
+    directory = saved(tmp, "qwen3-moe", lambda: family_model("qwen3-moe", 0))
     return Qwen3MoeForCausalLM.from_pretrained(directory,
                                                distributed_config=DistributedConfig(fsdp_size=2, ep_size=2))
 

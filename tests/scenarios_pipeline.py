@@ -11,16 +11,9 @@ import torch
 import torch.distributed as dist
 
 import wrapkit
+from tests.scenarios_foreign import saved
 from wrapkit.cli._families import family_model
 from wrapkit.cli._models import tiny_llama
-
-
-def _saved(tmp: str, name: str, build: Callable[[], torch.nn.Module]) -> str:
-    directory = os.path.join(tmp, name)
-    if dist.get_rank() == 0 and not os.path.isdir(directory):
-        build().save_pretrained(directory)
-    dist.barrier()
-    return directory
 
 
 def _model(name: str, seed: int) -> torch.nn.Module:
@@ -60,8 +53,8 @@ def pipeline_ops(tmp: str, name: str, dtype: str = "float32") -> dict[str, Any]:
     from transformers.distributed import DistributedConfig
 
     torch_dtype = getattr(torch, dtype)
-    directory = _saved(tmp, name, lambda: _model(name, 0))
-    other = _saved(tmp, f"{name}-other", lambda: _model(name, 1))
+    directory = saved(tmp, name, lambda: _model(name, 0))
+    other = saved(tmp, f"{name}-other", lambda: _model(name, 1))
 
     def whole(path: str) -> Any:
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
@@ -91,9 +84,9 @@ def pipeline_ops(tmp: str, name: str, dtype: str = "float32") -> dict[str, Any]:
                                          dict(ref.named_full_parameters()))
     out["stream"] = {layout: _same(_streamed(wm, layout), _streamed(ref, layout)) for layout in ("hub", "runtime")}
 
-    saved = os.path.join(tmp, f"{name}-saved-{dtype}")
-    wm.save_pretrained(saved)
-    out["save_pretrained"] = _same(whole(saved).state_dict(), ref.unwrap().state_dict())
+    written = os.path.join(tmp, f"{name}-saved-{dtype}")
+    wm.save_pretrained(written)
+    out["save_pretrained"] = _same(whole(written).state_dict(), ref.unwrap().state_dict())
 
     tokens = torch.tensor([[1, 5, 9, 3]])
     with torch.no_grad():
@@ -265,7 +258,7 @@ def pipeline_peft(tmp: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
-    directory = _saved(tmp, "llama4", lambda: _model("llama4", 0))
+    directory = saved(tmp, "llama4", lambda: _model("llama4", 0))
     config = LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     torch.manual_seed(3)  # the same random adapters on every rank
     whole = get_peft_model(AutoModelForCausalLM.from_pretrained(directory), config)

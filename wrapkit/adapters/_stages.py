@@ -12,6 +12,7 @@ loading its own layers from a checkpoint) is the inner part's, unchanged.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -120,7 +121,6 @@ class StagePlan:
 
     def __init__(self, stage: Stage, held: list[_Held]) -> None:
         self.stage = stage
-        self.held = held
         parent: dict[str, str] = {}
 
         def find(name: str) -> str:
@@ -180,22 +180,23 @@ class StagePlan:
                 seen.add(t)
                 yield t, self.owner[t]
 
-    def mine(self) -> set[str]:
-        """The names of the tensors this stage owns (all their names, tied ones included)."""
-        return {n for t, s in self.tensors() if s == self.stage.number for n in self.names_of[t]}
+
+def _plan_of(model: Adapter) -> StagePlan | None:
+    """The plan of ``model``'s stages, or None where it is no pipeline stage."""
+    weights = model.weights
+    return weights.plan if isinstance(weights, StageWeights) else None
 
 
 def layout_of(model: Adapter) -> HubLayout | None:
     """The Hub layout of ``model`` (``HubLayout.of`` its innermost model), with the whole model's tie map
     where it is a pipeline stage: transformers keeps that map on the last stage only."""
-    weights = model.weights
-    ties = weights.plan.tied_keys if isinstance(weights, StageWeights) else None
-    return HubLayout.of(model.unwrap(keep_peft=False), ties)
+    plan = _plan_of(model)
+    return HubLayout.of(model.unwrap(keep_peft=False), plan.tied_keys if plan is not None else None)
 
 
 def stage_parts(model: Adapter, parts: Parts, plan: StagePlan) -> Parts:
-    """``parts`` of a stage's own layers, with the whole model's names, counts and exports. No likeness yet:
-    a copy of a stage must run the pipeline's forward of its own."""
+    """``parts`` of a stage's own layers, with the whole model's names, counts and exports. The inner likeness
+    is dropped: a copy of a stage is split the way its producer splits one, which the adapter says."""
     weights = StageWeights(parts.weights, plan, model)
     return parts.replace(weights=weights, gatherer=StageGatherer(parts.gatherer, weights, plan, model),
                          likeness=None)
@@ -214,13 +215,13 @@ class StageWeights:
     def count(self, trainable_only: bool) -> int:
         plan = self.plan
         if not trainable_only:
-            return sum(_numel(plan.shapes[t]) for t, _ in plan.tensors())
+            return sum(math.prod(plan.shapes[t]) for t, _ in plan.tensors())
         # Which parameters train can change at any time on any stage: each stage counts its own, so every
         # stage must ask (entered first: a rank asking alone gets an error, not a hang).
         enter(Call.of("num_parameters", trainable_only=True), self.model)
         trains = {canonical_name(n): p.requires_grad
                   for n, p in self.model.unwrap().named_parameters(remove_duplicate=False)}
-        own = sum(_numel(plan.shapes[t]) for t, s in plan.tensors()
+        own = sum(math.prod(plan.shapes[t]) for t, s in plan.tensors()
                   if s == plan.stage.number and any(trains.get(n, False) for n in plan.names_of[t]))
         total = torch.tensor([own], dtype=torch.int64)
         dist.all_reduce(total, group=plan.stage.group)
@@ -310,11 +311,11 @@ class StageGatherer:
 def stage_buffers(model: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
     """Every persistent buffer of the whole model (``model.named_live(parameters=False)`` where it is not a
     pipeline stage). Collective on a stage: each buffer comes from the first stage that holds it."""
-    weights = model.weights
-    if not isinstance(weights, StageWeights):
+    plan = _plan_of(model)
+    if plan is None:
         yield from model.named_live(parameters=False)
         return
-    plan, me = weights.plan, weights.plan.stage.number
+    me = plan.stage.number
     local = dict(model.named_live(parameters=False))
     dtypes = _exchange(plan, {n: _dtype_name(local[n]) for n, s in plan.buffer_owner.items() if s == me})
     for name, s in plan.buffer_owner.items():
@@ -327,7 +328,7 @@ def refuse_stage_adapters(model: Adapter, op: str) -> None:
     """Refuse ``op`` (a merge or a save of PEFT adapters) on a pipeline stage: it reads the adapters' layers off the
     local PEFT model, which lacks the other stages', so the result would be silently partial. Known alike on
     every rank (the model's structure)."""
-    if isinstance(model.weights, StageWeights) and model.merge_root() is not None:
+    if _plan_of(model) is not None and model.merge_root() is not None:
         raise UnsupportedModelError(
             f"{op} reads the LoRA layers of the PEFT model on this rank, and a pipeline stage holds only its own "
             "layers': the other stages' adapters would be left out. Export without merging (full_state_dict(), "
@@ -336,17 +337,15 @@ def refuse_stage_adapters(model: Adapter, op: str) -> None:
 
 def state_keys(model: Adapter) -> list[str]:
     """The keys of the whole model's state dict, in its order; nothing gathered."""
-    weights = model.weights
-    if isinstance(weights, StageWeights):
-        return list(weights.plan.keys)
-    return [name for name, _ in model.named_live()]
+    plan = _plan_of(model)
+    return list(plan.keys) if plan is not None else [name for name, _ in model.named_live()]
 
 
 def buffer_shapes(model: Adapter) -> dict[str, Shape]:
     """Name -> shape of every persistent buffer of the whole model; nothing gathered."""
-    weights = model.weights
-    if isinstance(weights, StageWeights):
-        return dict(weights.plan.buffer_shapes)
+    plan = _plan_of(model)
+    if plan is not None:
+        return dict(plan.buffer_shapes)
     return {name: tuple(b.shape) for name, b in model.named_live(parameters=False)}
 
 
@@ -388,9 +387,3 @@ def _take(local: Iterator[tuple[str, torch.Tensor]], names: list[str],
     raise UnsupportedModelError(f"a pipeline stage's export lacks {names[0]}, which it held when the model was "
                                 "adapted; adapt() the model again after changing its layers")
 
-
-def _numel(shape: Shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
