@@ -92,15 +92,29 @@ def pipeline_ops(tmp: str, name: str, dtype: str = "float32") -> dict[str, Any]:
     with torch.no_grad():
         logits = pp(input_ids=tokens).logits
     out["forward"] = (logits - ref.module(input_ids=tokens).logits).abs().max().item()
-    with wm.generation() as m:
-        greedy = m.generate(tokens, max_new_tokens=4, do_sample=False)
-    out["greedy"] = torch.equal(greedy, ref.module.generate(tokens, max_new_tokens=4, do_sample=False))
-    torch.manual_seed(100 + dist.get_rank())  # each rank its own generator: the stages must still agree
-    with wm.generation(gather="auto") as m:
-        out["sampled"] = m.generate(tokens, max_new_tokens=4, do_sample=True, top_k=0).tolist()
+    want = ref.module.generate(tokens, max_new_tokens=4, do_sample=False)
+    out["greedy"], out["sampled"] = {}, {}
+    # "layerwise": the pipeline's own forward, every stage stepping; "full": the whole model built on every rank.
+    for gather in ("layerwise", "full"):
+        with wm.generation(gather=gather) as m:
+            out["greedy"][gather] = (m is pp, torch.equal(m.generate(tokens, max_new_tokens=4, do_sample=False), want))
+        torch.manual_seed(100 + dist.get_rank())  # each rank its own generator: the stages must still agree
+        with wm.generation(gather=gather) as m:
+            out["sampled"][gather] = m.generate(tokens, max_new_tokens=4, do_sample=True, top_k=0).tolist()
 
-    out["gathered"] = _refused(lambda: wm.gathered().__enter__())
-    out["generation_full"] = _refused(lambda: wm.generation(gather="full").__enter__())
+    with wm.gathered() as m:
+        with torch.no_grad():
+            gathered_logits = m(input_ids=tokens).logits
+        out["gathered"] = (m is pp, _same(m.state_dict(), ref.unwrap().state_dict()),
+                           (gathered_logits - ref.module(input_ids=tokens).logits).abs().max().item())
+    # A change made on rank 0 (stage 0) to the last stage's norm reaches the stage holding it.
+    with wm.gathered(modifier_rank=0) as m, torch.no_grad():
+        if dist.get_rank() == 0:
+            dict(m.named_parameters())["model.norm.weight"].add_(1.0)
+    changed_norm = ref.full_state_dict(rank0_only=False)
+    changed_norm["model.norm.weight"] = changed_norm["model.norm.weight"] + 1.0
+    out["modified"] = _same(wm.full_state_dict(rank0_only=False), changed_norm)
+    ref.copy_to(wm)
     reference = wrapkit.prepare_reference(wm)
     with torch.no_grad():
         ref_logits = reference(input_ids=tokens).logits
@@ -182,16 +196,34 @@ def _cut(model: TitanLike, stage: int) -> TitanLike:
     return model
 
 
-def torch_pipeline_ops(tmp: str) -> dict[str, Any]:
+def torch_pipeline_ops(tmp: str, wrap: str = "none") -> dict[str, Any]:
     """Every operation on a ``PipelineStage`` (one per rank), and one training step of a GPipe schedule against the
-    same step on the whole model."""
+    same step on the whole model. ``wrap``: "none" (two ranks, one per stage), or "fsdp2" / "ddp" (four ranks,
+    torchtitan's (pp, dp) mesh: each stage sharded or replicated over its two dp ranks, which take their own
+    batches)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.nn.parallel import DistributedDataParallel
 
-    rank = dist.get_rank()
+    rank, dp, dp_rank, pp_group = dist.get_rank(), 1, 0, None
+    module = inner = _cut(_titan(0), rank if wrap == "none" else rank // 2)
+    if wrap != "none":
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp"))
+        inner = module = _cut(_titan(0), mesh.get_local_rank("pp"))
+        dp, dp_rank, pp_group = mesh.size(1), mesh.get_local_rank("dp"), mesh.get_group("pp")
+        if wrap == "fsdp2":
+            for block in module.layers.values():
+                fully_shard(block, mesh=mesh["dp"])
+            fully_shard(module, mesh=mesh["dp"])
+        else:
+            module = DistributedDataParallel(module, process_group=mesh.get_group("dp"))
+    s = dist.get_rank(pp_group)
     whole = wrapkit.adapt(_titan(0))
-    stage = PipelineStage(_cut(_titan(0), rank), stage_index=rank, num_stages=2, device=torch.device("cpu"))
+    stage = PipelineStage(module, stage_index=s, num_stages=2, device=torch.device("cpu"), group=pp_group)
     wm = wrapkit.adapt(stage)
-    out: dict[str, Any] = {"backend": wm.backend, "module": wm.unwrap() is stage.submod,
+    out: dict[str, Any] = {"backend": wm.backend, "stack": wm.stack, "module": wm.unwrap() is inner,
+                           "batches": (wm.data_parallel_rank, wm.data_parallel_size), "stage": s,
                            "count": (wm.num_parameters(), whole.num_parameters()),
                            "full_state_dict": _whole_same(wm, whole),
                            "named_full_parameters": _same(dict((n, t.clone()) for n, t in wm.named_full_parameters()),
@@ -207,38 +239,67 @@ def torch_pipeline_ops(tmp: str) -> dict[str, Any]:
     target = wrapkit.adapt(_titan(2))
     wm.copy_to(target)
     out["copy_to"] = _whole_same(target, whole)
-    reference = wrapkit.prepare_reference(wm)
+    directory = os.path.join(tmp, f"titan-{wrap}")
+    wm.save_pretrained(directory)
+    reloaded = wrapkit.adapt(_titan(3))
+    reloaded.load(directory)
+    out["save_pretrained"] = _whole_same(reloaded, whole)
+    if wrap != "none":  # an operation is agreed over every rank of every stage, not only within a stage
+        size = "1MB" if rank == 3 else "2MB"
+        try:
+            wm.save_pretrained(os.path.join(tmp, "mismatch"), max_shard_size=size)
+            out["mismatch"] = "not refused"
+        except wrapkit.DistributedStateError as exc:
+            out["mismatch"] = str(exc)
+    out["describe"] = wm.describe()
+    out["gathered"] = _refused(lambda: wm.gathered().__enter__())  # no config: the whole model cannot be built
+    if wrap == "fsdp2":  # a sharded stage is not copied: the reference comes cut and sharded as the policy is
+        out["copy_refused"] = _refused(lambda: wrapkit.prepare_reference(wm))
+        ref_module = _cut(_titan(0), s)
+        for block in ref_module.layers.values():
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(ref_module, mesh=mesh["dp"])
+        ref_stage = PipelineStage(ref_module, stage_index=s, num_stages=2, device=torch.device("cpu"), group=pp_group)
+        reference = wrapkit.prepare_reference(wm, ref_stage)
+    else:
+        reference = wrapkit.prepare_reference(wm)
     out["reference"] = (reference.backend, any(p.requires_grad for p in reference.unwrap().parameters()),
                         _whole_same(reference, wm))
 
-    # One step: the schedule on the stages, the same batch and optimizer on the whole model.
-    tokens = torch.arange(16).reshape(4, 4) % 32
+    # One step: the schedule on the stages, each dp rank with its own batch; the same batches and optimizer on
+    # the whole model.
+    tokens = torch.arange(16 * dp).reshape(4 * dp, 4) % 32
     targets = (tokens + 1) % 32
+    mine_in, mine_out = tokens.chunk(dp)[dp_rank], targets.chunk(dp)[dp_rank]
 
     def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.cross_entropy(logits.reshape(-1, 32), target.reshape(-1))
 
     schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=loss_fn)
     losses: list[torch.Tensor] = []
-    if rank == 0:
-        schedule.step(tokens)
+    if s == 0:
+        schedule.step(mine_in)
     else:
-        schedule.step(target=targets, losses=losses)
-    optimizer = torch.optim.SGD(stage.submod.parameters(), lr=0.1)
+        schedule.step(target=mine_out, losses=losses)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     optimizer.step()
     plain = whole.module
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
-    halves = [loss_fn(plain(t), y) / 2 for t, y in zip(tokens.chunk(2), targets.chunk(2), strict=True)]
-    sum(halves).backward()  # type: ignore[union-attr]
+    # Each dp rank's loss is the mean of its two microbatches'; the gradients are averaged over the dp ranks.
+    quarters = [loss_fn(plain(t), y) / (2 * dp) for t, y in zip(tokens.chunk(2 * dp), targets.chunk(2 * dp),
+                                                               strict=True)]
+    sum(quarters).backward()  # type: ignore[union-attr]
     plain_opt.step()
     mine, want = wm.full_state_dict(rank0_only=False), whole.full_state_dict(rank0_only=False)
     out["trained"] = (list(mine) == list(want), max((mine[k] - want[k]).abs().max().item() for k in want))
-    out["loss"] = (sum(x.item() for x in losses) / 2 - sum(h.item() for h in halves)) if losses else None
+    out["loss"] = (sum(x.item() for x in losses) / 2 - 2 * dp * sum(q.item() for q in quarters[2 * dp_rank:][:2])
+                   / 2) if losses else None
     return out
 
 
 def torch_pipeline_refusals() -> dict[str, str]:
-    """Stages this adapter cannot read: a ModuleList that lost layers (renumbered), several stages per rank."""
+    """Stages this adapter cannot read: a ModuleList that lost layers (renumbered), several stages per rank, a stage
+    inside a wrapper other than FSDP2 or DDP."""
     from torch.distributed.pipelining import PipelineStage
 
     rank = dist.get_rank()
@@ -248,6 +309,9 @@ def torch_pipeline_refusals() -> dict[str, str]:
     out["renumbered"] = _refused(lambda: wrapkit.adapt(PipelineStage(cut, rank, 2, torch.device("cpu"))))
     virtual = PipelineStage(_cut(_titan(0), 0), stage_index=2 * rank, num_stages=4, device=torch.device("cpu"))
     out["virtual"] = _refused(lambda: wrapkit.adapt(virtual))
+    # A stage inside a wrapper whose copies wrapkit cannot place along the stages.
+    wrapped = torch.nn.DataParallel(_cut(_titan(0), rank))
+    out["dataparallel"] = _refused(lambda: wrapkit.adapt(PipelineStage(wrapped, rank, 2, torch.device("cpu"))))
     return out
 
 

@@ -33,9 +33,11 @@ def test_every_operation_on_transformers_pipeline_stages(group: Any, tmp_path_fa
         loaded, differ = r["load"]
         assert differ == [] and not loaded.missing_keys and not loaded.unexpected_keys, (rank, loaded, differ)
         assert r["sleep"] == (True, []), (rank, r["sleep"])
-        assert r["forward"] == 0.0 and r["greedy"], (rank, r["forward"], r["greedy"])
-        for op in ("gathered", "generation_full"):
-            assert "each rank of this pipeline holds only its own stage's layers" in r[op], (op, r[op])
+        # Generation runs the stages' own forward (layerwise) or the whole model built on every rank (full).
+        assert r["forward"] == 0.0 and r["greedy"] == {"layerwise": (True, True), "full": (False, True)}, \
+            (rank, r["forward"], r["greedy"])
+        # gathered(): the whole model, exact, as a module of its own; a change on one rank reaches every stage.
+        assert r["gathered"] == (False, [], 0.0) and r["modified"] == [], (rank, r["gathered"], r["modified"])
         # A frozen copy split into the same stages, its own storage, running the same pipeline forward.
         assert r["reference"] == ("pipeline", False, [], 0.0, False), (rank, r["reference"])
     # Each stage holds its own layers only: stage 0 the embedding, the last stage the norm and head.
@@ -43,32 +45,50 @@ def test_every_operation_on_transformers_pipeline_stages(group: Any, tmp_path_fa
     assert "model.embed_tokens.weight" in held[0] and "model.norm.weight" not in held[0], sorted(held[0])
     assert "model.norm.weight" in held[1] and not any(n.startswith("model.layers.0.") for n in held[1])
     # Sampling draws the first stage's random numbers on every stage, whatever each rank's generator held.
-    assert results[0]["sampled"] == results[1]["sampled"]
+    for gather in ("layerwise", "full"):
+        assert results[0]["sampled"][gather] == results[1]["sampled"][gather], gather
 
 
 
-def test_every_operation_on_torch_pipelining_stages(group: Any, tmp_path: Any) -> None:
-    """A model cut as torchtitan cuts one, each rank's part in a ``PipelineStage``: exports, loads and copies
-    exact, and after one GPipe step the stages hold what one step of the whole model gives."""
-    results = group.run("tests.scenarios_pipeline:torch_pipeline_ops", str(tmp_path), timeout=180)
+@pytest.mark.parametrize("wrap", ["none", "fsdp2", "ddp"])
+def test_every_operation_on_torch_pipelining_stages(request: Any, tmp_path: Any, wrap: str) -> None:
+    """A model cut as torchtitan cuts one, each rank's part in a ``PipelineStage``, alone (two ranks) or on a
+    (pp, dp) mesh of four with each stage sharded by FSDP2 or replicated by DDP: exports, loads and copies exact,
+    and after one GPipe step the stages hold what one step of the whole model gives on the same batches."""
+    group = request.getfixturevalue("group" if wrap == "none" else "group4")
+    results = group.run("tests.scenarios_pipeline:torch_pipeline_ops", str(tmp_path), wrap, timeout=180)
     for rank, r in enumerate(results):
-        assert r["backend"] == "pipeline" and r["module"], (rank, r["backend"])
-        assert r["count"][0] == r["count"][1], r["count"]
-        for op in ("full_state_dict", "named_full_parameters", "stream", "copy_to"):
+        if wrap == "none":
+            assert r["backend"] == "pipeline" and r["batches"] == (0, 1), (rank, r["backend"], r["batches"])
+        else:
+            # The backend within each stage; the stages share its batches (dp rank, of 2).
+            assert r["backend"] == wrap and r["stack"][:2] == ("pipeline", wrap), (rank, r["stack"])
+            assert r["batches"] == (rank % 2, 2) and r["stage"] == rank // 2, (rank, r["batches"], r["stage"])
+            assert "different wrapkit operations, or the same one with different arguments" in r["mismatch"], \
+                (rank, r["mismatch"])
+        assert f"pipeline:     stage {r['stage']} of 2" in r["describe"], r["describe"]
+        assert "TitanLike has no config to build the whole model from" in r["gathered"], r["gathered"]
+        assert r["module"] and r["count"][0] == r["count"][1], (rank, r["count"])
+        for op in ("full_state_dict", "named_full_parameters", "stream", "copy_to", "save_pretrained"):
             assert r[op] == [], (rank, op, r[op][:3])
         for op in ("load_full_state_dict", "load"):
             result, differ = r[op]
             assert differ == [] and not result.missing_keys and not result.unexpected_keys, (rank, op, r[op])
-        assert r["reference"] == ("pipeline", False, []), r["reference"]
+        # A frozen copy over the same stages: DDP's is the stage's module alone; a sharded stage's is passed in.
+        assert r["reference"] == (wrap if wrap == "fsdp2" else "pipeline", False, []), r["reference"]
+        if wrap == "fsdp2":
+            assert "pass its PipelineStage as ref_model" in r["copy_refused"], r["copy_refused"]
         same_keys, diff = r["trained"]
         assert same_keys and diff < 1e-5, (rank, r["trained"])
-    assert abs(results[1]["loss"]) < 1e-5, results[1]["loss"]
+    for r in results[-2 if wrap != "none" else -1:]:  # the last stage's ranks compute the loss
+        assert abs(r["loss"]) < 1e-5, r["loss"]
 
 
 def test_stages_it_cannot_read_are_refused(group: Any) -> None:
     for r in group.run("tests.scenarios_pipeline:torch_pipeline_refusals", timeout=120):
         assert "renumbers the rest" in r["renumbered"], r["renumbered"]
         assert "several stages per rank" in r["virtual"], r["virtual"]
+        assert "reads stages beside fsdp2 or ddp only" in r["dataparallel"], r["dataparallel"]
 
 
 def test_lora_on_pipeline_stages_exports_and_refuses_a_partial_merge(group: Any, tmp_path: Any) -> None:

@@ -32,7 +32,7 @@ __all__ = [
 class Ranks(Protocol):
     """What an agreement needs of a model, and all it reads: whether it votes at all (a model that is not
     distributed never does, even inside a distributed job), its group and this rank's place in it, and
-    the groups across its replicas (HSDP). Every backend's adapter is one."""
+    the groups around it (HSDP's replicas, pipeline stages beside another backend). Every backend's adapter is one."""
 
     @property
     def distributed(self) -> bool: ...
@@ -45,7 +45,7 @@ class Ranks(Protocol):
 
     def process_group(self) -> Any: ...
 
-    def replica_groups(self) -> list[Any]: ...
+    def outer_groups(self) -> list[Any]: ...
 
 
 def is_distributed(world_size: int | None, group: Any = None) -> bool:
@@ -283,13 +283,13 @@ def agree_over_models(flags: list[bool], *wms: Ranks) -> list[bool]:
 
 def _replicas_of(*wms: Ranks) -> list[Any]:
     """The replica groups (HSDP) of the model whose group ``models_group`` chose."""
-    return next((wm.replica_groups() for wm in wms if wm.distributed), [])
+    return next((wm.outer_groups() for wm in wms if wm.distributed), [])
 
 
 def first_replica(wm: Ranks) -> bool:
     """Whether this rank belongs to the first copy of a model replicated across groups (HSDP):
     the copy whose rank 0 writes files for all of them. True without replicas."""
-    return all(dist.get_rank(group) == 0 for group in wm.replica_groups())
+    return all(dist.get_rank(group) == 0 for group in wm.outer_groups())
 
 
 def writes_files(wm: Ranks) -> bool:

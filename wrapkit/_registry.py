@@ -30,7 +30,8 @@ from ._errors import AdapterRegistrationError, UnsupportedModelError
 from ._protocol import Handle
 from .adapters import BUILTIN_ADAPTERS, CONTENT_ADAPTERS, Adapter, PlainAdapter
 from .adapters._base import Entry
-from .adapters._stages import adopt_torch_stage
+from .adapters._stages import adopt_torch_stage, recorded_stage
+from .adapters.pipeline import over_stages
 from .layers import LAYERS, Layer
 
 __all__ = ["as_adapter", "copy_target", "register_adapter", "registered_adapters"]
@@ -178,6 +179,10 @@ def as_adapter(model: Any, purpose: str = "this") -> Adapter:
             "it is not peeled by guessing. Register one with wrapkit.register_adapter(MyAdapter) "
             f"(known: {', '.join(a.name for a in registered_adapters())}), or pass the model inside it."
         )
+    if backend is not None and (recorded_stage(model) or recorded_stage(cur)) is not None:
+        # A pipeline stage inside another backend: that backend's adapter within the stage (pipeline.py).
+        backend = over_stages(backend)
+        entries.insert(0, ("pipeline", cur))
     if backend is None:
         # No wrapper: a backend that changes no class (tensor parallelism, pipeline stages) is known by what it holds.
         claimed = next((a for a in CONTENT_ADAPTERS if a.claims(cur)), None)

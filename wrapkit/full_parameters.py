@@ -23,6 +23,7 @@ from ._errors import ArgumentError, PlacementError, UnsupportedModelError
 from ._gather import bypassed, generation_modes, restore_modes, shared_rng, synced_generate
 from ._memory import BUDGET_ENV, format_bytes, memory_budget
 from ._torch_ops import torch_ops
+from .adapters._stage_whole import whole_of_stages, whole_problem
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
@@ -53,19 +54,26 @@ def _refuse_too_big(why: str | None) -> None:
 
 
 @contextlib.contextmanager
-def gathered(wm: Adapter, modifier_rank: int | None = None) -> Iterator[torch.nn.Module]:
-    """``wm.unwrap()`` holding the full parameters on every rank; see ``WrappedModel.gathered``."""
-    _refuse_stages(wm, "gathered()")
+def gathered(wm: Adapter, modifier_rank: int | None = None, own_stage: bool = False) -> Iterator[torch.nn.Module]:
+    """``wm.unwrap()`` holding the full parameters on every rank; see ``WrappedModel.gathered``. On pipeline
+    stages, the whole model built anew and filled from every stage; ``own_stage``: each stage's own layers
+    gathered within it instead (a load writing each stage's layers)."""
+    if not own_stage:
+        _refuse_stages(wm, "gathered()", modifier_rank)
     why = _over_budget(wm)
     [too_big] = check_modifier_rank("gathered", modifier_rank, wm, [why is not None])
     if too_big:
         _refuse_too_big(why)
-    with _gathered(wm, modifier_rank) as inner:
+    with _gathered(wm, modifier_rank, whole=not own_stage) as inner:
         yield inner
 
 
 @contextlib.contextmanager
-def _gathered(wm: Adapter, modifier_rank: int | None) -> Iterator[torch.nn.Module]:
+def _gathered(wm: Adapter, modifier_rank: int | None, whole: bool = True) -> Iterator[torch.nn.Module]:
+    if whole and wm.topology().stage() is not None:
+        with whole_of_stages(wm, modifier_rank) as model, torch_ops():
+            yield model
+        return
     # Modes are restored too: code inside often calls eval() to run the model and forgets train().
     modes = [(m, m.training) for m in wm.module.modules()]
     try:
@@ -85,24 +93,27 @@ def generation(wm: Adapter, gather: str = "auto") -> Iterator[torch.nn.Module]:
     """``gathered()`` (or per-unit gathering) plus eval mode, no autograd and gradient
     checkpointing off; see ``WrappedModel.generation``."""
     bad = gather not in GATHER_MODES
-    stages = wm.topology().stage() is not None
-    why = None if bad or gather == "layerwise" or stages else _over_budget(wm)
+    # Pipeline stages whose whole model cannot be built generate as they train: every stage steps.
+    unbuilt = wm.topology().stage() is not None and whole_problem(wm, None) is not None
+    why = None if bad or gather == "layerwise" or unbuilt else _over_budget(wm)
     bad_any, too_big = enter(Call.of("generation", gather=gather), wm, flags=[bad, why is not None], invalid=1)
     if bad_any:
         raise ArgumentError(f"generation(gather=...) got an unknown mode on at least one rank (this rank: "
                             f"{gather!r}); pass one of {', '.join(map(repr, GATHER_MODES))}, the same on every rank")
-    # Pipeline stages generate as they train: every stage steps, each with its own layers.
-    layerwise = stages or (wm.is_sharded and (gather == "layerwise" or (gather == "auto" and too_big)))
+    splits = wm.is_sharded or wm.topology().stage() is not None  # DDP's stages split the model too
+    layerwise = splits and (gather == "layerwise" or (gather == "auto" and (too_big or unbuilt)))
     if gather == "full":
-        _refuse_stages(wm, 'generation(gather="full")')
+        _refuse_stages(wm, 'generation(gather="full")', None)
     if gather == "full" and too_big:
         _refuse_too_big(why)
     if gather == "auto":
         _log.info("generation(gather='auto') on %s: %s", wm.backend,
-                  "layerwise (pipeline stages)" if stages else
+                  "layerwise (pipeline stages)" if unbuilt else
                   f"layerwise ({why or 'too big on another rank'})" if layerwise else "full")
     if not layerwise:
-        with _gathered(wm, None) as inner, generation_modes(wm.module):
+        # The stages share their batches, so each stage's whole model samples the same tokens.
+        with _gathered(wm, None) as inner, generation_modes(wm.module), generation_modes(inner), \
+                shared_rng(wm.topology().pp_group):
             yield inner
         return
     modes = [(m, m.training) for m in wm.module.modules()]
@@ -114,14 +125,15 @@ def generation(wm: Adapter, gather: str = "auto") -> Iterator[torch.nn.Module]:
         restore_modes(modes)
 
 
-def _refuse_stages(wm: Adapter, op: str) -> None:
-    # Known alike on every rank (the model's structure): no agreement needed before raising.
-    if wm.topology().stage() is not None:
+def _refuse_stages(wm: Adapter, op: str, modifier_rank: int | None) -> None:
+    """Refuse ``op`` on pipeline stages whose whole model cannot be built; known alike on every rank (the
+    model's structure and the call's arguments): no agreement needed before raising."""
+    why = whole_problem(wm, modifier_rank) if wm.topology().stage() is not None else None
+    if why is not None:
         raise UnsupportedModelError(
-            f"{op} would hold the whole model on every rank, and each rank of this pipeline holds only its own "
-            "stage's layers; gathering every stage onto every rank is not supported yet. Use full_state_dict(), "
-            "named_full_parameters() or stream_full_parameters() for the whole model's values, and generation() "
-            "(every stage stepping) to generate.")
+            f"{op} holds the whole model on every rank, and each rank of this pipeline holds only its own stage's "
+            f"layers: {why}. Use full_state_dict(), named_full_parameters() or stream_full_parameters() for the "
+            "whole model's values, and generation(gather='layerwise') (every stage stepping) to generate.")
 
 
 def named_full_parameters(wm: Adapter) -> Iterator[tuple[str, torch.Tensor]]:

@@ -129,7 +129,7 @@ def _share(value: Any, wm: Adapter) -> Any:
     use, group = models_group(wm)
     if not use:
         return value
-    for g in [group, *wm.replica_groups()]:
+    for g in [group, *wm.outer_groups()]:
         value = broadcast_object(value, 0, g)
     return value
 

@@ -173,7 +173,8 @@ def _write_into(root: torch.nn.Module, values: Iterable[tuple[str, torch.Tensor]
 
 def write(target: Adapter, values: Iterable[tuple[str, torch.Tensor]], alpha: float) -> None:
     """Write ``values`` (canonical name -> full tensor) into ``target``'s parameters and buffers."""
-    if not target.distributed or target.topology().stage() is not None:
+    topology = target.topology()
+    if not target.distributed or (topology.stage() is not None and not topology.pp_outside()):
         # Its parameters are full and local to this process, which may be the only one
         # calling (rank 0 loading a plain copy): no collective may be entered. A pipeline
         # stage's are too: each stage writes its own layers from the values every rank has.
@@ -181,8 +182,9 @@ def write(target: Adapter, values: Iterable[tuple[str, torch.Tensor]], alpha: fl
         target.weights.written(Written.WEIGHTS)
         return
     # modifier_rank=0: every rank writes the same values and rank 0's reach every shard,
-    # replica and optimizer master copy on exit (gathered() refreshes those itself).
-    with gathered(target, modifier_rank=0) as root:
+    # replica and optimizer master copy on exit (gathered() refreshes those itself). A stage
+    # inside another backend gathers its own layers within the stage, and writes them.
+    with gathered(target, modifier_rank=0, own_stage=True) as root:
         _write_into(root, values, alpha)
 
 

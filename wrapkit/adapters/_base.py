@@ -223,6 +223,11 @@ class Adapter:
         """The groups across the copies of a model sharded within each copy (HSDP), else empty."""
         return list(self.topology().replicas)
 
+    def outer_groups(self) -> list[Any]:
+        """The groups around the model's group that, with it, span every rank holding part of the model
+        (HSDP's replicas, pipeline stages beside another backend); an operation is agreed over all of them."""
+        return list(self.topology().outer_groups())
+
     def _check_internals(self) -> None:
         """Refuse a backend version whose private fields this adapter reads are missing (``_internals``)."""
 

@@ -17,7 +17,8 @@ from ._dtensor import local_tensor
 if TYPE_CHECKING:
     from ._base import Adapter
 
-__all__ = ["block_classes", "skeleton", "copy_buffers", "distributed_copy", "replicated_copy", "ShardedLikeness"]
+__all__ = ["block_classes", "skeleton", "copy_buffers", "distributed_copy", "replicated_copy", "ShardedLikeness",
+           "skip_init"]
 
 A = TypeVar("A", bound="Adapter")
 
@@ -60,7 +61,7 @@ def skeleton(adapter: Adapter, initialise: bool = True) -> torch.nn.Module:
             f"{why}; pass ref_model (the model loaded again from its checkpoint)."
         )
     dtype = next((p.dtype for p in inner.parameters() if p.is_floating_point()), torch.float32)
-    skip = _no_init_weights() if not initialise else None
+    skip = skip_init() if not initialise else None
     if skip is None:
         model = type(inner)(copy.deepcopy(cfg))
     else:
@@ -72,7 +73,7 @@ def skeleton(adapter: Adapter, initialise: bool = True) -> torch.nn.Module:
     return model.to(dtype)
 
 
-def _no_init_weights() -> Any:
+def skip_init() -> Any:
     """transformers' context that builds a model without initialising its weights, or None."""
     try:
         from transformers.initialization import no_init_weights

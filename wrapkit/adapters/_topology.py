@@ -45,8 +45,9 @@ class Topology(NamedTuple):
     ranks within ``group`` that split the sequence of one shared batch (context parallelism folded into
     the dimension the model is sharded over), else None. Within ``group``, tp ranks are the innermost,
     cp ranks the next. ``pp_group``: one rank per pipeline stage, in stage order, where each holds some of the
-    layers; they share one batch. A pipeline is read only as the whole of ``group`` yet (transformers'
-    ``pp_size`` alone), so it is the outermost of the ranks sharing a batch."""
+    layers; they share one batch. It is either ``group`` itself (stages alone: one copy of the model lies
+    over the stages) or outside it (stages beside FSDP2 or DDP, torchtitan's (pp, dp) mesh: ``group`` is
+    the backend's own within one stage, and the stages are one more dimension around it)."""
 
     group: Any
     replicas: tuple[Any, ...]
@@ -57,8 +58,24 @@ class Topology(NamedTuple):
     pp_group: Any = None
 
     def batch_sharing_groups(self) -> tuple[Any, ...]:
-        """The groups, innermost first, whose ranks compute on one batch together."""
-        return tuple(g for g in (self.tp_group, self.cp_group, self.pp_group) if g is not None)
+        """The groups within ``group``, innermost first, whose ranks compute on one batch together."""
+        inside = None if self.pp_outside() else self.pp_group
+        return tuple(g for g in (self.tp_group, self.cp_group, inside) if g is not None)
+
+    def within_stages(self, pp_group: Any) -> Topology:
+        """This topology as one stage's, with the pipeline's ``pp_group`` around it."""
+        return self._replace(pp_group=pp_group)
+
+    def pp_outside(self) -> bool:
+        """Whether the pipeline stages are a dimension around ``group`` (each stage sharded or replicated
+        by another backend) rather than ``group`` itself."""
+        return self.pp_group is not None and self.pp_group is not self.group
+
+    def outer_groups(self) -> tuple[Any, ...]:
+        """The groups around ``group`` that, with it, span every rank holding part of the model: the
+        replicas' (HSDP), then the pipeline's where it lies outside ``group``. An operation is agreed
+        over all of them, and one rank of all of them writes files."""
+        return (*self.replicas, self.pp_group) if self.pp_outside() else self.replicas
 
     def stage(self) -> tuple[int, int] | None:
         """(This rank's pipeline stage, how many there are); None without pipeline stages."""
@@ -81,6 +98,7 @@ class Topology(NamedTuple):
         for shared in self.batch_sharing_groups():
             n = dist.get_world_size(shared)
             size, rank = size // n, rank // n
+        # Stages outside ``group`` share its batches: neither more batches nor another index.
         for g in self.replicas:  # each copy takes its own batches: copy index outermost
             size, rank = dist.get_world_size(g) * size, dist.get_rank(g) * size + rank
         return size, rank

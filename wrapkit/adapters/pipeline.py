@@ -26,7 +26,11 @@ from ._stages import Stage, StagePlan, record, recorded_stage, stage_parts
 from ._topology import Topology
 from ._whole import whole_parts
 
-__all__ = ["PipelineAdapter"]
+__all__ = ["PipelineAdapter", "over_stages", "STAGED_BACKENDS"]
+
+# The backends a torch.distributed.pipelining stage may sit in, read as stages of theirs: each shards or
+# replicates within one stage, and the stages are a dimension around it (torchtitan's (pp, dp) meshes).
+STAGED_BACKENDS = ("fsdp2", "ddp")
 
 
 class PipelineAdapter(Adapter):
@@ -61,10 +65,96 @@ class PipelineAdapter(Adapter):
 
     def parts(self) -> Parts:
         inner = whole_parts(self)
-        buffers = [(name, tuple(b.shape)) for name, b in self.named_live(parameters=False)]
-        keys = [name for name, _ in self.named_live()]
-        plan = StagePlan.read(self._stage, inner.weights, self.unwrap(), buffers, keys)
-        return stage_parts(self, inner, plan).replace(likeness=_PipelineLikeness(self))
+        return stage_parts(self, inner, _plan(self, inner)).replace(likeness=_PipelineLikeness(self))
+
+
+_STAGED: dict[type[Adapter], type[Adapter]] = {}
+
+
+def over_stages(backend: type[Adapter]) -> type[Adapter]:
+    """``backend``'s adapter for a model that is one pipeline stage of a torch.distributed.pipelining
+    schedule: its parts within the stage, wrapped in the stage parts, and the stages a group around its own."""
+    if backend not in _STAGED:
+        _STAGED[backend] = _staged(backend)
+    return _STAGED[backend]
+
+
+def _staged(backend: type[Adapter]) -> type[Adapter]:
+    if backend.name not in STAGED_BACKENDS:
+        raise UnsupportedModelError(
+            f"this {backend.name} model is one stage of a pipeline (torch.distributed.pipelining), and wrapkit reads "
+            f"stages beside {' or '.join(STAGED_BACKENDS)} only; shard each stage with fully_shard() or wrap it in "
+            "DistributedDataParallel.")
+
+    class Staged(backend):  # type: ignore[misc, valid-type]
+        reads_marks: ClassVar[tuple[str, ...]] = (CUT_STAGE,)
+
+        @functools.cached_property
+        def _stage(self) -> Stage:
+            # Recorded on the stage's module: the model itself under FSDP2, the wrapper under DDP.
+            stage = recorded_stage(self._module) or recorded_stage(self._innermost)
+            assert stage is not None  # composed for it
+            return stage
+
+        def topology(self) -> Topology:
+            # The backend's own groups within a stage; the stages are one more dimension around them.
+            within: Topology = super().topology()
+            return within.within_stages(self._stage.group)
+
+        def parts(self) -> Parts:
+            # The model inside the wrapper is the same stage (a frozen copy of a DDP stage keeps it alone).
+            record(self._innermost, self._stage)
+            inner = super().parts()
+            plan = _plan(self, inner)
+            return stage_parts(self, inner, plan).replace(
+                likeness=_StagedLikeness(inner, self._stage, self.is_sharded))
+
+        def frozen_form(self) -> Adapter:
+            form: Adapter = super().frozen_form()
+            if form is self:
+                return self
+            # DDP's frozen copy is the stage's module alone: a pipeline of its own over the same stages.
+            return PipelineAdapter(form.module, [*form._entries, (PipelineAdapter.name, form._innermost)], None,
+                                   form._innermost)
+
+    Staged.__name__ = Staged.__qualname__ = f"Staged{backend.__name__}"
+    return Staged
+
+
+def _plan(model: Adapter, inner: Parts) -> StagePlan:
+    buffers = [(name, tuple(b.shape)) for name, b in model.named_live(parameters=False)]
+    keys = [name for name, _ in model.named_live()]
+    return StagePlan.read(model._stage, inner.weights, model.unwrap(), buffers, keys)  # type: ignore[attr-defined]
+
+
+class _StagedLikeness:
+    """Copies of a stage inside another backend. A replicated one's (DDP) is the stage's module copied, a
+    pipeline of its own over the same stages. A sharded one's would be rebuilt whole from the config, which
+    this stage was cut from by code wrapkit cannot repeat: refused, as is wrapping a module another way."""
+
+    takes_config = False
+    own_ops = False
+
+    def __init__(self, inner: Parts, stage: Stage, sharded: bool) -> None:
+        self.inner, self.stage, self.sharded = inner.likeness, stage, sharded
+
+    def start(self) -> torch.nn.Module | None:
+        return None  # a reference passed in is used as it is when cut and wrapped as the policy is
+
+    def wrap(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        raise UnsupportedModelError(_CUT_BY_HAND)
+
+    def copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        if self.sharded or self.inner is None:
+            raise UnsupportedModelError(_CUT_BY_HAND)
+        clone = self.inner.copy(ds_config)
+        record(clone, self.stage)
+        return clone
+
+
+_CUT_BY_HAND = (
+    "a torch.distributed.pipelining stage is cut by the code that built it, which wrapkit cannot repeat on another "
+    "module; cut the reference the same way, wrap it as the policy is, and pass its PipelineStage as ref_model")
 
 
 class _PipelineLikeness:
