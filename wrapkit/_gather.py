@@ -46,6 +46,10 @@ class Bypass(NamedTuple):
     # Instance flags set to False meanwhile: marks the backend leaves for other libraries, which then
     # treat the module as still sharded (transformers' generate() syncs every rank at every step on one).
     flags_off: tuple[str, ...] = ()
+    # Instance attributes given other values meanwhile (module -> {name: value}): counts a backend shrank
+    # to this rank's share, which a plain forward over the full parameters must not read (transformers'
+    # expert parallelism sets ``num_experts`` to this rank's experts).
+    attrs: Callable[[torch.nn.Module], dict[str, Any]] | None = None
 
 
 def submodules(root: torch.nn.Module) -> list[torch.nn.Module]:
@@ -100,6 +104,7 @@ def bypassed(root: torch.nn.Module, bypass: Bypass, replace: Replace | None = No
     hook_dicts: list[tuple[dict[int, Any], list[tuple[int, Any]]]] = []
     flags: list[tuple[torch.nn.Module, str]] = []
     methods: list[tuple[torch.nn.Module, str, Any]] = []
+    attrs: list[tuple[torch.nn.Module, str, Any]] = []
     try:
         todo, seen = [root], set()
         while todo:
@@ -125,6 +130,9 @@ def bypassed(root: torch.nn.Module, bypass: Bypass, replace: Replace | None = No
                 if mod.__dict__.get(flag):
                     flags.append((mod, flag))
                     mod.__dict__[flag] = False
+            for name, value in (bypass.attrs(mod) if bypass.attrs is not None else {}).items():
+                attrs.append((mod, name, mod.__dict__[name]))
+                mod.__dict__[name] = value
             for hooks in forward_hook_dicts(mod):
                 foreign = [k for k, h in hooks.items() if _defined_under(h, bypass.hook_modules)]
                 if foreign:
@@ -153,6 +161,8 @@ def bypassed(root: torch.nn.Module, bypass: Bypass, replace: Replace | None = No
             child_slots(parent)[name] = child
         for mod, flag in flags:
             mod.__dict__[flag] = True
+        for mod, name, value in reversed(attrs):
+            mod.__dict__[name] = value
 
 
 def _is_method_wrapper(mod: torch.nn.Module, name: str, value: Any, prefixes: tuple[str, ...]) -> bool:

@@ -30,6 +30,8 @@ def describe(adapter: Adapter) -> str:
         *_mesh_lines(adapter),
         *([f"pipeline:     stage {stage[0]} of {stage[1]}, holding its own layers; the stages share each batch"]
           if stage is not None else []),
+        *([f"experts:      share {experts[0]} of {experts[1]} (expert parallel), the rest sharded alike"]
+          if (experts := adapter.topology().experts()) is not None else []),
         f"sharded:      {'yes' if adapter.is_sharded else 'no'}",
         f"parameters:   {total:,} ({trainable}); "
         f"{adapter.resident_parameter_bytes() / 2**20:.2f} MiB held by this rank",

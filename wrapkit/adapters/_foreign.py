@@ -16,13 +16,18 @@ import torch
 from .._errors import UnsupportedModelError
 from .._names import canonical_name
 
-__all__ = ["Mark", "foreign_marks", "refuse_foreign", "CUT_STAGE", "RENUMBERED_STAGE", "TRANSFORMERS_STAGES"]
+__all__ = ["Mark", "foreign_marks", "refuse_foreign", "CUT_STAGE", "RENUMBERED_STAGE", "TRANSFORMERS_STAGES",
+           "TRANSFORMERS_EXPERTS", "EXPERT_MESH"]
 
 # The producers of pipeline marks that the pipeline adapter reads where it knows the stage (``_stages.py``).
 TRANSFORMERS_STAGES = "transformers' DistributedConfig(pp_size=...)"
 CUT_STAGE = "a pipeline stage built by deleting layers (torch.distributed.pipelining, torchtitan)"
 # Not read: a ModuleList that lost layers renumbers the rest from 0, so names no longer say which layer is which.
 RENUMBERED_STAGE = "a pipeline stage built by deleting layers from a ModuleList, which renumbers the rest"
+
+# The producers of expert marks that the fsdp2 adapter reads where the experts' mesh spans its own ranks.
+TRANSFORMERS_EXPERTS = "transformers' DistributedConfig(ep_size=...)"
+EXPERT_MESH = "a device mesh with an 'ep' dimension (experts over their own ranks)"
 
 # Mesh dimensions that split a model in a way no adapter reads: stages, and experts over their own ranks.
 _FOREIGN_DIMS = {"pp": "pipeline stages", "ep": "experts"}
@@ -34,7 +39,9 @@ _ENDS = {"tok_embeddings", "embed_tokens", "norm", "output", "lm_head", "final_l
 _FIXES = {
     "pipeline": "load the model with transformers' DistributedConfig(pp_size=...) alone (wrapkit reads its "
                 "stages), or without pipeline stages (FSDP2 or tensor parallelism shard it in a way wrapkit reads)",
-    "experts": "shard the experts with FSDP2 or ZeRO-3 instead of expert parallelism until it is supported",
+    "experts": "split the experts with transformers' DistributedConfig(fsdp_size=..., ep_size=...) or an 'ep' mesh "
+               "dimension over the ranks fully_shard shards the rest over (wrapkit reads those), or shard them with "
+               "FSDP2 or ZeRO-3",
     "megatron": "export it with Megatron-Core's own tools (dist_checkpointing, Megatron-Bridge) until wrapkit "
                 "has a Megatron-Core adapter",
 }
@@ -61,7 +68,7 @@ def foreign_marks(model: torch.nn.Module) -> list[Mark]:
                               TRANSFORMERS_STAGES, "pipeline"))
         if getattr(module, "_is_expert_parallel", False) is True:
             marks.append(Mark(at, f"{getattr(module, 'num_experts', '?')} experts of this rank's only "
-                              "(_is_expert_parallel)", "transformers' DistributedConfig(ep_size=...)", "experts"))
+                              "(_is_expert_parallel)", TRANSFORMERS_EXPERTS, "experts"))
         pre, post = getattr(module, "pre_process", None), getattr(module, "post_process", None)
         if cls.__module__.startswith("megatron.") and (pre is False or post is False):
             lacks = " or ".join(what for what, flag in (("the embedding", pre), ("the final norm and head", post))
@@ -109,8 +116,10 @@ def _parameter_mark(where: str, p: torch.Tensor) -> Mark | None:
     names = getattr(getattr(p, "device_mesh", None), "mesh_dim_names", None) or ()
     foreign = [n for n in names if n in _FOREIGN_DIMS]
     if foreign:
+        pipeline = foreign[0] == "pp"
         return Mark(where, f"a DTensor on a mesh dimension named {foreign[0]!r} ({_FOREIGN_DIMS[foreign[0]]})",
-                    "a device mesh with that dimension", "pipeline" if foreign[0] == "pp" else "experts")
+                    "a device mesh with that dimension" if pipeline else EXPERT_MESH,
+                    "pipeline" if pipeline else "experts")
     return None
 
 

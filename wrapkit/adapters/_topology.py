@@ -47,7 +47,9 @@ class Topology(NamedTuple):
     cp ranks the next. ``pp_group``: one rank per pipeline stage, in stage order, where each holds some of the
     layers; they share one batch. It is either ``group`` itself (stages alone: one copy of the model lies
     over the stages) or outside it (stages beside FSDP2 or DDP, torchtitan's (pp, dp) mesh: ``group`` is
-    the backend's own within one stage, and the stages are one more dimension around it)."""
+    the backend's own within one stage, and the stages are one more dimension around it). ``ep_group``: the
+    ranks across which the experts of a mixture are split, each holding its own (expert parallelism within
+    ``group``'s ranks), else None."""
 
     group: Any
     replicas: tuple[Any, ...]
@@ -56,11 +58,23 @@ class Topology(NamedTuple):
     tp_group: Any = None
     cp_group: Any = None
     pp_group: Any = None
+    ep_group: Any = None
 
     def batch_sharing_groups(self) -> tuple[Any, ...]:
         """The groups within ``group``, innermost first, whose ranks compute on one batch together."""
         inside = None if self.pp_outside() else self.pp_group
         return tuple(g for g in (self.tp_group, self.cp_group, inside) if g is not None)
+
+    def with_experts(self, ep_group: Any) -> Topology:
+        """This topology with the experts split over ``ep_group`` (each rank holding its own, within the same
+        ranks as the rest)."""
+        return self._replace(ep_group=ep_group)
+
+    def experts(self) -> tuple[int, int] | None:
+        """(This rank's share of the experts, how many shares there are); None without expert parallelism."""
+        if self.ep_group is None:
+            return None
+        return dist.get_rank(self.ep_group), dist.get_world_size(self.ep_group)
 
     def within_stages(self, pp_group: Any) -> Topology:
         """This topology as one stage's, with the pipeline's ``pp_group`` around it."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed as dist
@@ -25,9 +25,11 @@ from ._dtensor import (
     is_dtensor,
     mesh_device,
     mesh_key,
+    readable,
     refuse_tp_adapters,
 )
 from ._dtensor_parts import dtensor_parts
+from ._foreign import EXPERT_MESH, TRANSFORMERS_EXPERTS
 from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, FSDP_MANAGED, require_internals
 from ._kinds import ShardedAdapter
 from ._likeness import ShardedLikeness, block_classes, copy_buffers, distributed_copy, skeleton
@@ -59,6 +61,9 @@ class FSDP2Adapter(ShardedAdapter):
     name = "fsdp2"
     peels = False
     distributed = True
+    # Experts split over an 'ep' mesh dimension of the same ranks (transformers' ep_size beside fsdp_size):
+    # DTensors like the rest, on a mesh of their own (``unsupported_dtensor`` checks it spans these ranks).
+    reads_marks: ClassVar[tuple[str, ...]] = (TRANSFORMERS_EXPERTS, EXPERT_MESH)
     recipe = Recipe(("fsdp2",), _build, order=4, topologies=frozenset({"hsdp", "submesh", "tp", "hsdp-tp"}))
 
     @classmethod
@@ -100,10 +105,18 @@ class FSDP2Adapter(ShardedAdapter):
         own = self._own_mesh()
         meshes = (fsdp_param.sharded_param.device_mesh for _, state in self._fsdp_states()
                   for group in getattr(state, "_fsdp_param_groups", ()) for fsdp_param in group.fsdp_params)
-        return next((m for m in meshes if own is not None and m.ndim > own.ndim), None)
+        return next((m for m in meshes if own is not None and m.ndim > own.ndim and not _experts_mesh(m)), None)
 
     def topology(self) -> Topology:
-        return self._topology
+        ep = self._ep_mesh
+        return self._topology if ep is None else self._topology.with_experts(ep.get_group("ep"))
+
+    @functools.cached_property
+    def _ep_mesh(self) -> Any:
+        """The mesh of the experts split over their own ranks ('ep' dimension), else None; kept from adapt()."""
+        meshes = (fsdp_param.sharded_param.device_mesh for _, state in self._fsdp_states()
+                  for group in getattr(state, "_fsdp_param_groups", ()) for fsdp_param in group.fsdp_params)
+        return next((m for m in meshes if _experts_mesh(m)), None)
 
     @functools.cached_property
     def _topology(self) -> Topology:
@@ -166,6 +179,13 @@ class FSDP2Adapter(ShardedAdapter):
             # After a forward that no backward followed, FSDP2 leaves the root's parameters unsharded:
             # those tensor parallelism split then lie on its dimension alone.
             meshes.append(mesh_key(tp_mesh[tuple(names[mesh.ndim:])]))
+        if _experts_mesh(p.device_mesh) and mesh is not None:
+            # Experts over their own ranks: read as any DTensor where the ranks are those of the rest (fully_shard's,
+            # and tensor parallelism's beside it).
+            if _ranks(p.device_mesh) != _ranks(tp_mesh if tp_mesh is not None else mesh):
+                return ("the experts lie on an 'ep' mesh over other ranks than fully_shard's mesh, a layout the "
+                        "fsdp2 adapter cannot read")
+            return None if readable(p) else "the experts' placements are a layout the fsdp2 adapter cannot read"
         if mesh_key(p.device_mesh) not in meshes:
             return (f"fully_shard was given a {getattr(mesh, 'ndim', 0)}-D mesh, and this parameter lies on "
                     "another one, a layout the fsdp2 adapter cannot read")
@@ -221,7 +241,10 @@ class FSDP2Adapter(ShardedAdapter):
         # redistribution of inputs and outputs in torch's hooks or transformers' replaced forwards.
         def bypass() -> Bypass:
             tp = TP_HOOKS if self._tp_mesh is not None else ()
-            return Bypass(("torch.distributed.fsdp.", *tp), flags_off=FSDP_MANAGED)
+            # transformers' expert parallelism replaces the experts' forward with a dispatch to their ranks,
+            # and sets their count to this rank's; the full experts run the class's forward over all of them.
+            ep = (EP_FORWARDS,) if any(_expert_parallel(m) for m in self.module.modules()) else ()
+            return Bypass(("torch.distributed.fsdp.", *tp, *ep), flags_off=FSDP_MANAGED, attrs=_whole_experts)
 
         def cast_hooks() -> list[Any]:
             return [h for m, state in self._fsdp_states() for h in _cast_hooks(m, state)]
@@ -237,6 +260,30 @@ class FSDP2Adapter(ShardedAdapter):
         Every read and write of the weights starts from the shards, where the values live."""
         for m, _ in self._fsdp_states():
             m.reshard()
+
+
+# Where transformers' expert parallelism puts the experts' replaced forward.
+EP_FORWARDS = "transformers.distributed.expert_parallel."
+
+
+def _experts_mesh(mesh: Any) -> bool:
+    return "ep" in (getattr(mesh, "mesh_dim_names", None) or ())
+
+
+def _ranks(mesh: Any) -> set[int]:
+    return set(mesh.mesh.flatten().tolist())
+
+
+def _expert_parallel(module: torch.nn.Module) -> bool:
+    return module.__dict__.get("_is_expert_parallel") is True
+
+
+def _whole_experts(module: torch.nn.Module) -> dict[str, Any]:
+    """For a module of experts split over ranks, the count of all of them (its parameters' first dimension)."""
+    if not _expert_parallel(module) or not isinstance(module.__dict__.get("num_experts"), int):
+        return {}
+    first = next(iter(module.parameters(recurse=False)), None)
+    return {} if first is None else {"num_experts": int(first.shape[0])}
 
 
 class _Fsdp2Likeness(ShardedLikeness["FSDP2Adapter"]):
@@ -258,11 +305,14 @@ class _Fsdp2Likeness(ShardedLikeness["FSDP2Adapter"]):
 
     def copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
         policy = self.model
-        if policy._tp_mesh is not None:
+        if policy._tp_mesh is not None or policy._ep_mesh is not None:
             policy._reshard()  # copied shard to shard: every parameter in its sharded layout
             copied = distributed_copy(policy)
             if copied is not None:
                 return copied
+            if policy._ep_mesh is not None:  # the experts' own mesh is not fully_shard's: no skeleton copies it
+                raise lacking(policy.name, "likeness.copy", why=", because experts split over their own ranks by "
+                              "hand keep no record of how (split the reference the same way)")
         with torch.device("meta"):
             model = skeleton(policy)
         ref = self._like(model)
