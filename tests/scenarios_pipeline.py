@@ -316,8 +316,8 @@ def torch_pipeline_refusals() -> dict[str, str]:
 
 
 def pipeline_peft(tmp: str) -> dict[str, Any]:
-    """LoRA on transformers' stages: the unmerged export is exact; a merge, which reads only this stage's LoRA
-    layers, is refused rather than left partial."""
+    """LoRA on transformers' stages: exports exact, merged or not (every stage's LoRA layers joined); a save of
+    the adapters alone, which reads this stage's only, refused."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
@@ -333,6 +333,18 @@ def pipeline_peft(tmp: str) -> dict[str, Any]:
         for name, p in pp.named_parameters():
             p.copy_(values[name])
     wm, ref = wrapkit.adapt(pp), wrapkit.adapt(whole)
-    return {"backend": wm.backend, "unmerged": _whole_same(wm, ref),
-            "merged": _refused(lambda: wm.full_state_dict(rank0_only=False, merge_adapters=True)),
-            "adapters_only": _refused(lambda: wm.save_pretrained(os.path.join(tmp, "lora"), adapters_only=True))}
+    out = {"backend": wm.backend, "unmerged": _whole_same(wm, ref),
+           "merged": _same(wm.full_state_dict(rank0_only=False, merge_adapters=True),
+                           ref.full_state_dict(rank0_only=False, merge_adapters=True)),
+           "adapters_only": _refused(lambda: wm.save_pretrained(os.path.join(tmp, "lora"), adapters_only=True))}
+
+    def streamed(model: Any) -> dict[str, torch.Tensor]:
+        return {n: t.clone() for bucket in model.stream_full_parameters(merge_adapters=True)
+                for n, t in bucket.named_tensors()}
+
+    out["streamed_merged"] = _same(streamed(wm), streamed(ref))
+    written = os.path.join(tmp, "lora-merged")
+    wm.save_pretrained(written, merge_adapters=True)
+    out["saved_merged"] = _same(AutoModelForCausalLM.from_pretrained(written).state_dict(),
+                                whole.merge_and_unload().state_dict())
+    return out

@@ -39,7 +39,7 @@ from ._memory import parse_size
 from ._safetensors import INDEX_NAME
 from .adapters._stages import layout_of, stage_buffers
 from .layers.peft import lora_fold_stream
-from .state_dict import lora_fold_plan
+from .state_dict import joined_fold_plan, lora_fold_plan
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
@@ -170,6 +170,8 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
     call = Call.of("save_pretrained", max_shard_size=size_given, merge_adapters=merge_adapters)
     directory, tmp = open_directory(wm, directory, call, problems,
                                     "Pass a directory whose parent exists and is writable, and a size such as '5GB'.")
+    if merge_adapters:
+        plan = joined_fold_plan(wm, plan, None)  # every pipeline stage's LoRA layers (refusals were agreed above)
     rank0 = writes_files(wm)
     # Writers: the first replica's ranks, when they all see the temporary directory (shared
     # storage); otherwise rank 0 alone writes every file.

@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ._agree import Call, enter, raise_agreed, writes_files
+from ._errors import UnsupportedModelError, WrapkitError
 from ._module_internals import live_entries
 from ._names import canonical_name
 from ._protocol import LoadResult
 from .adapters import Written
-from .adapters._stages import buffer_shapes, refuse_stage_adapters, stage_buffers, state_keys
+from .adapters._stages import buffer_shapes, every_stage, stage_buffers, state_keys
 from .full_parameters import gathered
 from .layers.peft import LoraFoldPlan, fold_plan, fold_state_dict
 
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from .adapters._base import Adapter
 
 __all__ = ["full_state_dict", "gather_state_dict", "load_full_state_dict", "expected_shapes", "check_entries",
-           "write", "assign", "Shape", "lora_fold_plan", "report_skipped"]
+           "write", "assign", "Shape", "lora_fold_plan", "joined_fold_plan", "report_skipped"]
 
 Shape = tuple[int, ...]
 
@@ -106,7 +107,12 @@ def gather_state_dict(wm: Adapter, rank0_only: bool, merge_adapters: bool = Fals
     """The body of ``full_state_dict``, shared with ``save`` (which enters as itself)."""
     if merge_adapters:
         # Validate before any gather: an unsupported PEFT layer must fail on every rank alike.
-        plan = lora_fold_plan(wm)
+        refused = None
+        try:
+            plan = lora_fold_plan(wm)
+        except WrapkitError as exc:
+            plan, refused = None, exc
+        plan = joined_fold_plan(wm, plan, refused)
     keep = not rank0_only or wm.rank == 0
     out: dict[str, torch.Tensor] = {}
     # Tied parameters come once per name; they stay one tensor, as in state_dict().
@@ -141,11 +147,27 @@ def gather_state_dict(wm: Adapter, rank0_only: bool, merge_adapters: bool = Fals
 
 # -- PEFT merge (the folding itself is layers/peft.py's) ------------------------------------------
 def lora_fold_plan(wm: Adapter) -> LoraFoldPlan | None:
-    """What merging ``wm``'s LoRA adapters needs (None without PEFT); ``UnsupportedModelError``,
-    raised alike on every rank, for layers that cannot be merged."""
-    refuse_stage_adapters(wm, "merge_adapters=True")
+    """What merging ``wm``'s LoRA adapters on this rank needs (None without PEFT); ``UnsupportedModelError``
+    for layers that cannot be merged, alike on every rank that holds the same layers. Nothing collective:
+    a pipeline stage's is its own layers' (``joined_fold_plan``)."""
     peft_root = wm.merge_root()
     return None if peft_root is None else fold_plan(peft_root)
+
+
+def joined_fold_plan(wm: Adapter, plan: LoraFoldPlan | None, refused: WrapkitError | None) -> LoraFoldPlan | None:
+    """After the operation's entry: ``plan`` (this rank's ``lora_fold_plan``), or ``refused`` raised. On pipeline
+    stages, which each hold their own LoRA layers, every stage's plan joined, and a refusal on any stage
+    raised on all of them (a collective over the stages)."""
+    every = every_stage(wm, (None if refused is None else str(refused), plan))
+    if every is None:
+        if refused is not None:
+            raise refused
+        return plan
+    refusals = [why for why, _ in every if why is not None]
+    if refusals:
+        raise UnsupportedModelError(refusals[0])
+    plans = [p for _, p in every if p is not None]
+    return LoraFoldPlan.join(plans) if plans else None
 
 
 # -- writing ---------------------------------------------------------------------------

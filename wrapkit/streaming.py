@@ -26,7 +26,7 @@ from ._agree import Call, enter
 from ._errors import ArgumentError, WrapkitError
 from .adapters._stages import layout_of
 from .layers.peft import LoraFoldPlan, lora_fold_stream, lora_layer_keys
-from .state_dict import lora_fold_plan
+from .state_dict import joined_fold_plan, lora_fold_plan
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
@@ -136,8 +136,8 @@ def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     if bad:
         raise ArgumentError(f"stream_full_parameters() got an argument it does not take on at least one rank "
                             f"(this rank: {problem or 'none'}); pass the same valid arguments on every rank")
-    if refused is not None:
-        raise refused
+    if merge_adapters:
+        plan = joined_fold_plan(wm, plan, refused)  # raises a refusal on every rank (and stage) alike
     assert isinstance(bucket_bytes, int)
     me = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     mine = dst_rank is None or dst_rank == me

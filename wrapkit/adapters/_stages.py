@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from ._base import Adapter
 
 __all__ = ["Stage", "StagePlan", "recorded_stage", "adopt_torch_stage", "record", "stage_parts", "stage_buffers",
-           "buffer_shapes", "state_keys", "refuse_stage_adapters", "transformers_stage", "layout_of"]
+           "buffer_shapes", "state_keys", "refuse_stage_adapters", "transformers_stage", "layout_of", "every_stage"]
 
 Shape = tuple[int, ...]
 
@@ -325,14 +325,25 @@ def stage_buffers(model: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def refuse_stage_adapters(model: Adapter, op: str) -> None:
-    """Refuse ``op`` (a merge or a save of PEFT adapters) on a pipeline stage: it reads the adapters' layers off the
-    local PEFT model, which lacks the other stages', so the result would be silently partial. Known alike on
-    every rank (the model's structure)."""
+    """Refuse ``op`` (a save of the PEFT adapters alone) on a pipeline stage: it reads the adapters off the local
+    PEFT model, which lacks the other stages', so the result would be silently partial. Known alike on every
+    rank (the model's structure)."""
     if _plan_of(model) is not None and model.merge_root() is not None:
         raise UnsupportedModelError(
             f"{op} reads the LoRA layers of the PEFT model on this rank, and a pipeline stage holds only its own "
-            "layers': the other stages' adapters would be left out. Export without merging (full_state_dict(), "
-            "save_pretrained()), or merge each stage with PEFT's merge_and_unload() before exporting.")
+            "layers': the other stages' adapters would be left out. Save the merged model "
+            "(save_pretrained(merge_adapters=True)), or every tensor of the PEFT model (full_state_dict()).")
+
+
+def every_stage(model: Adapter, mine: Any) -> list[Any] | None:
+    """Every stage's ``mine`` (a picklable value), in stage order: a collective over the pipeline group, entered
+    by every rank of a stage alike. None where ``model`` is no pipeline stage (nothing exchanged)."""
+    plan = _plan_of(model)
+    if plan is None:
+        return None
+    every: list[Any] = [None] * plan.stage.stages
+    dist.all_gather_object(every, mine, group=plan.stage.group)
+    return every
 
 
 def state_keys(model: Adapter) -> list[str]:

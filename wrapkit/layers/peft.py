@@ -12,8 +12,8 @@ import contextlib
 import enum
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, NamedTuple
 
 import torch
 
@@ -23,7 +23,8 @@ from .._module_internals import own_buffers, own_parameters
 from .._names import canonical_name
 from ._layer import Layer
 
-__all__ = ["PeftLayer", "adapters_off", "base_key_map", "merged_layers", "LoraFoldPlan", "fold_plan",
+__all__ = ["PeftLayer", "adapters_off", "base_key_map", "KeyMap", "merged_layers", "LoraFoldPlan", "LoraLayer",
+           "fold_plan",
            "fold_state_dict", "lora_layer_keys", "lora_fold_stream", "ADAPTER_WEIGHTS", "ADAPTER_CONFIG",
            "ADAPTER_PICKLE", "saved_key_map", "write_adapter_config", "config_problems"]
 
@@ -74,7 +75,7 @@ _KEPT_CHILD = (("peft.tuners.tuners_utils", "BaseTunerLayer", "base_layer"),
                ("peft.utils.other", "ModulesToSaveWrapper", "original_module"))
 
 
-def base_key_map(peft_model: torch.nn.Module) -> Callable[[str], str | None]:
+def base_key_map(peft_model: torch.nn.Module) -> KeyMap:
     """Canonical key of ``peft_model``'s state dict -> the base model's own key, or ``None``
     for an adapter's tensor (LoRA matrices, ``modules_to_save`` copies, prompt encoders).
 
@@ -89,37 +90,68 @@ def base_key_map(peft_model: torch.nn.Module) -> Callable[[str], str | None]:
             if is_instance(mod, module_name, cls_name):
                 kept[canonical_name(name)] = child
                 break
-    # Longest first: the innermost of nested injected layers is unfolded first.
-    layers = sorted(kept, key=len, reverse=True)
-    head = prefix + "." if prefix else ""
+    return KeyMap(prefix, kept)
 
-    def rename(key: str) -> str | None:
-        for layer in layers:  # each at most once, inner before outer
+
+class KeyMap:
+    """A PEFT model's key -> the base model's (a callable); plain data, so that pipeline stages can join theirs.
+    ``kept``: each injected layer -> its child holding the base model's weights."""
+
+    def __init__(self, prefix: str, kept: dict[str, str]) -> None:
+        self.prefix, self.kept = prefix, kept
+        # Longest first: the innermost of nested injected layers is unfolded first.
+        self._layers = sorted(kept, key=len, reverse=True)
+
+    def joined(self, other: KeyMap) -> KeyMap:
+        return KeyMap(self.prefix, self.kept | other.kept)
+
+    def __call__(self, key: str) -> str | None:
+        for layer in self._layers:  # each at most once, inner before outer
             if not key.startswith(layer + "."):
                 continue
-            rest, child = key[len(layer) + 1:], kept[layer] + "."
+            rest, child = key[len(layer) + 1:], self.kept[layer] + "."
             if not rest.startswith(child):
                 return None  # an adapter's own tensor
             key = f"{layer}.{rest[len(child):]}"
+        head = self.prefix + "." if self.prefix else ""
         return key[len(head):] if key.startswith(head) else None
-
-    return rename
 
 
 # -- LoRA folding: merged weights computed from the pieces, the live model left as it is ----------
-class LoraFoldPlan:
-    """What ``merge_adapters`` needs to know of the live PEFT model, read without touching it:
-    how its keys map to the base model's, and the LoRA layers to fold."""
+class LoraLayer(NamedTuple):
+    """One LoRA layer to fold, as plain data: ``keys`` are the entries its merged weight is computed from (its
+    base weight first, then each active adapter's A and B), ``scaling`` each adapter's factor."""
 
-    def __init__(self, rename: Callable[[str], str | None], layers: list[tuple[str, Any]]) -> None:
+    name: str
+    keys: list[str]
+    scaling: dict[str, float]
+    fan_in_fan_out: bool
+    transposed: bool  # a ParamWrapper's experts stored (E, in, out)
+
+
+class LoraFoldPlan:
+    """What ``merge_adapters`` needs to know of the live PEFT model, read without touching it: how its keys
+    map to the base model's, and the LoRA layers to fold. Plain data: the stages of a pipeline join theirs."""
+
+    def __init__(self, rename: KeyMap, layers: list[LoraLayer]) -> None:
         self.rename = rename
         self.layers = layers
+
+    @classmethod
+    def join(cls, plans: list[LoraFoldPlan]) -> LoraFoldPlan:
+        """One plan from several models' (pipeline stages'), each layer once."""
+        rename, layers = plans[0].rename, {layer.name: layer for layer in plans[0].layers}
+        for plan in plans[1:]:
+            rename = rename.joined(plan.rename)
+            for layer in plan.layers:
+                layers.setdefault(layer.name, layer)
+        return cls(rename, list(layers.values()))
 
 
 def fold_plan(peft_root: torch.nn.Module) -> LoraFoldPlan:
     """What merging the LoRA adapters of ``peft_root`` (a PEFT model) needs; ``UnsupportedModelError``
     for layers that cannot be merged (the same on every rank: read off the module's structure)."""
-    layers: list[tuple[str, Any]] = []
+    layers: list[LoraLayer] = []
     problems: list[str] = []
     for mod_name, mod in peft_root.named_modules():
         if not is_instance(mod, "peft.tuners.tuners_utils", "BaseTunerLayer"):
@@ -134,7 +166,7 @@ def fold_plan(peft_root: torch.nn.Module) -> LoraFoldPlan:
             # lora_bias appeared in PEFT 0.14; older layers have none.
             if mod.use_dora.get(adapter) or getattr(mod, "lora_bias", {}).get(adapter):
                 problems.append(f"{name}: adapter {adapter!r} uses DoRA or a LoRA bias")
-        layers.append((name, mod))
+        layers.append(_layer(name, mod))
     if problems:
         raise UnsupportedModelError(
             "full_state_dict(merge_adapters=True) folds in LoRA adapters of Linear layers and of parameters "
@@ -163,18 +195,21 @@ def _base_key(name: str, mod: Any) -> str:
     return canonical_name(f"{name}.{rel}")
 
 
-def _fold_keys(name: str, mod: Any) -> list[str]:
-    """The entries a LoRA layer's merged weight is computed from: its base weight first."""
+def _layer(name: str, mod: Any) -> LoraLayer:
+    """What folding LoRA layer ``mod`` needs, read off it now."""
     keys = [_base_key(name, mod)]
     if not mod.merged and not mod.disable_adapters:
         for adapter in mod.active_adapters:
             if adapter in mod.lora_A:
                 keys += [f"{name}.lora_A.{adapter}.weight", f"{name}.lora_B.{adapter}.weight"]
-    return keys
+    scaling = {a: float(mod.scaling[a]) for a in mod.active_adapters if a in mod.scaling}
+    transposed = _param_wrapper(mod) and bool(getattr(mod.get_base_layer(), "is_transposed", False))
+    return LoraLayer(name, keys, scaling, bool(getattr(mod, "fan_in_fan_out", False)), transposed)
 
 
-def _folded(mod: Any, keys: list[str], sd: Mapping[str, torch.Tensor]) -> torch.Tensor:
+def _folded(layer: LoraLayer, sd: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """``W + sum(scale * B @ A)`` over the active adapters, in float32, back in W's dtype."""
+    keys = layer.keys
     weight = sd[keys[0]]
     if len(keys) == 1:
         return weight.contiguous()
@@ -183,16 +218,16 @@ def _folded(mod: Any, keys: list[str], sd: Mapping[str, torch.Tensor]) -> torch.
         adapter = a_key.rsplit(".", 2)[-2]
         a, b = sd[a_key].float(), sd[b_key].float()
         if weight.dim() == 3:  # a ParamWrapper over stacked experts
-            acc = acc + _experts_delta(mod, weight, a, b) * mod.scaling[adapter]
+            acc = acc + _experts_delta(layer, weight, a, b) * layer.scaling[adapter]
             continue
         delta = b @ a
-        if mod.fan_in_fan_out:
+        if layer.fan_in_fan_out:
             delta = delta.T
-        acc = acc + delta * mod.scaling[adapter]
+        acc = acc + delta * layer.scaling[adapter]
     return acc.to(weight.dtype).contiguous()
 
 
-def _experts_delta(mod: Any, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def _experts_delta(layer: LoraLayer, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """The update of a stacked (E, d1, d2) expert weight from LoRA matrices covering every expert:
     ``a`` of shape (r * E, in) holds each expert's rank rows in turn, ``b`` of shape (out, r * E) each
     expert's rank columns interleaved. PEFT orders a weight (E, out, in), unless its module says it
@@ -201,13 +236,12 @@ def _experts_delta(mod: Any, weight: torch.Tensor, a: torch.Tensor, b: torch.Ten
     a3 = a.reshape(experts, -1, a.shape[-1])  # (E, r, in)
     b3 = b.reshape(b.shape[0], -1, experts)  # (out, r, E)
     delta = torch.einsum("ore,eri->eoi", b3, a3)  # (E, out, in)
-    transposed = bool(getattr(mod.get_base_layer(), "is_transposed", False))
-    return delta.transpose(1, 2) if transposed else delta
+    return delta.transpose(1, 2) if layer.transposed else delta
 
 
 def fold_state_dict(sd: dict[str, torch.Tensor], plan: LoraFoldPlan) -> dict[str, torch.Tensor]:
     """``sd`` of the PEFT model -> the base model's state dict with the adapters folded in."""
-    folded = {_base_key(name, mod): _folded(mod, _fold_keys(name, mod), sd) for name, mod in plan.layers}
+    folded = {layer.keys[0]: _folded(layer, sd) for layer in plan.layers}
     return {new: folded.get(key, value) for key, value in sd.items() if (new := plan.rename(key)) is not None}
 
 
@@ -215,7 +249,7 @@ def lora_layer_keys(plan: LoraFoldPlan | None) -> dict[str, str]:
     """Each entry a LoRA layer's merge reads (base weight, adapters) -> that layer's name."""
     if plan is None:
         return {}
-    return {key: name for name, mod in plan.layers for key in _fold_keys(name, mod)}
+    return {key: layer.name for layer in plan.layers for key in layer.keys}
 
 
 def lora_fold_stream(plan: LoraFoldPlan | None,
@@ -225,25 +259,20 @@ def lora_fold_stream(plan: LoraFoldPlan | None,
     if plan is None:
         yield from entries
         return
-    layer_of: dict[str, tuple[Any, list[str]]] = {}
-    for name, mod in plan.layers:
-        keys = _fold_keys(name, mod)
-        for key in keys:
-            layer_of[key] = (mod, keys)
+    layer_of = {key: layer for layer in plan.layers for key in layer.keys}
     pieces: dict[str, torch.Tensor] = {}
     for key, value in entries:
-        hit = layer_of.get(key)
-        if hit is None:
+        layer = layer_of.get(key)
+        if layer is None:
             if (new := plan.rename(key)) is not None:
                 yield new, value
             continue
-        mod, keys = hit
         pieces[key] = value
-        if all(k in pieces for k in keys):
-            weight = _folded(mod, keys, pieces)
-            for k in keys:
+        if all(k in pieces for k in layer.keys):
+            weight = _folded(layer, pieces)
+            for k in layer.keys:
                 del pieces[k]
-            if (new := plan.rename(keys[0])) is not None:
+            if (new := plan.rename(layer.keys[0])) is not None:
                 yield new, weight
 
 
