@@ -316,8 +316,8 @@ def torch_pipeline_refusals() -> dict[str, str]:
 
 
 def pipeline_peft(tmp: str) -> dict[str, Any]:
-    """LoRA on transformers' stages: exports exact, merged or not (every stage's LoRA layers joined); a save of
-    the adapters alone, which reads this stage's only, refused."""
+    """LoRA on transformers' stages: exports exact, merged or not (every stage's LoRA layers joined), and the
+    adapters alone saved and loaded back."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
@@ -336,7 +336,22 @@ def pipeline_peft(tmp: str) -> dict[str, Any]:
     out = {"backend": wm.backend, "unmerged": _whole_same(wm, ref),
            "merged": _same(wm.full_state_dict(rank0_only=False, merge_adapters=True),
                            ref.full_state_dict(rank0_only=False, merge_adapters=True)),
-           "adapters_only": _refused(lambda: wm.save_pretrained(os.path.join(tmp, "lora"), adapters_only=True))}
+           }
+    # The adapters alone: every stage's, in PEFT's layout; loaded back into stages whose adapters differ.
+    from peft import PeftModel
+
+    adapters = os.path.join(tmp, "lora")
+    wm.save_pretrained(adapters, adapters_only=True)
+    lora = {k: v for k, v in whole.state_dict().items() if "lora_" in k}
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(directory), adapters)
+    out["adapters_only"] = _same({k: v for k, v in loaded.state_dict().items() if "lora_" in k}, lora)
+    torch.manual_seed(4)
+    other = wrapkit.adapt(get_peft_model(AutoModelForCausalLM.from_pretrained(
+        directory, distributed_config=DistributedConfig(pp_size=2)), config))
+    result = other.load(adapters)
+    mine = other.full_state_dict(rank0_only=False)
+    out["adapters_loaded"] = (result.missing_keys, result.unexpected_keys,
+                              _same({k: v for k, v in mine.items() if "lora_" in k}, lora))
 
     def streamed(model: Any) -> dict[str, torch.Tensor]:
         return {n: t.clone() for bucket in model.stream_full_parameters(merge_adapters=True)

@@ -13,7 +13,7 @@ import pytest
 from tests.test_streaming import deepspeed_moves_states
 from wrapkit.cli._ops import OPS
 
-EXPECTED_ROWS = ["plain", "dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "tp"]
+EXPECTED_ROWS = ["plain", "dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "tp", "pipeline"]
 # Refused as documented: tensor parallelism keeps no plan to build a frozen copy from.
 # A frozen copy of a tensor-parallel model, and PEFT on one, are refused as documented.
 TP_REFUSED = {("tp", "prepare_reference"), ("tp", "adapters")}

@@ -31,6 +31,23 @@ def test_deepspeed_moe_experts_are_refused() -> None:
                                                       for p in ("weight", "bias")}
 
 
+def test_expert_parallel_experts_outside_fsdp2_are_refused() -> None:
+    """transformers' mark on experts split over ranks is read beside FSDP2 only (tests/test_experts.py): on a model
+    with no FSDP2 around it, the experts this rank holds would pass for all of them."""
+
+    class Experts(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gate_up_proj = torch.nn.Parameter(torch.zeros(2, 8, 4))
+            self.num_experts = 2
+            self._is_expert_parallel = True
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Experts())
+    message = _refusal(model)
+    assert "1: 2 experts of this rank's only (_is_expert_parallel)" in message, message
+    assert "DistributedConfig(ep_size=...)" in message and "fsdp_size" in message, message
+
+
 def test_megatron_parallel_layers_are_refused() -> None:
     """Megatron-Core's parallel layers keep this rank's slice in a plain tensor, marked with the dimension."""
     layers = pytest.importorskip("megatron.core.tensor_parallel.layers")

@@ -25,7 +25,7 @@ from . import _safetensors
 from ._agree import Call, writes_files
 from ._errors import UnsupportedModelError
 from ._safetensors import INDEX_NAME, SINGLE_NAME, outside
-from .adapters._stages import refuse_stage_adapters
+from .adapters._stages import every_stage, is_stage, stage_adapter_keys
 from .layers.peft import (
     ADAPTER_CONFIG,
     ADAPTER_PICKLE,
@@ -68,7 +68,6 @@ def _peft_root(wm: Adapter, what: str) -> Any:
 def save_adapters(wm: Adapter, directory: str | os.PathLike[str], adapter_names: Sequence[str] | None) -> None:
     """Every selected adapter (all of them with ``None``) in PEFT's layout; see the module docstring.
     Collective."""
-    refuse_stage_adapters(wm, "save_pretrained(adapters_only=True)")
     problems: list[str] = []
     maps: dict[str, dict[str, str]] = {}  # adapter -> {canonical key: saved key}
     root: Any = None
@@ -85,16 +84,25 @@ def save_adapters(wm: Adapter, directory: str | os.PathLike[str], adapter_names:
         else:
             maps = {name: saved_key_map(root, name) for name in names}
             empty = [n for n, m in maps.items() if not m]
-            if empty:
+            # A pipeline stage may hold none of an adapter's layers: the stages' maps are joined below.
+            if empty and not is_stage(wm):
                 problems.append(f"PEFT saves no tensor of adapter(s) {', '.join(map(repr, empty))}")
     except UnsupportedModelError as exc:  # raised alike on every rank, after the entry
         problems.append(str(exc))
     call = Call.of("save_pretrained", adapters_only=True, adapter_names=tuple(names))
     directory, tmp = open_directory(wm, directory, call, problems,
                                     "Pass a directory whose parent exists, and adapter names the model has.")
+    error: BaseException | None = None
+    every = every_stage(wm, maps)
+    if every is not None:  # each stage's LoRA layers are its own: the adapters are all of theirs
+        maps = {name: {k: v for stage in every for k, v in stage.get(name, {}).items()} for name in names}
+        empty = [n for n, m in maps.items() if not m]
+        if empty:  # the same on every rank (the joined maps): nothing gathered, the directory left as it was
+            error = UnsupportedModelError(f"PEFT saves no tensor of adapter(s) {', '.join(map(repr, empty))} on any "
+                                          "pipeline stage")
     rank0 = writes_files(wm)
     wanted = {key for m in maps.values() for key in m}
-    values = _gather(wm, wanted, keep=rank0)
+    values = _gather(wm, wanted, keep=rank0) if error is None else {}
 
     def finish(tmp: str) -> None:
         for name, keys in maps.items():
@@ -104,7 +112,7 @@ def save_adapters(wm: Adapter, directory: str | os.PathLike[str], adapter_names:
                                     os.path.join(out, ADAPTER_WEIGHTS))
             write_adapter_config(root, name, out)
 
-    commit_directory(wm, "save_pretrained", directory, tmp, None, finish)
+    commit_directory(wm, "save_pretrained", directory, tmp, error, finish)
 
 
 def _gather(wm: Adapter, wanted: set[str], keep: bool) -> dict[str, torch.Tensor]:
@@ -246,7 +254,8 @@ def adapter_files(wm: Adapter, path: str, adapter_name: str | None) -> AdapterCh
             continue
         out.mismatches += config_problems(root, name, saved, where)
         try:
-            keys = saved_key_map(root, name)
+            # A pipeline stage's adapters are every stage's: those of the others' layers as recorded at adapt().
+            keys = stage_adapter_keys(wm, name) | saved_key_map(root, name)
         except UnsupportedModelError as exc:
             out.problems.append(str(exc))
             continue
@@ -265,7 +274,8 @@ def adapter_shapes(wm: Adapter, adapters: Sequence[str]) -> dict[str, tuple[int,
     for name in adapters:
         if name in root.peft_config:
             try:
-                out.update((key, shapes[key]) for key in saved_key_map(root, name) if key in shapes)
+                keys = stage_adapter_keys(wm, name) | saved_key_map(root, name)
+                out.update((key, shapes[key]) for key in keys if key in shapes)
             except UnsupportedModelError:
                 pass  # adapter_files reported it
     return out

@@ -159,7 +159,8 @@ def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     units = wm.gatherer.units()
     if units is None:
-        yield from _from_each(wm, bucket_bytes, converted(lora_fold_stream(plan, wm.gatherer.each())), out_dtype, mine)
+        feed = _Feed(lora_fold_stream(plan, wm.gatherer.each()))
+        yield from _from_each(wm, bucket_bytes, feed, converted(feed), out_dtype, mine)
         return
     names: dict[int, list[str]] = {}
     for n, p in wm.named_live(buffers=False):
@@ -244,23 +245,49 @@ def _plan(units: list[list[torch.nn.Parameter]], names: dict[int, list[str]], sh
         yield bucket
 
 
-def _from_each(wm: Adapter, bucket_bytes: int, values: Iterator[tuple[str, torch.Tensor]],
-               out_dtype: Callable[[str, torch.dtype], torch.dtype], mine: bool) -> Iterator[Bucket]:
-    """Buckets cut from a ``gather_each`` stream, for layouts ``gather_many`` does not serve."""
-    pending: list[tuple[str, torch.Tensor]] = []
-    size = 0
+class _Feed:
+    """An iterator that counts the values taken from it: what a converter yields between two takes came from
+    the same values (the pieces one runtime tensor is cut into, in the Hub's layout)."""
 
-    def pack() -> Bucket:
-        return _pack(pending, out_dtype, wm.device)
+    def __init__(self, values: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.values, self.taken = values, 0
+
+    def __iter__(self) -> _Feed:
+        return self
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        self.taken += 1
+        return next(self.values)
+
+
+def _from_each(wm: Adapter, bucket_bytes: int, feed: _Feed, values: Iterator[tuple[str, torch.Tensor]],
+               out_dtype: Callable[[str, torch.dtype], torch.dtype], mine: bool) -> Iterator[Bucket]:
+    """Buckets cut from a ``gather_each`` stream, for layouts ``gather_many`` does not serve. The tensors converted
+    from the same runtime values stay in one bucket, as they do from whole units: a receiver loading bucket by
+    bucket (vLLM's ``load_weights``) must get every piece of a fused tensor together."""
+    pending: list[tuple[str, torch.Tensor]] = []
+    group: list[tuple[str, torch.Tensor]] = []
+    size = group_size = 0
+    source = -1
+
+    def pack(entries: list[tuple[str, torch.Tensor]]) -> Bucket:
+        return _pack(entries, out_dtype, wm.device)
 
     for name, value in values:
         if not mine:
             continue
-        c = _aligned(value.numel() * max(value.element_size(), out_dtype(name, value.dtype).itemsize))
-        if pending and size + c > bucket_bytes:
-            yield pack()
-            pending, size = [], 0
-        pending.append((name, value))
-        size += c
+        if feed.taken != source and group:  # a new runtime value: the last one's pieces are complete
+            if pending and size + group_size > bucket_bytes:
+                yield pack(pending)
+                pending, size = [], 0
+            pending, size, group, group_size = pending + group, size + group_size, [], 0
+        source = feed.taken
+        group.append((name, value))
+        group_size += _aligned(value.numel() * max(value.element_size(), out_dtype(name, value.dtype).itemsize))
+    if group:
+        if pending and size + group_size > bucket_bytes:
+            yield pack(pending)
+            pending = []
+        pending += group
     if pending:
-        yield pack()
+        yield pack(pending)

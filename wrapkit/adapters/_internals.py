@@ -71,8 +71,9 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     # _weight_conversions: what from_pretrained converted the checkpoint with (the Hub's layout, _hub_layout.py).
     "transformers PreTrainedModel": ("_init_weights", "_no_split_modules", "_weight_conversions"),
     # Where transformers distributed the model itself (tp_plan, distributed_config): the meshes it made.
-    "transformers distributed model": ("_mesh_manager",),
-    # Set on the experts modules transformers split over expert-parallel ranks: refused on adapt() (_foreign.py).
+    # _tp_size: hidden from PEFT while it selects an adapter's tensors (saved_key_map), where it would gather them.
+    "transformers distributed model": ("_mesh_manager", "_tp_size"),
+    # Set on the experts modules transformers split over expert-parallel ranks (read beside FSDP2, _foreign.py).
     "transformers expert-parallel experts": ("_is_expert_parallel",),
     # The stage DistributedConfig(pp_size=...) records on the model, and its flag for the forward it installed.
     "transformers pipeline-parallel model": ("_pp_stage", "_pp_forward_wrapped"),

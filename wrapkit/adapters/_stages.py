@@ -26,6 +26,7 @@ from .._gather import Bypass
 from .._hub_layout import HubLayout
 from .._imports import lookup
 from .._names import canonical_name
+from ..layers.peft import saved_key_map
 from ._foreign import CUT_STAGE, TRANSFORMERS_STAGES
 from ._parts import Gatherer, Parts, Piece, Weights, Written
 
@@ -33,7 +34,8 @@ if TYPE_CHECKING:
     from ._base import Adapter
 
 __all__ = ["Stage", "StagePlan", "recorded_stage", "adopt_torch_stage", "record", "stage_parts", "stage_buffers",
-           "buffer_shapes", "state_keys", "refuse_stage_adapters", "transformers_stage", "layout_of", "every_stage"]
+           "buffer_shapes", "state_keys", "is_stage", "transformers_stage", "layout_of", "every_stage",
+           "stage_adapter_keys"]
 
 Shape = tuple[int, ...]
 
@@ -100,6 +102,7 @@ class _Held(NamedTuple):
     buffers: list[tuple[str, Shape]]
     tied_keys: dict[str, str]
     keys: list[str]  # its state dict's keys, in order
+    adapters: dict[str, dict[str, str]]  # PEFT adapter -> its tensors' canonical keys -> the keys PEFT saves
 
 
 def _held(weights: Weights, root: torch.nn.Module, buffers: list[tuple[str, Shape]], keys: list[str]) -> _Held:
@@ -108,7 +111,20 @@ def _held(weights: Weights, root: torch.nn.Module, buffers: list[tuple[str, Shap
         ids.setdefault(id(p), []).append(canonical_name(name))
     tied_keys = dict(getattr(root, "all_tied_weights_keys", None) or {})
     return _Held(list(weights.param_shapes().items()), [names for names in ids.values() if len(names) > 1], buffers,
-                 tied_keys, keys)
+                 tied_keys, keys, _adapter_keys(root))
+
+
+def _adapter_keys(root: torch.nn.Module) -> dict[str, dict[str, str]]:
+    """Each PEFT adapter's saved keys (``saved_key_map``) on this stage, where ``root`` is a PEFT model: an adapter
+    checkpoint's keys for another stage's layers are known by them."""
+    configs = getattr(root, "peft_config", None)
+    out: dict[str, dict[str, str]] = {}
+    for name in configs if isinstance(configs, dict) else ():
+        try:
+            out[name] = saved_key_map(root, name)
+        except UnsupportedModelError:
+            pass  # PEFT computes this adapter's tensors: a save or load of it is refused where it is asked for
+    return out
 
 
 class StagePlan:
@@ -155,6 +171,10 @@ class StagePlan:
         self.keys = list(dict.fromkeys(k for h in held for k in h.keys))
         # The whole model's tie map, for its Hub layout: the same on every stage.
         self.tied_keys: dict[str, str] = {k: v for h in held for k, v in h.tied_keys.items()}
+        self.adapter_keys: dict[str, dict[str, str]] = {}
+        for h in held:
+            for adapter, keys in h.adapters.items():
+                self.adapter_keys.setdefault(adapter, {}).update(keys)
         self.names_of: dict[str, list[str]] = {}
         for name in self.order:
             self.names_of.setdefault(self.tensor_of[name], []).append(name)
@@ -324,15 +344,16 @@ def stage_buffers(model: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
         yield name, value
 
 
-def refuse_stage_adapters(model: Adapter, op: str) -> None:
-    """Refuse ``op`` (a save of the PEFT adapters alone) on a pipeline stage: it reads the adapters off the local
-    PEFT model, which lacks the other stages', so the result would be silently partial. Known alike on every
-    rank (the model's structure)."""
-    if _plan_of(model) is not None and model.merge_root() is not None:
-        raise UnsupportedModelError(
-            f"{op} reads the LoRA layers of the PEFT model on this rank, and a pipeline stage holds only its own "
-            "layers': the other stages' adapters would be left out. Save the merged model "
-            "(save_pretrained(merge_adapters=True)), or every tensor of the PEFT model (full_state_dict()).")
+def stage_adapter_keys(model: Adapter, adapter: str) -> dict[str, str]:
+    """Canonical key -> saved key of PEFT adapter ``adapter`` on every stage, as they were when the model was
+    adapted; empty where ``model`` is no pipeline stage."""
+    plan = _plan_of(model)
+    return dict(plan.adapter_keys.get(adapter, {})) if plan is not None else {}
+
+
+def is_stage(model: Adapter) -> bool:
+    """Whether ``model`` is one stage of a pipeline (its exports walk every stage's tensors)."""
+    return _plan_of(model) is not None
 
 
 def every_stage(model: Adapter, mine: Any) -> list[Any] | None:

@@ -22,6 +22,7 @@ from .._errors import UnsupportedModelError
 from ._base import Adapter
 from ._foreign import CUT_STAGE, TRANSFORMERS_STAGES
 from ._parts import Parts
+from ._recipes import Recipe, Setting, whole
 from ._stages import Stage, StagePlan, record, recorded_stage, stage_parts
 from ._topology import Topology
 from ._whole import whole_parts
@@ -33,8 +34,30 @@ __all__ = ["PipelineAdapter", "over_stages", "STAGED_BACKENDS"]
 STAGED_BACKENDS = ("fsdp2", "ddp")
 
 
+def _build(layer: str, model: torch.nn.Module, setting: Setting) -> torch.nn.Module:
+    import torch.distributed as dist
+
+    return split_into_stages(whole(model, setting), dist.group.WORLD, setting.device)
+
+
+def split_into_stages(module: torch.nn.Module, group: Any, device: torch.device) -> torch.nn.Module:
+    """``module`` (a transformers model, or a PEFT model around one) split into one stage per rank of ``group``
+    as ``DistributedConfig(pp_size=...)`` splits one: each rank keeps its own layers and replaces the others.
+    The forward transformers installs runs the model itself, so a copy that has one gets its own."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers.distributed.pipeline_parallel import apply_pipeline_parallelism
+
+    peft_base = getattr(module, "get_base_model", None)
+    base = peft_base() if callable(peft_base) else module
+    base.__dict__.pop("forward", None)
+    base.__dict__.pop("_pp_forward_wrapped", None)
+    apply_pipeline_parallelism(base, DeviceMesh.from_group(group, device.type, mesh_dim_names=("pp",)))
+    return module
+
+
 class PipelineAdapter(Adapter):
     name = "pipeline"
+    recipe = Recipe(("pipeline",), _build, order=10, needs="transformers")
     peels = False
     distributed = True
     # The partitioning this adapter reads; ``adapt()`` refuses any other (``_foreign.py``).
@@ -189,15 +212,4 @@ class _PipelineLikeness:
         return self._staged(copy.deepcopy(source, memo={id(held): held}))
 
     def _staged(self, module: torch.nn.Module) -> torch.nn.Module:
-        """``module`` split as the model is. The forward transformers installed on the model runs the model
-        itself, so a copy gets its own; the split keeps this stage's layers and replaces the others."""
-        from torch.distributed.device_mesh import DeviceMesh
-        from transformers.distributed.pipeline_parallel import apply_pipeline_parallelism
-
-        peft_base = getattr(module, "get_base_model", None)
-        base = peft_base() if callable(peft_base) else module
-        base.__dict__.pop("forward", None)
-        base.__dict__.pop("_pp_forward_wrapped", None)
-        mesh = DeviceMesh.from_group(self.model._stage.group, self.model.device.type, mesh_dim_names=("pp",))
-        apply_pipeline_parallelism(base, mesh)
-        return module
+        return split_into_stages(module, self.model._stage.group, self.model.device)

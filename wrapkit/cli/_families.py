@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "TP_RECIPE", "family_model", "family_inputs", "any_model", "model_inputs"]
+__all__ = ["FAMILIES", "TP_RECIPE", "PIPELINE_RECIPE", "family_model", "family_inputs", "any_model", "model_inputs"]
 
 _TEXT: dict[str, Any] = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -86,6 +86,10 @@ FAMILIES: dict[str, Callable[[Any], Any]] = {
 # DeepSeek-V3's latent attention, gpt-oss's per-head sinks or T5's tied head outside ``model.layers``;
 # transformers' own ``tp_plan`` parallelizes those.
 TP_RECIPE = frozenset({"llama", "qwen2-tied", "gemma3", "qwen3-moe", "qwen2-vl", "llava", "llama-reward"})
+# The families transformers 5.24 splits into pipeline stages: decoder-only language models. Its split looks for
+# `model.layers` (vision-language models and T5 have none there) and its staged forward serves the language-model
+# head only (a reward model's scores never reach the last stage's caller).
+PIPELINE_RECIPE = frozenset({"llama", "qwen2-tied", "gemma3", "qwen3-moe", "gpt-oss", "deepseek-v3"})
 
 
 def family_model(family: str, seed: int = 0) -> torch.nn.Module:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .._imports import is_available, version_of
-from ._families import FAMILIES, TP_RECIPE, any_model, model_inputs
+from ._families import FAMILIES, PIPELINE_RECIPE, TP_RECIPE, any_model, model_inputs
 from ._models import build, needs, recipes, supports
 from ._ops import OPS, Refused
 from ._workers import WorkerError, WorkerGroup, keep_groups, release_kept_groups
@@ -290,6 +290,8 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
                 why = supports(backend, topology)
                 if why is None and backend == "tp" and model not in TP_RECIPE | {"toy"}:
                     why = f"the doctor's tensor-parallel recipe does not fit {model}; transformers' tp_plan does"
+                if why is None and backend == "pipeline" and model not in PIPELINE_RECIPE:
+                    why = f"transformers' pipeline split (DistributedConfig(pp_size=...)) does not serve {model}"
                 if why is not None:
                     rows[backend] = {"_status": "unsupported", "_why": why}
                     continue

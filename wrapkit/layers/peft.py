@@ -276,6 +276,20 @@ def lora_fold_stream(plan: LoraFoldPlan | None,
                 yield new, weight
 
 
+@contextlib.contextmanager
+def _not_distributed(base: torch.nn.Module) -> Iterator[None]:
+    """Inside, PEFT does not see the mark of a model transformers distributed itself (``_tp_size``, which
+    ``distributed_config`` sets for pipeline stages too): on it PEFT copies every tensor to the CPU, gathering
+    each, and the stand-ins it must hand back by identity would be lost (and copied off the meta device)."""
+    marked = "_tp_size" in vars(base)
+    value = vars(base).pop("_tp_size", None)
+    try:
+        yield
+    finally:
+        if marked:
+            vars(base)["_tp_size"] = value
+
+
 # -- adapter checkpoints: PEFT's own file layout ---------------------------------------------------
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -312,7 +326,7 @@ def saved_key_map(peft_model: torch.nn.Module, adapter_name: str) -> dict[str, s
     # Offline for the call: with a Hub model id in the config, PEFT would ask the Hub whether the vocabulary
     # was resized, and ranks that got different answers would select different tensors, then gather
     # different units. Embeddings go in where the config targets them, as PEFT decides without the Hub.
-    with _offline(), warnings.catch_warnings():
+    with _offline(), _not_distributed(model.get_base_model()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         selected = get_peft_model_state_dict(model, state_dict=stand_ins, adapter_name=adapter_name)
     out: dict[str, str] = {}
