@@ -57,7 +57,7 @@ def split_into_stages(module: torch.nn.Module, group: Any, device: torch.device)
 
 class PipelineAdapter(Adapter):
     name = "pipeline"
-    recipe = Recipe(("pipeline",), _build, order=10, needs="transformers")
+    recipe = Recipe(("pipeline",), _build, order=10, needs="transformers.distributed.pipeline_parallel")
     peels = False
     distributed = True
     # The partitioning this adapter reads; ``adapt()`` refuses any other (``_foreign.py``).
