@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import wrapkit
 from tests.scenarios_foreign import saved
-from tests.scenarios_pipeline import _same, _streamed, _whole_same
+from tests.scenarios_pipeline import _same, _streamed, _whole_same, load_and_copy
 from wrapkit.cli._families import family_model
 
 
@@ -63,13 +63,7 @@ def expert_ops(tmp: str, name: str, dtype: str = "float32", tp: int = 1) -> dict
     out["reference"] = (reference.backend, any(p.requires_grad for p in reference.unwrap().parameters()),
                         _whole_same(reference, wm))
 
-    changed = wrapkit.adapt(whole(other))
-    out["load"] = (wm.load(other), _whole_same(wm, changed))
-    target = wrapkit.adapt(whole(directory))
-    wm.copy_to(target)
-    out["copy_to_whole"] = _whole_same(target, changed)
-    ref.copy_to(wm)
-    out["copy_from_whole"] = _whole_same(wm, ref)
+    out.update(load_and_copy(wm, ref, whole, directory, other)[0])
     report = wm.sleep()
     wm.wake()
     out["sleep"] = (report is not None, _whole_same(wm, ref))

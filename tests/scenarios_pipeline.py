@@ -39,6 +39,21 @@ def _streamed(wm: Any, layout: str) -> dict[str, torch.Tensor]:
                        for n, t in bucket.named_tensors()))
 
 
+def load_and_copy(wm: Any, ref: Any, whole: Callable[[str], Any], directory: str,
+                  other: str) -> tuple[dict[str, Any], Any]:
+    """``wm`` loaded from ``other`` (a checkpoint directory), copied into a whole model built from ``directory``,
+    then given ``ref``'s values by ``copy_to``: what each gave against the whole model, and the model ``other``
+    holds (adapted), for what follows."""
+    changed = wrapkit.adapt(whole(other))
+    out = {"load": (wm.load(other), _whole_same(wm, changed))}
+    target = wrapkit.adapt(whole(directory))
+    wm.copy_to(target)
+    out["copy_to_whole"] = _whole_same(target, changed)
+    ref.copy_to(wm)
+    out["copy_from_whole"] = _whole_same(wm, ref)
+    return out, changed
+
+
 def _refused(call: Callable[[], Any]) -> str:
     try:
         call()
@@ -124,13 +139,8 @@ def pipeline_ops(tmp: str, name: str, dtype: str = "float32") -> dict[str, Any]:
                                                                          pp.parameters(), strict=True)))
 
     # A load gives each stage its own layers; copy_to goes both ways with a whole model.
-    changed = wrapkit.adapt(whole(other))
-    out["load"] = (wm.load(other), _whole_same(wm, changed))
-    target = wrapkit.adapt(whole(directory))
-    wm.copy_to(target)
-    out["copy_to_whole"] = _whole_same(target, changed)
-    ref.copy_to(wm)
-    out["copy_from_whole"] = _whole_same(wm, ref)
+    copies, changed = load_and_copy(wm, ref, whole, directory, other)
+    out.update(copies)
 
     # And with a model sharded another way: FSDP2 over the same two ranks.
     from torch.distributed.fsdp import fully_shard

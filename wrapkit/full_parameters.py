@@ -111,8 +111,10 @@ def generation(wm: Adapter, gather: str = "auto") -> Iterator[torch.nn.Module]:
                   "layerwise (pipeline stages)" if unbuilt else
                   f"layerwise ({why or 'too big on another rank'})" if layerwise else "full")
     if not layerwise:
-        # The stages share their batches, so each stage's whole model samples the same tokens.
-        with _gathered(wm, None) as inner, generation_modes(wm.module), generation_modes(inner), \
+        # On stages the whole model is a module of its own (the modes set on it), and the stages share their
+        # batches, so each stage's whole model samples the same tokens.
+        stages = wm.topology().stage() is not None
+        with _gathered(wm, None) as inner, generation_modes(inner if stages else wm.module), \
                 shared_rng(wm.topology().pp_group):
             yield inner
         return
