@@ -62,22 +62,22 @@ def _torch_pipelining(tmp: str) -> torch.nn.Module:
 
 def _megatron(tp: int, pp: int) -> Callable[[str], torch.nn.Module]:
     """A tiny Megatron-Core ``GPTModel`` on the two ranks: split over them (``tp=2``), or one stage on each
-    (``pp=2``). Built on the CPU from full weights sliced per rank (``use_cpu_initialization``)."""
+    (``pp=2``). Built on the CPU from full weights sliced per rank (``use_cpu_initialization``); Megatron's
+    parallel state stays initialised, as in a training run."""
     def build(tmp: str) -> torch.nn.Module:
         from megatron.core import parallel_state
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.transformer import TransformerConfig
 
+        parallel_state.destroy_model_parallel()
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-        try:
-            config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True,
-                                       pipeline_dtype=torch.float32)
-            model: torch.nn.Module = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16,
-                                              pre_process=parallel_state.is_pipeline_first_stage(),
-                                              post_process=parallel_state.is_pipeline_last_stage())
-        finally:
-            parallel_state.destroy_model_parallel()
+        config = TransformerConfig(num_layers=2, hidden_size=16, num_attention_heads=2, use_cpu_initialization=True,
+                                   pipeline_dtype=torch.float32, tensor_model_parallel_size=tp,
+                                   pipeline_model_parallel_size=pp)
+        model: torch.nn.Module = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16,
+                                          pre_process=parallel_state.is_pipeline_first_stage(),
+                                          post_process=parallel_state.is_pipeline_last_stage())
         return model
     return build
 

@@ -17,17 +17,28 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ._imports import lookup
 from ._module_internals import recorded_conversions
 
-__all__ = ["HubLayout", "Converted"]
+__all__ = ["HubLayout", "Converted", "Layout"]
 
 Entries = Mapping[str, tuple[tuple[int, ...], str]]
 Reader = Callable[[str], torch.Tensor]
+
+
+class Layout(Protocol):
+    """What exports and loads use of a model's Hub layout: transformers' (``HubLayout``), or one a backend
+    defines for its own fused layers (``_megatron_layout.MegatronLayout``)."""
+
+    def export(self, entries: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def imports(self, entries: Entries, runtime: Iterable[str]) -> tuple[dict[str, str], dict[str, Any]]: ...
+
+    def optional(self) -> frozenset[str]: ...
 
 
 def _materialized(value: Any) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from ._names import canonical_name
 
-__all__ = ["child_slots", "parameter_slots", "swap_parameter_slots", "forward_hook_dicts", "own_parameters",
+__all__ = ["assign", "child_slots", "parameter_slots", "swap_parameter_slots", "forward_hook_dicts", "own_parameters",
            "own_buffers", "is_persistent", "live_entries", "init_weights", "lerp_all_"]
 
 
@@ -92,6 +92,16 @@ def recorded_conversions(model: torch.nn.Module) -> list[Any] | None:
     on the model, and its save reverts them); None for a model built otherwise."""
     found = getattr(model, "_weight_conversions", None)
     return list(found) if found is not None else None
+
+
+def assign(dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
+    """``dst = src`` (``alpha`` 1), else ``dst = alpha * src + (1 - alpha) * dst`` accumulated in float32."""
+    if alpha == 1.0 or not dst.is_floating_point():
+        dst.copy_(src)
+        return
+    s = src.to(device=dst.device, dtype=torch.float32)
+    d = dst.to(torch.float32)
+    dst.copy_(d * (1.0 - alpha) + s * alpha)
 
 
 def lerp_all_(dsts: list[torch.Tensor], srcs: list[torch.Tensor], alpha: float) -> None:

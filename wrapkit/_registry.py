@@ -31,6 +31,7 @@ from ._protocol import Handle
 from .adapters import BUILTIN_ADAPTERS, CONTENT_ADAPTERS, Adapter, PlainAdapter
 from .adapters._base import Entry
 from .adapters._stages import adopt_torch_stage, recorded_stage
+from .adapters.megatron import megatron_module
 from .adapters.pipeline import over_stages
 from .layers import LAYERS, Layer
 
@@ -107,6 +108,18 @@ def _describe_object(obj: object) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
+def _one_chunk(model: Any) -> Any:
+    """The model of a one-element list of Megatron-Core chunks; ``model`` itself for anything else."""
+    if not isinstance(model, (list, tuple)) or not model or not all(megatron_module(m) for m in model):
+        return model
+    if len(model) > 1:
+        raise UnsupportedModelError(
+            f"adapt() got {len(model)} Megatron-Core model chunks (virtual pipeline stages): several chunks per rank "
+            "are not read yet. Build the model with virtual_pipeline_model_parallel_size=None (one chunk per rank) "
+            "and pass that chunk, or the one-element list.")
+    return model[0]
+
+
 def copy_target(target: Any) -> Adapter:
     """The adapter ``copy_to`` writes into; anything but a ``WrappedModel`` is refused."""
     if not isinstance(target, Handle):
@@ -125,6 +138,8 @@ def as_adapter(model: Any, purpose: str = "this") -> Adapter:
         return model._as_adapter(purpose)
     # A torch.distributed.pipelining stage is read through its module, recorded with the stage's place.
     model = adopt_torch_stage(model)
+    # Megatron-Core hands out its model as a list of chunks (one per virtual pipeline stage).
+    model = _one_chunk(model)
     if model is None:
         raise UnsupportedModelError(
             "adapt() got None; pass the model (an nn.Module, or the DDP/FSDP/DeepSpeed object wrapping it). "

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ._agree import Call, broadcast_object, enter, models_group, raise_agreed
 from ._errors import StateDictError
-from ._hub_layout import Converted, HubLayout
+from ._hub_layout import Converted, Layout
 from ._imports import require
 from ._module_internals import init_weights, own_buffers
 from ._names import model_class_name
@@ -49,7 +49,7 @@ class Catalog:
     truncated or corrupt."""
 
     def __init__(self, path: str, stack: ExitStack, adapters: AdapterCheckpoint | None = None,
-                 layout: HubLayout | None = None, runtime: Mapping[str, tuple[int, ...]] | None = None) -> None:
+                 layout: Layout | None = None, runtime: Mapping[str, tuple[int, ...]] | None = None) -> None:
         st = require("safetensors", feature="loading a safetensors checkpoint", extra="transformers")
         # An adapter checkpoint's keys are PEFT's saved ones: each file's are renamed to the model's.
         files = self._files(path) if adapters is None else dict.fromkeys(adapters.files)
@@ -82,7 +82,7 @@ class Catalog:
         if layout is not None:
             self._to_runtime(path, layout, runtime or {})
 
-    def _to_runtime(self, path: str, layout: HubLayout, runtime: Mapping[str, tuple[int, ...]]) -> None:
+    def _to_runtime(self, path: str, layout: Layout, runtime: Mapping[str, tuple[int, ...]]) -> None:
         """Checkpoint names and tensors in the Hub's layout seen under the model's runtime names."""
         raw, where = self.entries, self._raw_where
         renamed, converted = layout.imports(raw, runtime)
@@ -258,7 +258,7 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
                          agreed=True)
     # A checkpoint of the whole model may be in the Hub's layout: read under the runtime names, and a
     # tied copy may be absent.
-    layout = layout_of(wm)
+    layout = layout_of(wm, strict=False)
     with ExitStack() as stack:
         catalog: Catalog | None = None
         entries: dict[str, tuple[tuple[int, ...], str]] = {}

@@ -21,7 +21,7 @@ import torch
 
 from ._agree import Call, enter, raise_agreed, writes_files
 from ._errors import UnsupportedModelError, WrapkitError
-from ._module_internals import live_entries
+from ._module_internals import assign, live_entries
 from ._names import canonical_name
 from ._protocol import LoadResult
 from .adapters import Written
@@ -171,16 +171,6 @@ def joined_fold_plan(wm: Adapter, plan: LoraFoldPlan | None, refused: WrapkitErr
 
 
 # -- writing ---------------------------------------------------------------------------
-def assign(dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
-    if alpha == 1.0 or not dst.is_floating_point():
-        dst.copy_(src)
-        return
-    # target = alpha*source + (1-alpha)*target, accumulated in float32 whatever the dtypes.
-    s = src.to(device=dst.device, dtype=torch.float32)
-    d = dst.to(torch.float32)
-    dst.copy_(d * (1.0 - alpha) + s * alpha)
-
-
 def _write_into(root: torch.nn.Module, values: Iterable[tuple[str, torch.Tensor]], alpha: float) -> None:
     live: dict[str, torch.Tensor] = dict(live_entries(root))
     done: set[int] = set()
@@ -195,6 +185,12 @@ def _write_into(root: torch.nn.Module, values: Iterable[tuple[str, torch.Tensor]
 
 def write(target: Adapter, values: Iterable[tuple[str, torch.Tensor]], alpha: float) -> None:
     """Write ``values`` (canonical name -> full tensor) into ``target``'s parameters and buffers."""
+    own = getattr(target.weights, "write_values", None)
+    if own is not None:
+        # A backend that keeps each rank's slices in plain tensors (Megatron-Core's) writes them from the full
+        # values every rank has, with no collective: gathering would run its parallel layers on full weights.
+        own(values, alpha)
+        return
     topology = target.topology()
     if not target.distributed or (topology.stage() is not None and not topology.pp_outside()):
         # Its parameters are full and local to this process, which may be the only one

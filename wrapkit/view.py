@@ -225,8 +225,8 @@ class OffPlacement:
 # through a view unless it is named here (``tests/test_view.py`` checks that none of these writes).
 READS = frozenset({
     "backend", "backend_object", "config", "data_parallel_rank", "data_parallel_size", "device", "distributed",
-    "is_encoder_decoder", "is_sharded", "mesh", "module", "outer_groups", "peels", "process_group", "rank",
-    "replica_groups",
+    "hub_layout", "is_encoder_decoder", "is_sharded", "mesh", "module", "outer_groups", "peels", "process_group",
+    "rank", "replica_groups",
     "topology", "unsupported_dtensor", "unwrap", "world_size", "zero_stage",
 })
 

@@ -10,6 +10,7 @@ from .deepspeed import DeepSpeedAdapter
 from .dp import DataParallelAdapter
 from .fsdp import FSDPAdapter
 from .fsdp2 import FSDP2Adapter
+from .megatron import MegatronAdapter
 from .pipeline import PipelineAdapter
 from .plain import PlainAdapter
 from .tp import TensorParallelAdapter
@@ -35,6 +36,7 @@ __all__ = [
     "DeepSpeedAdapter",
     "TensorParallelAdapter",
     "PipelineAdapter",
+    "MegatronAdapter",
     "BUILTIN_ADAPTERS",
     "CONTENT_ADAPTERS",
 ]
@@ -42,6 +44,7 @@ __all__ = [
 # Most specific first: a DeepSpeed engine or FSDP unit is checked before the
 # generic replicated wrappers.
 BUILTIN_ADAPTERS: tuple[type[Adapter], ...] = (
+    MegatronAdapter,
     DeepSpeedAdapter,
     FSDPAdapter,
     FSDP2Adapter,
@@ -51,5 +54,5 @@ BUILTIN_ADAPTERS: tuple[type[Adapter], ...] = (
 
 # Backends with no wrapper object and no class of their own, recognised by what the model holds
 # (``claims``), tried on the innermost module once no wrapper matched.
-CONTENT_ADAPTERS: tuple[type[TensorParallelAdapter] | type[PipelineAdapter], ...] = (TensorParallelAdapter,
-                                                                                  PipelineAdapter)
+CONTENT_ADAPTERS: tuple[type[MegatronAdapter] | type[TensorParallelAdapter] | type[PipelineAdapter], ...] = (
+    MegatronAdapter, TensorParallelAdapter, PipelineAdapter)

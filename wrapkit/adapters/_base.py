@@ -228,6 +228,11 @@ class Adapter:
         (HSDP's replicas, pipeline stages beside another backend); an operation is agreed over all of them."""
         return list(self.topology().outer_groups())
 
+    def hub_layout(self) -> Any:
+        """The conversion between this model's names and tensors and the Hub's where its backend defines one
+        (Megatron-Core's fused layers), else None: transformers' own applies (``_hub_layout``)."""
+        return None
+
     def _check_internals(self) -> None:
         """Refuse a backend version whose private fields this adapter reads are missing (``_internals``)."""
 

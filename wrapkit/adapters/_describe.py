@@ -41,10 +41,18 @@ def describe(adapter: Adapter) -> str:
     return "\n".join(lines)
 
 def _mesh_lines(adapter: Adapter) -> list[str]:
-    """The mesh, each dimension's size and role, and the batches, where the model lies on a mesh."""
-    dims = adapter.topology().mesh_text()
+    """The mesh, each dimension's size and role, and the batches, where the model lies on a mesh (or is split
+    over tensor-parallel groups without one)."""
+    topology = adapter.topology()
+    dims = topology.mesh_text()
     if dims is None:
-        return []
+        # Tensor parallelism over groups without a mesh (Megatron-Core's): the split, and the batches.
+        if topology.tp_group is None:
+            return []
+        tp = (dist.get_rank(topology.tp_group), dist.get_world_size(topology.tp_group))
+        size, rank = adapter.data_parallel_size, adapter.data_parallel_rank
+        return [f"tensor:       rank {tp[0]} of {tp[1]} (tensor parallel: a slice of each layer, one batch)",
+                f"batches:      data-parallel rank {rank} of {size}"]
     size, rank = adapter.data_parallel_size, adapter.data_parallel_rank
     return [f"mesh:         {dims}", f"batches:      data-parallel rank {rank} of {size}"]
 

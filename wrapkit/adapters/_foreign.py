@@ -17,7 +17,7 @@ from .._errors import UnsupportedModelError
 from .._names import canonical_name
 
 __all__ = ["Mark", "foreign_marks", "refuse_foreign", "CUT_STAGE", "RENUMBERED_STAGE", "TRANSFORMERS_STAGES",
-           "TRANSFORMERS_EXPERTS", "EXPERT_MESH"]
+           "TRANSFORMERS_EXPERTS", "EXPERT_MESH", "MEGATRON_LAYERS", "MEGATRON_STAGES"]
 
 # The producers of pipeline marks that the pipeline adapter reads where it knows the stage (``_stages.py``).
 TRANSFORMERS_STAGES = "transformers' DistributedConfig(pp_size=...)"
@@ -28,6 +28,10 @@ RENUMBERED_STAGE = "a pipeline stage built by deleting layers from a ModuleList,
 # The producers of expert marks that the fsdp2 adapter reads where the experts' mesh spans its own ranks.
 TRANSFORMERS_EXPERTS = "transformers' DistributedConfig(ep_size=...)"
 EXPERT_MESH = "a device mesh with an 'ep' dimension (experts over their own ranks)"
+
+# The producers of Megatron-Core's marks, which the megatron adapter reads.
+MEGATRON_LAYERS = "Megatron-Core's parallel layers"
+MEGATRON_STAGES = "Megatron-Core"
 
 # Mesh dimensions that split a model in a way no adapter reads: stages, and experts over their own ranks.
 _FOREIGN_DIMS = {"pp": "pipeline stages", "ep": "experts"}
@@ -42,8 +46,9 @@ _FIXES = {
     "experts": "split the experts with transformers' DistributedConfig(fsdp_size=..., ep_size=...) or an 'ep' mesh "
                "dimension over the ranks fully_shard shards the rest over (wrapkit reads those), or shard them with "
                "FSDP2 or ZeRO-3",
-    "megatron": "export it with Megatron-Core's own tools (dist_checkpointing, Megatron-Bridge) until wrapkit "
-                "has a Megatron-Core adapter",
+    "megatron": "adapt the Megatron-Core model itself (a GPTModel, or Megatron's DistributedDataParallel around "
+                "it), which wrapkit reads; Megatron's parallel layers inside another module are not read, so export "
+                "those with Megatron-Core's own tools (dist_checkpointing)",
 }
 
 
@@ -74,7 +79,7 @@ def foreign_marks(model: torch.nn.Module) -> list[Mark]:
             lacks = " or ".join(what for what, flag in (("the embedding", pre), ("the final norm and head", post))
                                 if flag is False)
             marks.append(Mark(at, f"a pipeline stage without {lacks} (pre_process={pre}, post_process={post})",
-                              "Megatron-Core", "pipeline"))
+                              MEGATRON_STAGES, "pipeline"))
         for what, renumbered in _stage_share(module):
             marks.append(Mark(at, what, RENUMBERED_STAGE if renumbered else CUT_STAGE, "pipeline"))
         for name, p in module.named_parameters(recurse=False):
@@ -109,7 +114,7 @@ def _stage_share(module: torch.nn.Module) -> list[tuple[str, bool]]:
 def _parameter_mark(where: str, p: torch.Tensor) -> Mark | None:
     if getattr(p, "tensor_model_parallel", False) is True:
         return Mark(where, f"tensor_model_parallel=True, partition_dim={getattr(p, 'partition_dim', '?')}: this "
-                    "rank's slice in a plain tensor", "Megatron-Core's parallel layers", "megatron")
+                    "rank's slice in a plain tensor", MEGATRON_LAYERS, "megatron")
     if getattr(p, "allreduce", True) is False:
         return Mark(where, "allreduce=False: an expert only some ranks hold", "DeepSpeed MoE or Megatron-Core's "
                     "expert layers", "experts")

@@ -23,9 +23,8 @@ import torch.distributed as dist
 from .._agree import Call, enter
 from .._errors import UnsupportedModelError
 from .._gather import Bypass
-from .._hub_layout import HubLayout
+from .._hub_layout import HubLayout, Layout
 from .._imports import lookup
-from .._names import canonical_name
 from ..layers.peft import saved_key_map
 from ._foreign import CUT_STAGE, TRANSFORMERS_STAGES
 from ._parts import Gatherer, Parts, Piece, Weights, Written
@@ -105,10 +104,11 @@ class _Held(NamedTuple):
     adapters: dict[str, dict[str, str]]  # PEFT adapter -> its tensors' canonical keys -> the keys PEFT saves
 
 
-def _held(weights: Weights, root: torch.nn.Module, buffers: list[tuple[str, Shape]], keys: list[str]) -> _Held:
+def _held(weights: Weights, root: torch.nn.Module, buffers: list[tuple[str, Shape]], keys: list[str],
+          params: list[tuple[str, torch.Tensor]]) -> _Held:
     ids: dict[int, list[str]] = {}
-    for name, p in root.named_parameters(remove_duplicate=False):
-        ids.setdefault(id(p), []).append(canonical_name(name))
+    for name, p in params:
+        ids.setdefault(id(p), []).append(name)
     tied_keys = dict(getattr(root, "all_tied_weights_keys", None) or {})
     return _Held(list(weights.param_shapes().items()), [names for names in ids.values() if len(names) > 1], buffers,
                  tied_keys, keys, _adapter_keys(root))
@@ -180,10 +180,11 @@ class StagePlan:
             self.names_of.setdefault(self.tensor_of[name], []).append(name)
 
     @classmethod
-    def read(cls, stage: Stage, weights: Weights, root: torch.nn.Module,
-             buffers: list[tuple[str, Shape]], keys: list[str]) -> StagePlan:
-        """Collective over the pipeline group: every stage says what it holds."""
-        mine = _held(weights, root, buffers, keys)
+    def read(cls, stage: Stage, weights: Weights, root: torch.nn.Module, buffers: list[tuple[str, Shape]],
+             keys: list[str], params: list[tuple[str, torch.Tensor]]) -> StagePlan:
+        """Collective over the pipeline group: every stage says what it holds (``params``: its parameters under
+        the whole model's names, a tied one under each)."""
+        mine = _held(weights, root, buffers, keys, params)
         every: list[Any] = [None] * stage.stages
         dist.all_gather_object(every, mine, group=stage.group)
         return cls(stage, [_Held(*h) for h in every])
@@ -207,9 +208,19 @@ def _plan_of(model: Adapter) -> StagePlan | None:
     return weights.plan if isinstance(weights, StageWeights) else None
 
 
-def layout_of(model: Adapter) -> HubLayout | None:
-    """The Hub layout of ``model`` (``HubLayout.of`` its innermost model), with the whole model's tie map
-    where it is a pipeline stage: transformers keeps that map on the last stage only."""
+def layout_of(model: Adapter, strict: bool = True) -> Layout | None:
+    """The Hub layout of ``model``: its backend's own (``Adapter.hub_layout``), else ``HubLayout.of`` its
+    innermost model, with the whole model's tie map where it is a pipeline stage (transformers keeps that map
+    on the last stage only). ``strict=False``: None where the backend's own layout refuses the model (a load
+    of a checkpoint in the model's own names needs none)."""
+    try:
+        own = model.hub_layout()
+    except UnsupportedModelError:
+        if strict:
+            raise
+        return None
+    if own is not None:
+        return own  # type: ignore[no-any-return]
     plan = _plan_of(model)
     return HubLayout.of(model.unwrap(keep_peft=False), plan.tied_keys if plan is not None else None)
 
@@ -225,6 +236,11 @@ def stage_parts(model: Adapter, parts: Parts, plan: StagePlan) -> Parts:
 class StageWeights:
     def __init__(self, inner: Weights, plan: StagePlan, model: Adapter) -> None:
         self.inner, self.plan, self.model = inner, plan, model
+        # A write of full values straight into the slices, where the stage's storage kind has one (Megatron's):
+        # each stage takes its own layers' values.
+        own = getattr(inner, "write_values", None)
+        if own is not None:
+            self.write_values = own
 
     def global_numel(self, p: torch.Tensor) -> int:
         return self.inner.global_numel(p)
@@ -239,8 +255,7 @@ class StageWeights:
         # Which parameters train can change at any time on any stage: each stage counts its own, so every
         # stage must ask (entered first: a rank asking alone gets an error, not a hang).
         enter(Call.of("num_parameters", trainable_only=True), self.model)
-        trains = {canonical_name(n): p.requires_grad
-                  for n, p in self.model.unwrap().named_parameters(remove_duplicate=False)}
+        trains = {n: p.requires_grad for n, p in self.model.named_live(buffers=False)}
         own = sum(math.prod(plan.shapes[t]) for t, s in plan.tensors()
                   if s == plan.stage.number and any(trains.get(n, False) for n in plan.names_of[t]))
         total = torch.tensor([own], dtype=torch.int64)
@@ -299,8 +314,8 @@ class StageGatherer:
         plan = self.plan
         owned = {t for t, s in plan.tensors() if s == plan.stage.number}
         out: dict[str, str] = {}
-        for name, p in self.model.unwrap().named_parameters(remove_duplicate=False):
-            t = plan.tensor_of.get(canonical_name(name))
+        for name, p in self.model.named_live(buffers=False):
+            t = plan.tensor_of.get(name)
             if t in owned and t not in out:
                 out[t] = _dtype_name(p)
         return out

@@ -147,7 +147,9 @@ def _staged(backend: type[Adapter]) -> type[Adapter]:
 def _plan(model: Adapter, inner: Parts) -> StagePlan:
     buffers = [(name, tuple(b.shape)) for name, b in model.named_live(parameters=False)]
     keys = [name for name, _ in model.named_live()]
-    return StagePlan.read(model._stage, inner.weights, model.unwrap(), buffers, keys)  # type: ignore[attr-defined]
+    params = list(model.named_live(buffers=False))
+    return StagePlan.read(model._stage, inner.weights, model.unwrap(), buffers, keys,  # type: ignore[attr-defined]
+                          params)
 
 
 class _StagedLikeness:

@@ -1,0 +1,75 @@
+"""Megatron-Core models (``GPTModel`` from its local layer specs) on gloo ranks, split over tensor-parallel ranks,
+pipeline stages, or both: adapted as the ``megatron`` backend, every export exact against the same weights built
+unsplit, and the Hub files they make loaded by transformers with the same logits as Megatron's own forward.
+
+Megatron's CUDA assumptions get CPU stand-ins in ``tests/megatron_cpu.py``, never in wrapkit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'wrapkit[megatron]')")
+
+# (style, tp, pp, dtype, wrap): Llama (untied, no biases) and Qwen2 (q/k/v biases, tied head) layouts; bare, in
+# Megatron's DDP (over Float16Module in bf16), or the one-element list of chunks get_model() returns.
+CASES2 = [("llama", 2, 1, "float32", "none"), ("qwen2", 1, 2, "float32", "chunks"), ("llama", 2, 1, "bfloat16", "ddp"),
+          ("qwen2", 2, 1, "float32", "ddp")]
+CASES4 = [("qwen2", 2, 2, "float32", "ddp"), ("llama", 2, 2, "bfloat16", "none")]
+
+
+def _check(results: list[dict[str, Any]], tp: int, pp: int, dtype: str) -> None:
+    for rank, r in enumerate(results):
+        assert r["backend"] == "megatron" and r["sharded"], (rank, r["backend"])
+        assert r["stack"] == ("megatron", "GPTModel"), r["stack"]
+        # The group is the tensor-parallel one (the stages lie around it), else the pipeline; one batch for all.
+        assert r["world"] == ((tp, rank % tp) if tp > 1 else (pp, rank)), (rank, r["world"])
+        assert r["dp"] == (1, 0), (rank, r["dp"])
+        whole, unsplit = r["count"]
+        assert whole == unsplit, (rank, r["count"])
+        if pp > 1:
+            assert f"pipeline:     stage {rank // tp} of {pp}" in r["describe"], r["describe"]
+        if tp > 1:
+            assert f"tensor:       rank {rank % tp} of {tp}" in r["describe"], r["describe"]
+        assert r["names"] == (True, []), (rank, r["names"])
+        assert r["full_diff"] == 0.0 and r["named_equal"], (rank, r["full_diff"])
+        # transformers' model from the Hub files gives Megatron's logits: to rounding in fp32, to bf16's in bf16.
+        tolerance = 1e-6 if dtype == "float32" else 2e-2
+        assert r["hub_logits_diff"] <= tolerance * r["hub_logits_scale"], (rank, r["hub_logits_diff"])
+        assert r["hub_class"] == ("Qwen2ForCausalLM" if "qwen2" in r["style"] else "LlamaForCausalLM"), r["hub_class"]
+        assert r["stream_hub"] == (True, 0.0), (rank, r["stream_hub"])
+        assert r["load"] == ([], [], 0.0) and r["load_own"] == ([], [], 0.0), (rank, r["load"], r["load_own"])
+
+
+@pytest.mark.parametrize("style, tp, pp, dtype, wrap", CASES2)
+def test_megatron_exports_and_loads_on_two_ranks(group: Any, tmp_path: Any, style: str, tp: int, pp: int, dtype: str,
+                                                 wrap: str) -> None:
+    _check(group.run("tests.scenarios_megatron:exports", str(tmp_path), style, tp, pp, dtype, wrap, timeout=120),
+           tp, pp, dtype)
+
+
+@pytest.mark.parametrize("style, tp, pp, dtype, wrap", CASES4)
+def test_megatron_exports_and_loads_on_tp_by_pp(group4: Any, tmp_path: Any, style: str, tp: int, pp: int, dtype: str,
+                                                wrap: str) -> None:
+    _check(group4.run("tests.scenarios_megatron:exports", str(tmp_path), style, tp, pp, dtype, wrap, timeout=180),
+           tp, pp, dtype)
+
+
+def test_megatron_copies_between_splits(group: Any, tmp_path: Any) -> None:
+    for r in group.run("tests.scenarios_megatron:copies", str(tmp_path), timeout=120):
+        assert r == {"into_stages": 0.0, "back": 0.0}, r
+
+
+def test_megatron_refusals_are_typed(group: Any, tmp_path: Any) -> None:
+    for r in group.run("tests.scenarios_megatron:refusals", str(tmp_path), timeout=120):
+        assert r["gathered"].startswith("UnsupportedModelError: gathered() and generation(gather='full') on a "
+                                        "Megatron-Core model"), r["gathered"]
+        assert r["reference"].startswith("UnsupportedModelError: the megatron backend cannot build a frozen copy"), \
+            r["reference"]
+        assert "2 Megatron-Core model chunks" in r["chunks"], r["chunks"]
+        said = r["gpt_save_pretrained"]
+        assert said.startswith("UnsupportedModelError: the Megatron-Core model has normalization='LayerNorm', "
+                               "position_embedding_type='learned_absolute'"), said
+        assert r["gpt_dir"] == "False", "a refused save leaves nothing behind"
+        assert r["gpt_names"].startswith("decoder.final_layernorm.bias,decoder.final_layernorm.weight"), r["gpt_names"]

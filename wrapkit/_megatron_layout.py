@@ -1,0 +1,233 @@
+"""A Megatron-Core GPT model's weights in the Hub's layout of the transformers model of the same architecture
+(Llama, Qwen2, Qwen3), both ways, and that model's config.
+
+Megatron fuses what transformers keeps apart: ``linear_qkv`` holds, for each query group in turn, the group's
+query heads, then its key head, then its value head; ``linear_fc1`` of a gated MLP holds the gate rows, then the
+up rows. Its names differ too (``decoder.layers.N.self_attention.linear_proj`` for ``model.layers.N.self_attn
+.o_proj``), and a tied head is kept once, by the embedding. The runtime names here are the whole model's:
+layers under their global numbers, as the megatron adapter names them.
+
+Which Hub model a Megatron config is: RMSNorm, rotary positions, a gated SiLU MLP and no linear biases, with
+biases on q, k and v (Qwen2), per-head q/k norms (Qwen3), or neither (Llama). Anything else (LayerNorm, learned
+positions, GELU, mixtures of experts, multi-latent attention) has no Hub model named here, and
+``MegatronLayout.of`` says which setting keeps it out.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["MegatronLayout", "hub_refusal"]
+
+Reader = Callable[[str], torch.Tensor]
+
+# Megatron's name within a layer -> the Hub's, for tensors taken over as they are. Transformer Engine's
+# specs fold the norm into the next linear layer (``layer_norm_weight``): both spellings are known.
+_LAYER = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+_TOP = {
+    "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+    "decoder.final_layernorm.weight": "model.norm.weight",
+    "output_layer.weight": "lm_head.weight",
+}
+_QKV = ("q_proj", "k_proj", "v_proj")
+_LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HUB_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def hub_refusal(model: Any) -> str | None:
+    """Why ``model`` (a Megatron-Core GPT model) has no Hub layout here, or None."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or not hasattr(model, "vocab_size"):
+        return f"{type(model).__name__} is not a Megatron-Core GPT model"
+    act = getattr(getattr(cfg, "activation_func", None), "__name__", "")
+    checks = [
+        (getattr(cfg, "normalization", "") == "RMSNorm", f"normalization={getattr(cfg, 'normalization', None)!r}"),
+        (getattr(model, "position_embedding_type", "") == "rope",
+         f"position_embedding_type={getattr(model, 'position_embedding_type', None)!r}"),
+        (bool(getattr(cfg, "gated_linear_unit", False)) and act == "silu", "an MLP other than gated SiLU (SwiGLU)"),
+        (not getattr(cfg, "add_bias_linear", True), "add_bias_linear=True"),
+        (not getattr(cfg, "num_moe_experts", None), "num_moe_experts (a mixture of experts)"),
+        (not getattr(cfg, "multi_latent_attention", False), "multi_latent_attention=True"),
+        (getattr(model, "rotary_percent", 1.0) == 1.0, f"rotary_percent={getattr(model, 'rotary_percent', None)}"),
+    ]
+    bad = [what for ok, what in checks if not ok]
+    if not bad:
+        return None
+    return (f"the Megatron-Core model has {', '.join(bad)}: its Hub layout is known for Llama-, Qwen2- and "
+            "Qwen3-style configs (RMSNorm, rotary positions, SwiGLU, no linear biases)")
+
+
+class MegatronLayout:
+    """The conversions between a Megatron-Core GPT model's runtime names and tensors (whole model, global layer
+    numbers) and the Hub's of the matching transformers model."""
+
+    def __init__(self, model: Any) -> None:
+        cfg = model.config
+        self.model = model
+        self.heads = int(cfg.num_attention_heads)
+        self.groups = int(cfg.num_query_groups or cfg.num_attention_heads)
+        self.head_dim = int(cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads)
+        self.tied = bool(model.share_embeddings_and_output_weights)
+
+    @staticmethod
+    def of(model: Any) -> MegatronLayout:
+        """The layout of ``model``; ``UnsupportedModelError`` naming the setting where it has none here."""
+        from ._errors import UnsupportedModelError
+
+        why = hub_refusal(model)
+        if why is not None:
+            raise UnsupportedModelError(f"{why}; export it in Megatron's own names instead (full_state_dict(), "
+                                        "named_full_parameters(), or save() and stream_full_parameters(layout="
+                                        "'runtime')).")
+        return MegatronLayout(model)
+
+    # -- the config -------------------------------------------------------------------------
+    def hub_config(self) -> Any:
+        """The transformers config of the matching model (Qwen3 with q/k norms, Qwen2 with q/k/v biases, else
+        Llama)."""
+        import transformers
+
+        model, cfg = self.model, self.model.config
+        common: dict[str, Any] = dict(
+            vocab_size=int(model.vocab_size), hidden_size=int(cfg.hidden_size),
+            intermediate_size=int(cfg.ffn_hidden_size), num_hidden_layers=int(cfg.num_layers),
+            num_attention_heads=self.heads, num_key_value_heads=self.groups, head_dim=self.head_dim,
+            max_position_embeddings=int(model.max_sequence_length), rms_norm_eps=float(cfg.layernorm_epsilon),
+            tie_word_embeddings=self.tied, hidden_act="silu",
+            rope_parameters={"rope_type": "default", "rope_theta": float(model.rotary_base)},
+        )
+        if getattr(cfg, "qk_layernorm", False):
+            return transformers.Qwen3Config(**common, attention_bias=bool(cfg.add_qkv_bias))
+        if getattr(cfg, "add_qkv_bias", False):
+            return transformers.Qwen2Config(**common)
+        return transformers.LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+
+    # -- runtime -> checkpoint --------------------------------------------------------------
+    def export(self, entries: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The Hub's ``(name, tensor)`` for a stream of Megatron's (whole tensors, global layer numbers)."""
+        for name, tensor in entries:
+            if name == "output_layer.weight" and self.tied:
+                continue  # transformers ties lm_head to the embedding, which holds it
+            if name in _TOP:
+                yield _TOP[name], tensor
+                continue
+            found = _LAYER_NAME.match(name)
+            if found is None:
+                raise ValueError(f"{name!r} has no place in the Hub's layout of this model")
+            layer, rest = found.groups()
+            at = f"model.layers.{layer}."
+            if rest in _LAYER:
+                yield at + _LAYER[rest], tensor
+            elif rest.startswith("self_attention.linear_qkv."):
+                kind = rest.rsplit(".", 1)[1]
+                for proj, part in zip(_QKV, self.split_qkv(tensor), strict=True):
+                    yield f"{at}self_attn.{proj}.{kind}", part
+            elif rest == "mlp.linear_fc1.weight":
+                gate, up = tensor.chunk(2, dim=0)
+                yield at + "mlp.gate_proj.weight", gate
+                yield at + "mlp.up_proj.weight", up
+            else:
+                raise ValueError(f"{name!r} has no place in the Hub's layout of this model")
+
+    def split_qkv(self, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k and v out of ``linear_qkv``'s rows (per query group: its query heads, its key, its value)."""
+        per = self.heads // self.groups
+        grouped = fused.reshape(self.groups, (per + 2) * self.head_dim, *fused.shape[1:])
+        q, k, v = torch.split(grouped, [per * self.head_dim, self.head_dim, self.head_dim], dim=1)
+        return (q.reshape(-1, *fused.shape[1:]), k.reshape(-1, *fused.shape[1:]), v.reshape(-1, *fused.shape[1:]))
+
+    def join_qkv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        per = self.heads // self.groups
+        rest = q.shape[1:]
+        parts = (q.reshape(self.groups, per * self.head_dim, *rest), k.reshape(self.groups, self.head_dim, *rest),
+                 v.reshape(self.groups, self.head_dim, *rest))
+        return torch.cat(parts, dim=1).reshape(-1, *rest)
+
+    # -- checkpoint -> runtime --------------------------------------------------------------
+    def sources(self, name: str) -> list[str] | None:
+        """The Hub keys the runtime tensor ``name`` is built from (None: it has no place in the layout)."""
+        if name in _TOP:
+            return [_TOP["embedding.word_embeddings.weight"]] if name == "output_layer.weight" and self.tied \
+                else [_TOP[name]]
+        found = _LAYER_NAME.match(name)
+        if found is None:
+            return None
+        layer, rest = found.groups()
+        at = f"model.layers.{layer}."
+        if rest in _LAYER:
+            return [at + _LAYER[rest]]
+        if rest.startswith("self_attention.linear_qkv."):
+            kind = rest.rsplit(".", 1)[1]
+            return [f"{at}self_attn.{proj}.{kind}" for proj in _QKV]
+        if rest == "mlp.linear_fc1.weight":
+            return [at + "mlp.gate_proj.weight", at + "mlp.up_proj.weight"]
+        return None
+
+    def build(self, name: str, read: Reader) -> torch.Tensor:
+        """Runtime tensor ``name`` from its Hub sources (``read(key)``: one whole)."""
+        keys = self.sources(name)
+        assert keys is not None
+        values = [read(k) for k in keys]
+        if len(values) == 3:
+            return self.join_qkv(*values)
+        return values[0] if len(values) == 1 else torch.cat(values, dim=0)
+
+    def imports(self, entries: Mapping[str, tuple[tuple[int, ...], str]],
+                runtime: Iterable[str]) -> tuple[dict[str, str], dict[str, Any]]:
+        """As ``HubLayout.imports``: runtime name -> the one checkpoint key holding it as it is (``renamed``) or
+        the build that makes it from several (``converted``); checkpoint keys that fit no runtime name stay under
+        their own name in ``renamed``, for the caller to report."""
+        renamed: dict[str, str] = {}
+        converted: dict[str, Any] = {}
+        used: set[str] = set()
+        for name in runtime:
+            keys = self.sources(name)
+            if keys is None or not all(k in entries for k in keys):
+                continue
+            used.update(keys)
+            if len(keys) == 1:
+                renamed[name] = keys[0]
+            else:
+                converted[name] = _Built(self, name, keys, [entries[k][0] for k in keys])
+        for key in entries:
+            if key not in used:
+                renamed.setdefault(key, key)
+        return renamed, converted
+
+    def optional(self) -> frozenset[str]:
+        """Runtime names a checkpoint may lack: a tied head, which the embedding's tensor builds."""
+        return frozenset()
+
+
+class _Built:
+    """One runtime tensor made from several Hub tensors (``linear_qkv``, ``linear_fc1``), read whole."""
+
+    def __init__(self, layout: MegatronLayout, name: str, keys: list[str], shapes: list[tuple[int, ...]]) -> None:
+        self.layout, self.name, self._keys = layout, name, keys
+        self.shape: tuple[int, ...] | None = (sum(s[0] for s in shapes), *shapes[0][1:]) if all(
+            s[1:] == shapes[0][1:] for s in shapes) else None
+
+    def keys(self) -> list[str]:
+        return list(self._keys)
+
+    def stacks_rows(self) -> bool:
+        return False  # the rows interleave (q, k, v per query group): built whole
+
+    def rows(self, read: Reader, first: int, last: int) -> torch.Tensor:
+        return self.full(read)[first:last]
+
+    def full(self, read: Reader) -> torch.Tensor:
+        return self.layout.build(self.name, read)

@@ -1,0 +1,205 @@
+"""The parts of a Megatron-Core model: each tensor-parallel rank keeps its slice of a split parameter in a
+plain tensor, marked with ``tensor_model_parallel``, ``partition_dim`` and ``partition_stride``.
+
+Megatron cuts a full parameter along ``partition_dim`` into ``stride * tp`` equal chunks and gives rank ``r``
+chunks ``r, r + tp, ...``: with a stride of 2 (SwiGLU's ``linear_fc1``, gate rows then up rows) each rank holds
+its gate rows, then its up rows. A full value is one all-gather over the tensor-parallel group, the chunks put
+back in that order. Norms, biases of row-parallel layers and position embeddings carry no mark: every rank holds
+them whole. Everything local (moving tensors, counting bytes) is the whole-tensor parts'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .._errors import UnsupportedModelError
+from .._gather import Bypass
+from .._module_internals import assign
+from ._parts import Parts, Piece, Written, copy_into
+from ._whole import TorchStates, WholePlacement
+
+if TYPE_CHECKING:
+    from ._base import Adapter
+
+__all__ = ["TpSplit", "megatron_parts"]
+
+Shape = tuple[int, ...]
+
+
+class TpSplit:
+    """How one parameter is split over ``size`` tensor-parallel ranks (``rank`` is this one's)."""
+
+    def __init__(self, p: torch.Tensor, group: Any) -> None:
+        self.dim = int(getattr(p, "partition_dim", 0))
+        self.stride = int(getattr(p, "partition_stride", 1))
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    @staticmethod
+    def of(p: torch.Tensor, group: Any) -> TpSplit | None:
+        """The split of ``p``, or None where every rank holds it whole."""
+        if not getattr(p, "tensor_model_parallel", False) or group is None or dist.get_world_size(group) == 1:
+            return None
+        return TpSplit(p, group)
+
+    def full_shape(self, local: torch.Tensor) -> Shape:
+        shape = list(local.shape)
+        shape[self.dim] *= self.size
+        return tuple(shape)
+
+    def chunks(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's chunks of ``full``, in the order its slice holds them."""
+        parts = full.chunk(self.stride * self.size, dim=self.dim)
+        return list(parts[self.rank::self.size])
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The full value from every rank's ``local`` slice (a collective over the group)."""
+        # gloo moves CPU tensors only; NCCL moves them on the model's device.
+        comm = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else local.device
+        sent = local.detach().to(comm).contiguous()
+        slices = [torch.empty_like(sent) for _ in range(self.size)]
+        dist.all_gather(slices, sent, group=self.group)
+        per_rank = [s.chunk(self.stride, dim=self.dim) for s in slices]
+        full = torch.cat([per_rank[r][j] for j in range(self.stride) for r in range(self.size)], dim=self.dim)
+        return full.to(local.device)
+
+    def writer(self, local: torch.Tensor, full_shape: Shape) -> Any:
+        """A ``Piece.write`` taking this rank's chunks out of the full value."""
+        def write(values: torch.Tensor) -> None:
+            with torch.no_grad():
+                local.copy_(torch.cat(self.chunks(values.reshape(full_shape)), dim=self.dim))
+        return write
+
+
+def megatron_parts(model: Adapter, tp_group: Any) -> Parts:
+    weights = MegatronWeights(model, tp_group)
+    return Parts(weights, MegatronGatherer(model, weights), WholePlacement(model), None, TorchStates())
+
+
+class MegatronWeights:
+    def __init__(self, model: Adapter, tp_group: Any) -> None:
+        self.model, self.group = model, tp_group
+
+    def split(self, p: torch.Tensor) -> TpSplit | None:
+        return TpSplit.of(p, self.group)
+
+    def global_numel(self, p: torch.Tensor) -> int:
+        split = self.split(p)
+        return p.numel() * (split.size if split is not None else 1)
+
+    def full_shapes(self) -> dict[int, Shape]:
+        out: dict[int, Shape] = {}
+        for p in self.model._unique_parameters():
+            split = self.split(p)
+            if split is not None:
+                out[id(p)] = split.full_shape(p)
+        return out
+
+    def count(self, trainable_only: bool) -> int:
+        params = self.model._unique_parameters()
+        return sum(self.global_numel(p) for p in params if p.requires_grad or not trainable_only)
+
+    def param_shapes(self) -> dict[str, Shape]:
+        full = self.full_shapes()
+        return {name: full.get(id(p), tuple(p.shape)) for name, p in self.model.named_live(buffers=False)}
+
+    def resident_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for p in self.model._unique_parameters():
+            storage = p.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
+    def local_shards(self) -> dict[str, tuple[torch.Tensor, tuple[Any, ...]]] | None:
+        return None  # never paired shard to shard: a copy goes through full values
+
+    def layout_tensors(self) -> list[torch.Tensor] | None:
+        return None
+
+    def pieces(self) -> list[Piece]:
+        out: list[Piece] = []
+        seen: set[int] = set()
+        for name, p in self.model.named_live(buffers=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            split = self.split(p)
+            if split is None:
+                out.append(Piece(name, 0, p.numel(), tuple(p.shape), copy_into(p.data)))
+                continue
+            full = split.full_shape(p)
+            if split.dim == 0 and split.stride == 1:  # a contiguous range of the flattened full value
+                out.append(Piece(name, split.rank * p.numel(), p.numel(), full, copy_into(p.data)))
+            else:
+                out.append(Piece(name, 0, self.global_numel(p), full, split.writer(p.data, full)))
+        return out
+
+    def written(self, kind: Written, values: Mapping[str, torch.Tensor] | None = None) -> None:
+        return None  # the slices are all the model keeps (an optimizer's fp32 copies are its own)
+
+    def write_values(self, values: Iterable[tuple[str, torch.Tensor]], alpha: float) -> None:
+        """Each rank's slices (and buffers) from full values under the whole model's names, which every rank
+        has (``alpha`` < 1: a moving average, on the slices alone); no collective. Names it lacks are skipped."""
+        live = dict(self.model.named_live())
+        done: set[int] = set()
+        with torch.no_grad():
+            for name, value in values:
+                dst = live.get(name)
+                if dst is None or id(dst) in done:
+                    continue
+                done.add(id(dst))
+                split = self.split(dst)
+                if split is not None:
+                    value = torch.cat(split.chunks(value.reshape(split.full_shape(dst))), dim=split.dim)
+                assign(dst, value.reshape(dst.shape), alpha)
+
+
+class MegatronGatherer:
+    def __init__(self, model: Adapter, weights: MegatronWeights) -> None:
+        self.model, self.weights = model, weights
+
+    def one(self, p: torch.Tensor) -> torch.Tensor:
+        split = self.weights.split(p)
+        return p.detach() if split is None else split.gather(p)
+
+    def each(self) -> Iterator[tuple[str, torch.Tensor]]:
+        done: dict[int, torch.Tensor] = {}
+        for name, p in self.model.named_live(buffers=False):
+            if id(p) not in done:
+                done[id(p)] = self.one(p)
+            yield name, done[id(p)]
+
+    def units(self) -> list[list[torch.nn.Parameter]] | None:
+        return None  # exports walk ``each``: a full value is gathered where its name comes
+
+    def many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        for p in params:
+            yield p, self.one(p)
+
+    def exported(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        return self.many(params)
+
+    def full(self, modifier_rank: int | None) -> contextlib.AbstractContextManager[Any]:
+        raise UnsupportedModelError(
+            "gathered() and generation(gather='full') on a Megatron-Core model are not served: its parallel layers "
+            "run their collectives whatever weights they hold. Stream its weights into a transformers model of the "
+            "same architecture (stream_full_parameters(), or save_pretrained() and from_pretrained()) and generate "
+            "there, or run the Megatron model's own forward on every rank.")
+
+    @contextlib.contextmanager
+    def layerwise(self) -> Iterator[None]:
+        yield  # the parallel layers' own forward, as it is
+
+    def bypass(self) -> Bypass | None:
+        return None
+
+    def full_bytes(self) -> int:
+        return sum(self.weights.global_numel(p) * p.element_size() for p in self.model._unique_parameters())

@@ -1,0 +1,162 @@
+"""Megatron-Core: a model built from Megatron's parallel layers (``GPTModel``), bare, in Megatron's
+``Float16Module`` or its ``DistributedDataParallel``, split over tensor-parallel ranks (each keeps its slice of a
+layer in a plain tensor, ``_megatron_parts.py``) and pipeline stages (each holds some of the layers, numbered
+from 0 on every stage), with data parallelism over the copies.
+
+The groups are the model's own (``pg_collection``, which Megatron hands every layer). The whole model's names
+are Megatron's, with each layer under its global number (``layer_number``, which Megatron keeps): a stage's
+``decoder.layers.0`` is the whole model's ``decoder.layers.{offset}``. Pipeline stages go through the stage
+parts (``_stages.py``), which walk every stage's tensors in one plan; the Hub's layout is
+``_megatron_layout.py``'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import sys
+from collections.abc import Iterator
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .._errors import UnsupportedModelError
+from .._imports import lookup
+from .._megatron_layout import MegatronLayout
+from ._foreign import MEGATRON_LAYERS, MEGATRON_STAGES
+from ._kinds import ShardedAdapter
+from ._megatron_parts import megatron_parts
+from ._parts import Parts
+from ._stages import Stage, StagePlan, stage_parts
+from ._topology import Topology
+
+__all__ = ["MegatronAdapter", "megatron_module"]
+
+_WRAPPERS = (("megatron.core.distributed.distributed_data_parallel", "DistributedDataParallel"),
+             ("megatron.core.transformer.module", "Float16Module"))
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EMBEDDING = "embedding.word_embeddings.weight"
+
+
+def megatron_module(obj: object) -> bool:
+    """Whether ``obj`` is a Megatron-Core module (no import: Megatron loaded it if it is one)."""
+    base = lookup("megatron.core.transformer.module", "MegatronModule")
+    return base is not None and isinstance(obj, base)
+
+
+def _wrapper(obj: object) -> bool:
+    return any((cls := lookup(mod, name)) is not None and isinstance(obj, cls) for mod, name in _WRAPPERS)
+
+
+class _Groups(NamedTuple):
+    tp: Any
+    pp: Any
+    dp: Any
+
+    def size(self, group: Any) -> int:
+        return 1 if group is None else dist.get_world_size(group)
+
+
+class MegatronAdapter(ShardedAdapter):
+    name = "megatron"
+    peels = True
+    distributed = True
+    reads_marks: ClassVar[tuple[str, ...]] = (MEGATRON_LAYERS, MEGATRON_STAGES)
+
+    @classmethod
+    def matches(cls, obj: object) -> bool:
+        """Megatron's wrappers: its ``DistributedDataParallel`` and ``Float16Module``."""
+        return _wrapper(obj)
+
+    @classmethod
+    def claims(cls, module: torch.nn.Module) -> bool:
+        """A bare Megatron-Core model (no wrapper around it)."""
+        return megatron_module(module)
+
+    @classmethod
+    def inner(cls, obj: torch.nn.Module) -> torch.nn.Module:
+        # DDP(Float16Module(model)) is Megatron's own stack: both peeled as one backend.
+        while _wrapper(obj):
+            obj = obj.module  # type: ignore[assignment]
+        return obj
+
+    # -- groups ---------------------------------------------------------------------------
+    @functools.cached_property
+    def _groups(self) -> _Groups:
+        found = getattr(self._innermost, "pg_collection", None)
+        if found is not None:
+            return _Groups(getattr(found, "tp", None), getattr(found, "pp", None),
+                           getattr(found, "dp_cp", None) or getattr(found, "dp", None))
+        # Before process-group collections, Megatron kept its groups in parallel_state.
+        state: Any = sys.modules.get("megatron.core.parallel_state")
+        if state is None or not state.model_parallel_is_initialized():
+            raise UnsupportedModelError(
+                f"{type(self._innermost).__name__} is a Megatron-Core model without its process groups "
+                "(no pg_collection, and parallel_state is not initialised); adapt it while Megatron's model "
+                "parallelism is initialised.")
+        return _Groups(state.get_tensor_model_parallel_group(), state.get_pipeline_model_parallel_group(),
+                       state.get_data_parallel_group(with_context_parallel=True))
+
+    @functools.cached_property
+    def _stage(self) -> Stage | None:
+        pp = self._groups.pp
+        size = self._groups.size(pp)
+        return None if size == 1 else Stage(pp, dist.get_rank(pp), size, MEGATRON_STAGES)
+
+    @functools.cached_property
+    def _offset(self) -> int:
+        """The global number of this stage's first layer (Megatron numbers them from 1)."""
+        layers = getattr(getattr(self._innermost, "decoder", None), "layers", None)
+        if not layers:
+            return 0
+        return int(getattr(layers[0], "layer_number", 1)) - 1
+
+    def topology(self) -> Topology:
+        g = self._groups
+        tp = g.size(g.tp) > 1
+        replicas = (g.dp,) if g.size(g.dp) > 1 else ()
+        if tp:  # slices of each layer within a stage; the stages a dimension around them
+            return Topology(g.tp, replicas, None, tp_group=g.tp, pp_group=self._stage and self._stage.group)
+        if self._stage is not None:
+            return Topology(g.pp, replicas, None, pp_group=g.pp)
+        return Topology(g.dp, (), None)  # whole copies, like DDP
+
+    @property
+    def is_sharded(self) -> bool:
+        g = self._groups
+        return g.size(g.tp) > 1 or self._stage is not None
+
+    def _check_stack(self) -> None:
+        layers = [name for name, _ in self._entries if name == "peft"]
+        if layers:
+            raise UnsupportedModelError(
+                "PEFT layers on a Megatron-Core model are not read yet; adapt the Megatron model without them.")
+
+    # -- names: each layer under its global number --------------------------------------------
+    def named_live(self, parameters: bool = True, buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+        offset = self._offset
+        tied = bool(getattr(self._innermost, "share_embeddings_and_output_weights", False))
+        for name, t in super().named_live(parameters, buffers):
+            if offset:
+                name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name, count=1)
+            if tied and name == "output_layer.weight":
+                # A tied head on another stage than the embedding is Megatron's copy of it, kept equal by an
+                # all-reduce of their gradients: the whole model has one tensor, which loads fill on both.
+                name = _EMBEDDING
+            yield name, t
+
+    def parts(self) -> Parts:
+        g = self._groups
+        inner = megatron_parts(self, g.tp if g.size(g.tp) > 1 else None)
+        stage = self._stage
+        if stage is None:
+            return inner
+        buffers = [(name, tuple(b.shape)) for name, b in self.named_live(parameters=False)]
+        keys = [name for name, _ in self.named_live()]
+        params = list(self.named_live(buffers=False))
+        plan = StagePlan.read(stage, inner.weights, self.unwrap(), buffers, keys, params)
+        return stage_parts(self, inner, plan).replace(states=inner.states)
+
+    def hub_layout(self) -> MegatronLayout:
+        return MegatronLayout.of(self._innermost)
