@@ -3,6 +3,7 @@ tensor-parallel size 1, and the Hub layout against transformers' own model built
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -24,7 +25,8 @@ def logits_of(model: Any, tokens: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(n).expand_as(tokens)
     masked = torch.triu(torch.ones(1, 1, n, n), diagonal=1).bool()  # Megatron's mask: True is left out
     with torch.no_grad():
-        return model(tokens, positions, masked)  # type: ignore[no-any-return]
+        # Cloned: Megatron may hand out a view of a buffer it reuses.
+        return model(tokens, positions, masked).clone()  # type: ignore[no-any-return]
 
 
 def wrapped(model: torch.nn.Module, wrap: str) -> Any:
@@ -100,7 +102,8 @@ def exports(tmp: str, style: str, tp: int, pp: int, dtype_name: str, wrap: str =
 
 
 def copies(tmp: str) -> dict[str, Any]:
-    """``copy_to`` between Megatron models split differently (tensor parallel into stages and back), exact."""
+    """``copy_to`` between Megatron models split differently (tensor parallel into stages and back), exact; then
+    ``place``, ``sleep`` and ``wake`` keep every value."""
     tp = wrapkit.adapt(build("llama", 2, 1, seed=0))
     expected = tp.full_state_dict(rank0_only=False)
     staged = wrapkit.adapt(build("llama", 1, 2, seed=1))
@@ -109,13 +112,23 @@ def copies(tmp: str) -> dict[str, Any]:
     back = wrapkit.adapt(build("llama", 2, 1, seed=2))
     staged.copy_to(back)
     again = back.full_state_dict(rank0_only=False)
+    # Placed, put to sleep with an optimizer that has stepped, and woken: the same values, every tensor home.
+    optimizer = torch.optim.AdamW(back.unwrap().parameters(), lr=0.0)
+    for p in back.unwrap().parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    back.place()
+    report = back.sleep(optimizer)
+    back.wake()
+    woke = back.full_state_dict(rank0_only=False)
     return {"into_stages": max((there[k] - v).abs().max().item() for k, v in expected.items()),
-            "back": max((again[k] - v).abs().max().item() for k, v in expected.items())}
+            "back": max((again[k] - v).abs().max().item() for k, v in expected.items()),
+            "slept": (report.state_bytes > 0, all(torch.equal(woke[k], again[k]) for k in again))}
 
 
 def refusals(tmp: str) -> dict[str, str]:
-    """What a Megatron model refuses, each with its typed error: the whole model inside one module, a frozen copy,
-    a Hub layout for a GPT-2-style config, several chunks per rank."""
+    """What a Megatron model refuses, each with its typed error: a frozen copy, a Hub layout for a GPT-2-style
+    config (so no whole model to gather either), several chunks per rank."""
     from tests.megatron_cpu import STYLES
 
     out: dict[str, str] = {}
@@ -128,8 +141,8 @@ def refusals(tmp: str) -> dict[str, str]:
             out[name] = f"{type(exc).__name__}: {exc}"
 
     wm = wrapkit.adapt(build("llama", 2, 1))
-    said("gathered", lambda: wm.gathered().__enter__())
-    said("reference", lambda: wrapkit.prepare_reference(wm))
+    with contextlib.ExitStack() as stack:
+        said("gathered", lambda: stack.enter_context(wm.gathered()))
     said("chunks", lambda: wrapkit.adapt([build("llama", 1, 1), build("llama", 1, 1)]))
     STYLES["gpt"] = dict(normalization="LayerNorm", gated_linear_unit=False, activation_func=torch.nn.functional.gelu,
                          add_bias_linear=True, add_qkv_bias=True, num_query_groups=4, position="learned_absolute",
@@ -139,7 +152,64 @@ def refusals(tmp: str) -> dict[str, str]:
     finally:
         del STYLES["gpt"]
     said("gpt_save_pretrained", lambda: gpt.save_pretrained(os.path.join(tmp, "gpt")))
+    said("gpt_gathered", lambda: gpt.gathered().__enter__())
     full = gpt.full_state_dict(rank0_only=False)  # its own names, which need no Hub layout
     out["gpt_names"] = ",".join(sorted(full)[:3])
     out["gpt_dir"] = str(os.path.exists(os.path.join(tmp, "gpt")))
+    return out
+
+
+def generation_ops(tmp: str, style: str, tp: int, pp: int) -> dict[str, Any]:
+    """``generation()`` and ``gathered()``: the transformers model of the Hub layout, filled from every rank, with
+    Megatron's logits; a change made in it on one rank reaches every rank's slices."""
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    want = logits_of(build(style, 1, 1), tokens)
+    model = build(style, tp, pp)
+    wm = wrapkit.adapt(model)
+    out: dict[str, Any] = {}
+    with wm.generation() as m:
+        out["class"] = type(m).__name__
+        out["modes"] = (m.training, torch.is_grad_enabled())
+        out["logits"] = (m(tokens).logits - want).abs().max().item()
+        out["greedy"] = m.generate(tokens, max_new_tokens=4, do_sample=False, pad_token_id=0).tolist()
+    out["restored"] = all(mod.training for mod in model.modules())
+    before = wm.full_state_dict(rank0_only=False)
+    with wm.gathered(modifier_rank=0) as m:
+        if wm.rank == 0:
+            with torch.no_grad():
+                m.model.norm.weight.add_(1.0)
+                m.model.layers[0].self_attn.k_proj.weight.mul_(2.0)
+    after = wm.full_state_dict(rank0_only=False)
+    norm, qkv = "decoder.final_layernorm.weight", "decoder.layers.0.self_attention.linear_qkv.weight"
+    changed = sorted(k for k in before if not torch.equal(before[k], after[k]))
+    # linear_qkv's rows per query group: its query heads, then its key head, then its value head.
+    cfg: Any = model.config
+    d, per = cfg.kv_channels, cfg.num_attention_heads // cfg.num_query_groups
+    keys = torch.zeros(before[qkv].shape[0], dtype=torch.bool).reshape(cfg.num_query_groups, (per + 2) * d)
+    keys[:, per * d:(per + 1) * d] = True
+    keys = keys.reshape(-1)
+    doubled = (after[qkv][keys] - 2 * before[qkv][keys]).abs().max().item()
+    kept = torch.equal(after[qkv][~keys], before[qkv][~keys])
+    out["modified"] = (changed, (after[norm] - before[norm] - 1.0).abs().max().item(), doubled, kept)
+    return out
+
+
+def reference(tmp: str, style: str, tp: int, pp: int) -> dict[str, Any]:
+    """``prepare_reference``: a frozen copy split the same way, its own storage, with the policy's values and its
+    forward (Megatron's own, every rank stepping)."""
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    model = build(style, tp, pp)
+    wm = wrapkit.adapt(wrapped(model, "ddp"))
+    ref = wrapkit.prepare_reference(wm)
+    inner = ref.unwrap()
+    policy = wm.full_state_dict(rank0_only=False)
+    copied = ref.full_state_dict(rank0_only=False)
+    shared = {p.data_ptr() for p in model.parameters()} & {p.data_ptr() for p in inner.parameters()}
+    out: dict[str, Any] = {
+        "backend": ref.backend, "stack": ref.stack, "frozen": not any(p.requires_grad for p in inner.parameters()),
+        "eval": not any(m.training for m in inner.modules()), "shared": len(shared),
+        "values": sorted(policy) == sorted(copied) and all(torch.equal(policy[k], copied[k]) for k in policy)}
+    if pp == 1:  # one stage: its forward alone gives the logits
+        model.eval()
+        out["logits"] = (logits_of(inner, tokens) - logits_of(model, tokens)).abs().max().item()
     return out

@@ -58,18 +58,43 @@ def test_megatron_exports_and_loads_on_tp_by_pp(group4: Any, tmp_path: Any, styl
 
 def test_megatron_copies_between_splits(group: Any, tmp_path: Any) -> None:
     for r in group.run("tests.scenarios_megatron:copies", str(tmp_path), timeout=120):
-        assert r == {"into_stages": 0.0, "back": 0.0}, r
+        assert r == {"into_stages": 0.0, "back": 0.0, "slept": (True, True)}, r
+
+
+@pytest.mark.parametrize("style, tp, pp", [("llama", 2, 1), ("qwen2", 1, 2)])
+def test_megatron_generates_in_the_transformers_model(group: Any, tmp_path: Any, style: str, tp: int, pp: int) -> None:
+    """generation() and gathered() hold the transformers model of the Hub layout, filled from every rank: Megatron's
+    logits, one greedy continuation on every rank, the modes put back; a change in it on rank 0 reaches the slices."""
+    results = group.run("tests.scenarios_megatron:generation_ops", str(tmp_path), style, tp, pp, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["class"] == ("LlamaForCausalLM" if style == "llama" else "Qwen2ForCausalLM"), r["class"]
+        assert r["modes"] == (False, False) and r["restored"], (rank, r["modes"], r["restored"])
+        assert r["logits"] < 1e-5, (rank, r["logits"])
+        assert r["greedy"] == results[0]["greedy"], rank
+        changed, norm, doubled, kept = r["modified"]
+        assert changed == ["decoder.final_layernorm.weight", "decoder.layers.0.self_attention.linear_qkv.weight"], \
+            changed
+        assert norm == 0.0 and doubled == 0.0 and kept, (rank, r["modified"])
+
+
+@pytest.mark.parametrize("style, tp, pp", [("llama", 2, 1), ("qwen2", 1, 2)])
+def test_megatron_reference_is_a_frozen_copy_split_alike(group: Any, tmp_path: Any, style: str, tp: int,
+                                                          pp: int) -> None:
+    for rank, r in enumerate(group.run("tests.scenarios_megatron:reference", str(tmp_path), style, tp, pp,
+                                       timeout=120)):
+        assert r["backend"] == "megatron" and r["stack"] == ("megatron", "GPTModel"), (rank, r["stack"])
+        assert r["frozen"] and r["eval"] and r["shared"] == 0 and r["values"], (rank, r)
+        assert r.get("logits", 0.0) == 0.0, (rank, r["logits"])
 
 
 def test_megatron_refusals_are_typed(group: Any, tmp_path: Any) -> None:
     for r in group.run("tests.scenarios_megatron:refusals", str(tmp_path), timeout=120):
-        assert r["gathered"].startswith("UnsupportedModelError: gathered() and generation(gather='full') on a "
-                                        "Megatron-Core model"), r["gathered"]
-        assert r["reference"].startswith("UnsupportedModelError: the megatron backend cannot build a frozen copy"), \
-            r["reference"]
+        assert r["gathered"] == "no error", r["gathered"]
         assert "2 Megatron-Core model chunks" in r["chunks"], r["chunks"]
         said = r["gpt_save_pretrained"]
         assert said.startswith("UnsupportedModelError: the Megatron-Core model has normalization='LayerNorm', "
                                "position_embedding_type='learned_absolute'"), said
         assert r["gpt_dir"] == "False", "a refused save leaves nothing behind"
+        assert r["gpt_gathered"].startswith("UnsupportedModelError: the Megatron-Core model has normalization="), \
+            r["gpt_gathered"]
         assert r["gpt_names"].startswith("decoder.final_layernorm.bias,decoder.final_layernorm.weight"), r["gpt_names"]

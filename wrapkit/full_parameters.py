@@ -23,7 +23,7 @@ from ._errors import ArgumentError, PlacementError, UnsupportedModelError
 from ._gather import bypassed, generation_modes, restore_modes, shared_rng, synced_generate
 from ._memory import BUDGET_ENV, format_bytes, memory_budget
 from ._torch_ops import torch_ops
-from .adapters._stage_whole import whole_of_stages, whole_problem
+from .adapters._stage_whole import whole_in_hub_layout, whole_of_stages, whole_problem
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
@@ -70,6 +70,11 @@ def gathered(wm: Adapter, modifier_rank: int | None = None, own_stage: bool = Fa
 
 @contextlib.contextmanager
 def _gathered(wm: Adapter, modifier_rank: int | None, whole: bool = True) -> Iterator[torch.nn.Module]:
+    layout = wm.hub_layout() if whole else None
+    if layout is not None:  # the transformers model the backend's own layout names (Megatron-Core's)
+        with whole_in_hub_layout(wm, layout, modifier_rank) as model, torch_ops():
+            yield model
+        return
     if whole and wm.topology().stage() is not None:
         with whole_of_stages(wm, modifier_rank) as model, torch_ops():
             yield model
@@ -111,10 +116,10 @@ def generation(wm: Adapter, gather: str = "auto") -> Iterator[torch.nn.Module]:
                   "layerwise (pipeline stages)" if unbuilt else
                   f"layerwise ({why or 'too big on another rank'})" if layerwise else "full")
     if not layerwise:
-        # On stages the whole model is a module of its own (the modes set on it), and the stages share their
-        # batches, so each stage's whole model samples the same tokens.
-        stages = wm.topology().stage() is not None
-        with _gathered(wm, None) as inner, generation_modes(inner if stages else wm.module), \
+        # On stages (and in a backend's own layout) the whole model is a module of its own (the modes set on it),
+        # and the stages share their batches, so each stage's whole model samples the same tokens.
+        rebuilt = wm.topology().stage() is not None or wm.hub_layout() is not None
+        with _gathered(wm, None) as inner, generation_modes(inner if rebuilt else wm.module), \
                 shared_rng(wm.topology().pp_group):
             yield inner
         return

@@ -188,11 +188,12 @@ class MegatronGatherer:
         return self.many(params)
 
     def full(self, modifier_rank: int | None) -> contextlib.AbstractContextManager[Any]:
+        # ``gathered()`` builds the transformers model of the Hub layout instead (``whole_in_hub_layout``), and
+        # writes go to the slices (``write_values``): the parallel layers never run on full weights.
         raise UnsupportedModelError(
-            "gathered() and generation(gather='full') on a Megatron-Core model are not served: its parallel layers "
-            "run their collectives whatever weights they hold. Stream its weights into a transformers model of the "
-            "same architecture (stream_full_parameters(), or save_pretrained() and from_pretrained()) and generate "
-            "there, or run the Megatron model's own forward on every rank.")
+            "a Megatron-Core model's own modules are never gathered: its parallel layers run their collectives "
+            "whatever weights they hold. gathered() and generation() give the transformers model of its Hub "
+            "layout; write values with load_full_state_dict().")
 
     @contextlib.contextmanager
     def layerwise(self) -> Iterator[None]:

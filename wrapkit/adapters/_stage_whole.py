@@ -1,4 +1,5 @@
-"""The whole model of a pipeline, on every rank: ``gathered()`` and ``generation(gather="full")`` on stages.
+"""The whole model of a pipeline, on every rank: ``gathered()`` and ``generation(gather="full")`` on stages; and
+the transformers model a backend's own layout names (``whole_in_hub_layout``: Megatron-Core's).
 
 No stage has the other stages' layers, not even as empty shells (transformers keeps identity placeholders,
 torchtitan deletes them), so the whole model is built anew from the config, the way ``from_pretrained``
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .._agree import settle
-from .._module_internals import live_entries
+from .._module_internals import init_weights, live_entries, own_buffers
 from .._names import canonical_name, model_class_name
 from ._likeness import copy_buffers, skip_init
 from ._parts import Written
@@ -27,7 +28,7 @@ from ._stages import stage_buffers
 if TYPE_CHECKING:
     from ._base import Adapter
 
-__all__ = ["whole_problem", "whole_of_stages"]
+__all__ = ["whole_problem", "whole_of_stages", "whole_in_hub_layout"]
 
 
 def whole_problem(model: Adapter, modifier_rank: int | None) -> str | None:
@@ -111,3 +112,54 @@ def _write_back(model: Adapter, whole: torch.nn.Module, modifier_rank: int) -> N
             if mine is not None:
                 mine.copy_(sent)
     model.weights.written(Written.WEIGHTS)
+
+
+@contextlib.contextmanager
+def whole_in_hub_layout(model: Adapter, layout: Any, modifier_rank: int | None) -> Iterator[torch.nn.Module]:
+    """The transformers model of ``layout`` (``hub_config()``), on every rank, filled with the model's values in
+    the Hub's layout: a model whose own layers cannot run on full weights (Megatron's parallel layers run their
+    collectives whatever they hold) generates in it. On exit with ``modifier_rank``, every rank takes its slices
+    from that rank's model. Collective over all the ranks holding the model."""
+    import transformers
+
+    config = layout.hub_config()
+    skip: Any = skip_init() or contextlib.nullcontext
+    with torch.device(model.device), skip():
+        whole: torch.nn.Module = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
+    tie = getattr(whole, "tie_weights", None)
+    if callable(tie):
+        tie()  # a tied head is one tensor with the embedding, which the export fills
+    params = {canonical_name(n): p for n, p in whole.named_parameters(remove_duplicate=False)}
+    with torch.no_grad():
+        for name, value in layout.export(model.gatherer.each()):
+            params[name].data = value.detach().to(model.device, copy=True)
+        # Non-persistent buffers (rotary tables) were skipped with the weights, and no export holds them: built
+        # from the config as transformers builds them.
+        init: Any = init_weights(whole)
+        for module in whole.modules():
+            if init is not None and any(True for _ in own_buffers(module, persistent=False)):
+                init(module)
+    whole.train(model.unwrap().training)
+
+    def finish(failed: bool) -> None:
+        if modifier_rank is not None and not failed:
+            _write_back_hub(model, layout, whole, modifier_rank)
+
+    with settle(finish, modifier_rank is not None, model.process_group(), model.world_size):
+        yield whole
+
+
+def _write_back_hub(model: Adapter, layout: Any, whole: torch.nn.Module, modifier_rank: int) -> None:
+    """``modifier_rank``'s model broadcast over the model's group, turned back into the backend's tensors."""
+    group = model.process_group()
+    src = dist.get_global_rank(group, modifier_rank)
+    comm = torch.device("cpu") if dist.get_backend(group) == "gloo" else model.device
+    hub: dict[str, torch.Tensor] = {}
+    for name, value in live_entries(whole):
+        sent = value.detach().to(comm, copy=True).contiguous()
+        dist.broadcast(sent, src=src, group=group)
+        hub[name] = sent
+    runtime = [name for name, _ in model.named_live(buffers=False)]
+    values = ((name, layout.build(name, hub.__getitem__)) for name in runtime
+              if all(k in hub for k in layout.sources(name) or ["?"]))
+    model.weights.write_values(values, 1.0)  # type: ignore[attr-defined]

@@ -12,6 +12,8 @@ parts (``_stages.py``), which walk every stage's tensors in one plan; the Hub's 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import re
 import sys
@@ -27,7 +29,7 @@ from .._megatron_layout import MegatronLayout
 from ._foreign import MEGATRON_LAYERS, MEGATRON_STAGES
 from ._kinds import ShardedAdapter
 from ._megatron_parts import megatron_parts
-from ._parts import Parts
+from ._parts import Parts, lacking
 from ._stages import Stage, StagePlan, stage_parts
 from ._topology import Topology
 
@@ -148,7 +150,7 @@ class MegatronAdapter(ShardedAdapter):
 
     def parts(self) -> Parts:
         g = self._groups
-        inner = megatron_parts(self, g.tp if g.size(g.tp) > 1 else None)
+        inner = megatron_parts(self, g.tp if g.size(g.tp) > 1 else None).replace(likeness=_MegatronLikeness(self))
         stage = self._stage
         if stage is None:
             return inner
@@ -156,7 +158,48 @@ class MegatronAdapter(ShardedAdapter):
         keys = [name for name, _ in self.named_live()]
         params = list(self.named_live(buffers=False))
         plan = StagePlan.read(stage, inner.weights, self.unwrap(), buffers, keys, params)
-        return stage_parts(self, inner, plan).replace(states=inner.states)
+        return stage_parts(self, inner, plan).replace(likeness=inner.likeness, states=inner.states)
 
     def hub_layout(self) -> MegatronLayout:
         return MegatronLayout.of(self._innermost)
+
+
+class _MegatronLikeness:
+    """Frozen copies of a Megatron model: the model copied as it is, split the same way over the same groups
+    (its parallel layers hold the groups, which a copy shares), outside Megatron's DDP and Float16Module, which
+    only serve training. A module wrapped another way cannot become one: Megatron builds its layers split."""
+
+    takes_config = False
+    own_ops = False
+
+    def __init__(self, model: MegatronAdapter) -> None:
+        self.model = model
+
+    def start(self) -> torch.nn.Module | None:
+        return None
+
+    def wrap(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        raise lacking(self.model.name, "likeness.wrap", why=", because Megatron-Core builds its layers already split "
+                      "over its groups")
+
+    def copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+        source = self.model._innermost
+        # Process groups cannot be copied: the copy shares every one its layers hold.
+        memo: dict[int, Any] = {id(g): g for g in _groups_held(source)}
+        clone = copy.deepcopy(source, memo)
+        # A copied Parameter keeps no attributes, and Megatron's marks of the split are attributes
+        # (tensor_model_parallel, partition_dim, ...). Plain values only: DDP's main_grad stays behind.
+        for mine, theirs in zip(source.parameters(), clone.parameters(), strict=True):
+            theirs.__dict__.update({k: v for k, v in vars(mine).items() if isinstance(v, (bool, int, float, str))})
+        return clone
+
+
+def _groups_held(root: torch.nn.Module) -> Iterator[Any]:
+    """Every process group ``root``'s modules hold, directly or in a collection of them (``pg_collection``)."""
+    group_type = dist.ProcessGroup
+    for module in root.modules():
+        for value in vars(module).values():
+            if isinstance(value, group_type):
+                yield value
+            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+                yield from (v for v in vars(value).values() if isinstance(v, group_type))
