@@ -76,6 +76,10 @@ def exports(tmp: str, style: str, tp: int, pp: int, dtype_name: str, wrap: str =
         for name, t in bucket.named_tensors():
             streamed[name] = t.clone()
     hub_sd = hub.state_dict()
+    # In Megatron's own names: one all-gather per bucket where the model is split over tensor-parallel ranks alone.
+    runtime = {n: t.clone() for b in wm.stream_full_parameters(bucket_bytes=1 << 14, layout="runtime")
+               for n, t in b.named_tensors()}
+    out["stream_runtime"] = sorted(runtime) == sorted(full) and all(torch.equal(runtime[k], full[k]) for k in full)
     out["stream_hub"] = (sorted(streamed) == sorted(k for k in hub_sd if not (hub.config.tie_word_embeddings
                                                                               and k == "lm_head.weight")),
                          max((streamed[k] - hub_sd[k]).abs().max().item() for k in streamed))

@@ -38,7 +38,7 @@ def _check(results: list[dict[str, Any]], tp: int, pp: int, dtype: str) -> None:
         tolerance = 1e-6 if dtype == "float32" else 2e-2
         assert r["hub_logits_diff"] <= tolerance * r["hub_logits_scale"], (rank, r["hub_logits_diff"])
         assert r["hub_class"] == ("Qwen2ForCausalLM" if "qwen2" in r["style"] else "LlamaForCausalLM"), r["hub_class"]
-        assert r["stream_hub"] == (True, 0.0), (rank, r["stream_hub"])
+        assert r["stream_hub"] == (True, 0.0) and r["stream_runtime"], (rank, r["stream_hub"], r["stream_runtime"])
         assert r["load"] == ([], [], 0.0) and r["load_own"] == ([], [], 0.0), (rank, r["load"], r["load_own"])
 
 

@@ -26,7 +26,7 @@ from ._whole import TorchStates, WholePlacement
 if TYPE_CHECKING:
     from ._base import Adapter
 
-__all__ = ["TpSplit", "megatron_parts"]
+__all__ = ["TpSplit", "megatron_parts", "gather_together"]
 
 Shape = tuple[int, ...]
 
@@ -59,14 +59,15 @@ class TpSplit:
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """The full value from every rank's ``local`` slice (a collective over the group)."""
-        # gloo moves CPU tensors only; NCCL moves them on the model's device.
-        comm = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else local.device
-        sent = local.detach().to(comm).contiguous()
+        sent = local.detach().to(_comm(self.group, local.device)).contiguous()
         slices = [torch.empty_like(sent) for _ in range(self.size)]
         dist.all_gather(slices, sent, group=self.group)
+        return self.assemble(slices).to(local.device)
+
+    def assemble(self, slices: list[torch.Tensor]) -> torch.Tensor:
+        """The full value from every rank's slice, in rank order."""
         per_rank = [s.chunk(self.stride, dim=self.dim) for s in slices]
-        full = torch.cat([per_rank[r][j] for j in range(self.stride) for r in range(self.size)], dim=self.dim)
-        return full.to(local.device)
+        return torch.cat([per_rank[r][j] for j in range(self.stride) for r in range(self.size)], dim=self.dim)
 
     def writer(self, local: torch.Tensor, full_shape: Shape) -> Any:
         """A ``Piece.write`` taking this rank's chunks out of the full value."""
@@ -74,6 +75,27 @@ class TpSplit:
             with torch.no_grad():
                 local.copy_(torch.cat(self.chunks(values.reshape(full_shape)), dim=self.dim))
         return write
+
+
+def _comm(group: Any, device: torch.device) -> torch.device:
+    # gloo moves CPU tensors only; NCCL moves them on the model's device.
+    return torch.device("cpu") if dist.get_backend(group) == "gloo" else device
+
+
+def gather_together(params: list[tuple[torch.Tensor, TpSplit]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """``(parameter, full value)`` for split parameters of one dtype over one group, in one all-gather of their
+    slices laid end to end."""
+    split = params[0][1]
+    device = params[0][0].device
+    comm = _comm(split.group, device)
+    sent = torch.cat([p.detach().reshape(-1).to(comm) for p, _ in params])
+    received = [torch.empty_like(sent) for _ in range(split.size)]
+    dist.all_gather(received, sent, group=split.group)
+    at = 0
+    for p, own in params:
+        n = p.numel()
+        yield p, own.assemble([r[at:at + n].view(p.shape) for r in received]).to(device)
+        at += n
 
 
 def megatron_parts(model: Adapter, tp_group: Any) -> Parts:
@@ -178,11 +200,20 @@ class MegatronGatherer:
             yield name, done[id(p)]
 
     def units(self) -> list[list[torch.nn.Parameter]] | None:
-        return None  # exports walk ``each``: a full value is gathered where its name comes
+        # Every parameter is split on its own, and any set of them goes in one collective (``many``).
+        return [[p] for p in self.model._unique_parameters()]
 
     def many(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """The whole ones as they are, then the split ones in one all-gather per dtype (a stream's bucket)."""
+        split: dict[torch.dtype, list[tuple[torch.Tensor, TpSplit]]] = {}
         for p in params:
-            yield p, self.one(p)
+            own = self.weights.split(p)
+            if own is None:
+                yield p, p.detach()
+            else:
+                split.setdefault(p.dtype, []).append((p, own))
+        for together in split.values():
+            yield from gather_together(together)  # type: ignore[misc]
 
     def exported(self, params: list[torch.nn.Parameter]) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         return self.many(params)
