@@ -74,6 +74,10 @@ STYLES: dict[str, dict[str, Any]] = {
     # Qwen2: as Llama, with biases on q, k and v, and a head tied to the embedding.
     "qwen2": dict(normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
                   add_bias_linear=False, add_qkv_bias=True, num_query_groups=2, position="rope", tied=True),
+    # GPT-2: LayerNorm, GELU, learned positions, biases everywhere, a tied head: no Hub model is named for it, so
+    # only Megatron's own names are exported.
+    "gpt": dict(normalization="LayerNorm", gated_linear_unit=False, activation_func=torch.nn.functional.gelu,
+                add_bias_linear=True, add_qkv_bias=True, num_query_groups=4, position="learned_absolute", tied=True),
 }
 
 
