@@ -224,10 +224,35 @@ class _Built:
         return list(self._keys)
 
     def stacks_rows(self) -> bool:
-        return False  # the rows interleave (q, k, v per query group): built whole
+        return False  # the rows come from several sources, interleaved: ``row_segments`` says which
 
     def rows(self, read: Reader, first: int, last: int) -> torch.Tensor:
         return self.full(read)[first:last]
+
+    def row_segments(self, first: int, last: int) -> list[tuple[str, int, int]]:
+        """Rows ``[first, last)`` of the runtime tensor as ``(source key, first row, last row)`` ranges of the
+        sources, in order: a load reads only a rank's own rows of each source."""
+        segments: list[tuple[str, int, int]] = []
+        for row in range(first, last):
+            key, at = self._source_row(row)
+            if segments and segments[-1][0] == key and segments[-1][2] == at:
+                segments[-1] = (key, segments[-1][1], at + 1)
+            else:
+                segments.append((key, at, at + 1))
+        return segments
+
+    def _source_row(self, row: int) -> tuple[str, int]:
+        if len(self._keys) == 2:  # linear_fc1: the gate rows, then the up rows
+            half = self.shape[0] // 2 if self.shape is not None else 0
+            return (self._keys[0], row) if row < half else (self._keys[1], row - half)
+        lay = self.layout
+        per, d = lay.heads // lay.groups, lay.head_dim
+        group, within = divmod(row, (per + 2) * d)
+        if within < per * d:
+            return self._keys[0], group * per * d + within
+        if within < (per + 1) * d:
+            return self._keys[1], group * d + within - per * d
+        return self._keys[2], group * d + within - (per + 1) * d
 
     def full(self, read: Reader) -> torch.Tensor:
         return self.layout.build(self.name, read)

@@ -158,6 +158,8 @@ class Catalog:
             self.bytes_read += rows.numel() * rows.element_size()
         elif conv.stacks_rows():  # only the experts of these rows are read
             rows = conv.rows(self._source, first, last)
+        elif hasattr(conv, "row_segments"):  # a layout that says which rows of its sources make these rows
+            rows = torch.cat([self._source_rows(key, a, b) for key, a, b in conv.row_segments(first, last)])
         else:
             rows = self.full(name)[first:last]
         return rows.reshape(-1)[start - first * row: start - first * row + numel]
@@ -166,6 +168,13 @@ class Catalog:
         """A checkpoint tensor under its own key, whole."""
         handle, key = self._raw_where[key]
         out: torch.Tensor = handle.get_tensor(key)
+        self.bytes_read += out.numel() * out.element_size()
+        return out
+
+    def _source_rows(self, key: str, first: int, last: int) -> torch.Tensor:
+        """Rows ``[first, last)`` of a checkpoint tensor under its own key."""
+        handle, key = self._raw_where[key]
+        out: torch.Tensor = handle.get_slice(key)[first:last]
         self.bytes_read += out.numel() * out.element_size()
         return out
 

@@ -11,6 +11,7 @@ them whole. Everything local (moving tensors, counting bytes) is the whole-tenso
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -68,6 +69,14 @@ class TpSplit:
         """The full value from every rank's slice, in rank order."""
         per_rank = [s.chunk(self.stride, dim=self.dim) for s in slices]
         return torch.cat([per_rank[r][j] for j in range(self.stride) for r in range(self.size)], dim=self.dim)
+
+    def row_pieces(self, name: str, local: torch.Tensor, full_shape: Shape) -> list[Piece]:
+        """A split along the rows as pieces of the full value: chunk ``j`` of this rank's slice is full chunk
+        ``j * size + rank``, a range of whole rows, so a load reads those rows alone."""
+        per = local.shape[0] // self.stride
+        row = math.prod(full_shape[1:])
+        return [Piece(name, (j * self.size + self.rank) * per * row, per * row, full_shape,
+                      copy_into(local[j * per:(j + 1) * per])) for j in range(self.stride)]
 
     def writer(self, local: torch.Tensor, full_shape: Shape) -> Any:
         """A ``Piece.write`` taking this rank's chunks out of the full value."""
@@ -158,8 +167,8 @@ class MegatronWeights:
                 out.append(Piece(name, 0, p.numel(), tuple(p.shape), copy_into(p.data)))
                 continue
             full = split.full_shape(p)
-            if split.dim == 0 and split.stride == 1:  # a contiguous range of the flattened full value
-                out.append(Piece(name, split.rank * p.numel(), p.numel(), full, copy_into(p.data)))
+            if split.dim == 0:  # each of its chunks is a contiguous range of the flattened full value
+                out.extend(split.row_pieces(name, p.data, full))
             else:
                 out.append(Piece(name, 0, self.global_numel(p), full, split.writer(p.data, full)))
         return out
