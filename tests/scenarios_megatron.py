@@ -150,6 +150,8 @@ def refusals(tmp: str) -> dict[str, str]:
         said("gathered", lambda: stack.enter_context(wm.gathered()))
     said("chunks", lambda: wrapkit.adapt([build("llama", 1, 1), build("llama", 1, 1)]))
     gpt = wrapkit.adapt(build("gpt", 2, 1))
+    said("experts", lambda: wrapkit.adapt(_experts(expert_parallel=2)))
+    said("experts_whole", lambda: wrapkit.adapt(_experts(expert_parallel=1)))
     said("gpt_save_pretrained", lambda: gpt.save_pretrained(os.path.join(tmp, "gpt")))
     said("gpt_gathered", lambda: gpt.gathered().__enter__())
     full = gpt.full_state_dict(rank0_only=False)  # its own names, which need no Hub layout
@@ -212,3 +214,25 @@ def reference(tmp: str, style: str, tp: int, pp: int) -> dict[str, Any]:
         model.eval()
         out["logits"] = (logits_of(inner, tokens) - logits_of(model, tokens)).abs().max().item()
     return out
+
+
+def _experts(expert_parallel: int) -> torch.nn.Module:
+    """A mixture of four experts over the two ranks (two each), or whole on each."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    from tests.megatron_cpu import on_cpu, seed_trackers
+
+    on_cpu()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(expert_model_parallel_size=expert_parallel)
+    seed_trackers(0, 0)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                               normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
+                               num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+                               expert_model_parallel_size=expert_parallel, moe_token_dispatcher_type="allgather",
+                               pipeline_dtype=torch.float32)
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, normalization="RMSNorm")
+    return GPTModel(config, spec, vocab_size=64, max_sequence_length=32, position_embedding_type="rope")

@@ -98,6 +98,11 @@ def test_megatron_refusals_are_typed(group: Any, tmp_path: Any) -> None:
     for r in group.run("tests.scenarios_megatron:refusals", str(tmp_path), timeout=120):
         assert r["gathered"] == "no error", r["gathered"]
         assert "2 Megatron-Core model chunks" in r["chunks"], r["chunks"]
+        # Experts split over expert-parallel ranks hold others under the same names: refused, never read as whole.
+        assert r["experts"].startswith("UnsupportedModelError: this Megatron-Core model splits its experts over "
+                                       "expert-parallel ranks (decoder.layers.0.mlp.experts.local_experts.0."
+                                       "linear_fc1.weight: allreduce=False, expert_model_parallel_size=2"), r["experts"]
+        assert r["experts_whole"] == "no error", r["experts_whole"]
         said = r["gpt_save_pretrained"]
         assert said.startswith("UnsupportedModelError: the Megatron-Core model has normalization='LayerNorm', "
                                "position_embedding_type='learned_absolute'"), said

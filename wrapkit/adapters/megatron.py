@@ -134,6 +134,23 @@ class MegatronAdapter(ShardedAdapter):
         if layers:
             raise UnsupportedModelError(
                 "PEFT layers on a Megatron-Core model are not read yet; adapt the Megatron model without them.")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        """Refuse experts split over their own ranks: each expert-parallel rank holds other experts under the same
+        local names (and expert tensor parallelism may split them over another group than the dense layers')."""
+        found = getattr(self._innermost, "pg_collection", None)
+        ep, etp = getattr(found, "ep", None), getattr(found, "expt_tp", None)
+        g = self._groups
+        split = self._groups.size(ep) > 1 or (etp is not None and g.size(etp) != g.size(g.tp))
+        experts = next((name for name, p in self.named_live(buffers=False) if getattr(p, "allreduce", True) is False),
+                       None)
+        if experts is not None and split:
+            raise UnsupportedModelError(
+                f"this Megatron-Core model splits its experts over expert-parallel ranks ({experts}: allreduce=False, "
+                f"expert_model_parallel_size={g.size(ep)}, expert tensor parallel {g.size(etp)} beside tensor parallel "
+                f"{g.size(g.tp)}), which wrapkit does not read yet; build it with expert_model_parallel_size=1 and "
+                "the experts split like the dense layers, or export it with Megatron-Core's dist_checkpointing.")
 
     # -- names: each layer under its global number --------------------------------------------
     def named_live(self, parameters: bool = True, buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
