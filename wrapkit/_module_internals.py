@@ -10,15 +10,15 @@ which read their own backend's fields, everything goes through these functions
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
 from ._names import canonical_name
 
-__all__ = ["assign", "child_slots", "parameter_slots", "swap_parameter_slots", "forward_hook_dicts", "own_parameters",
-           "own_buffers", "is_persistent", "live_entries", "init_weights", "lerp_all_"]
+__all__ = ["assign", "assign_named", "child_slots", "parameter_slots", "swap_parameter_slots", "forward_hook_dicts",
+           "own_parameters", "own_buffers", "is_persistent", "live_entries", "init_weights", "lerp_all_"]
 
 
 def child_slots(mod: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
@@ -102,6 +102,21 @@ def assign(dst: torch.Tensor, src: torch.Tensor, alpha: float) -> None:
     s = src.to(device=dst.device, dtype=torch.float32)
     d = dst.to(torch.float32)
     dst.copy_(d * (1.0 - alpha) + s * alpha)
+
+
+def assign_named(live: Mapping[str, torch.Tensor], values: Iterable[tuple[str, torch.Tensor]], alpha: float,
+                 local: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> None:
+    """``assign`` each of ``values`` (name -> full value) to the tensor ``live`` holds under that name, once per
+    tensor (tied names share one); ``local(dst, value)``: the part of the value ``dst`` holds, where it holds only
+    a slice. Names ``live`` lacks are skipped."""
+    done: set[int] = set()
+    with torch.no_grad():
+        for name, value in values:
+            dst = live.get(name)
+            if dst is None or id(dst) in done:
+                continue
+            done.add(id(dst))
+            assign(dst, value if local is None else local(dst, value), alpha)
 
 
 def lerp_all_(dsts: list[torch.Tensor], srcs: list[torch.Tensor], alpha: float) -> None:

@@ -21,7 +21,7 @@ import torch
 
 from ._agree import Call, enter, raise_agreed, writes_files
 from ._errors import UnsupportedModelError, WrapkitError
-from ._module_internals import assign, live_entries
+from ._module_internals import assign, assign_named, live_entries
 from ._names import canonical_name
 from ._protocol import LoadResult
 from .adapters import Written
@@ -172,15 +172,7 @@ def joined_fold_plan(wm: Adapter, plan: LoraFoldPlan | None, refused: WrapkitErr
 
 # -- writing ---------------------------------------------------------------------------
 def _write_into(root: torch.nn.Module, values: Iterable[tuple[str, torch.Tensor]], alpha: float) -> None:
-    live: dict[str, torch.Tensor] = dict(live_entries(root))
-    done: set[int] = set()
-    with torch.no_grad():
-        for name, value in values:
-            dst = live.get(name)
-            if dst is None or id(dst) in done:
-                continue
-            done.add(id(dst))
-            assign(dst, value, alpha)
+    assign_named(dict(live_entries(root)), values, alpha)
 
 
 def write(target: Adapter, values: Iterable[tuple[str, torch.Tensor]], alpha: float) -> None:

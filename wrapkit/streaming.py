@@ -260,34 +260,39 @@ class _Feed:
         return next(self.values)
 
 
+def _same_source(feed: _Feed, values: Iterator[tuple[str, torch.Tensor]]) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``values`` in groups, each the pieces converted from the same runtime values (``feed``'s takes)."""
+    group: list[tuple[str, torch.Tensor]] = []
+    source = -1
+    for name, value in values:
+        if feed.taken != source and group:  # a new runtime value: the last one's pieces are complete
+            yield group
+            group = []
+        source = feed.taken
+        group.append((name, value))
+    if group:
+        yield group
+
+
 def _from_each(wm: Adapter, bucket_bytes: int, feed: _Feed, values: Iterator[tuple[str, torch.Tensor]],
                out_dtype: Callable[[str, torch.dtype], torch.dtype], mine: bool) -> Iterator[Bucket]:
     """Buckets cut from a ``gather_each`` stream, for layouts ``gather_many`` does not serve. The tensors converted
     from the same runtime values stay in one bucket, as they do from whole units: a receiver loading bucket by
     bucket (vLLM's ``load_weights``) must get every piece of a fused tensor together."""
     pending: list[tuple[str, torch.Tensor]] = []
-    group: list[tuple[str, torch.Tensor]] = []
-    size = group_size = 0
-    source = -1
+    size = 0
 
     def pack(entries: list[tuple[str, torch.Tensor]]) -> Bucket:
         return _pack(entries, out_dtype, wm.device)
 
-    for name, value in values:
+    for group in _same_source(feed, values):
         if not mine:
             continue
-        if feed.taken != source and group:  # a new runtime value: the last one's pieces are complete
-            if pending and size + group_size > bucket_bytes:
-                yield pack(pending)
-                pending, size = [], 0
-            pending, size, group, group_size = pending + group, size + group_size, [], 0
-        source = feed.taken
-        group.append((name, value))
-        group_size += _aligned(value.numel() * max(value.element_size(), out_dtype(name, value.dtype).itemsize))
-    if group:
+        group_size = sum(_aligned(value.numel() * max(value.element_size(), out_dtype(name, value.dtype).itemsize))
+                         for name, value in group)
         if pending and size + group_size > bucket_bytes:
             yield pack(pending)
-            pending = []
-        pending += group
+            pending, size = [], 0
+        pending, size = pending + group, size + group_size
     if pending:
         yield pack(pending)

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from .._errors import UnsupportedModelError
 from .._gather import Bypass
-from .._module_internals import assign
+from .._module_internals import assign_named
 from ._parts import Parts, Piece, Written, copy_into
 from ._whole import TorchStates, WholePlacement
 
@@ -58,13 +58,6 @@ class TpSplit:
         parts = full.chunk(self.stride * self.size, dim=self.dim)
         return list(parts[self.rank::self.size])
 
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """The full value from every rank's ``local`` slice (a collective over the group)."""
-        sent = local.detach().to(_comm(self.group, local.device)).contiguous()
-        slices = [torch.empty_like(sent) for _ in range(self.size)]
-        dist.all_gather(slices, sent, group=self.group)
-        return self.assemble(slices).to(local.device)
-
     def assemble(self, slices: list[torch.Tensor]) -> torch.Tensor:
         """The full value from every rank's slice, in rank order."""
         per_rank = [s.chunk(self.stride, dim=self.dim) for s in slices]
@@ -86,17 +79,13 @@ class TpSplit:
         return write
 
 
-def _comm(group: Any, device: torch.device) -> torch.device:
-    # gloo moves CPU tensors only; NCCL moves them on the model's device.
-    return torch.device("cpu") if dist.get_backend(group) == "gloo" else device
-
-
 def gather_together(params: list[tuple[torch.Tensor, TpSplit]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """``(parameter, full value)`` for split parameters of one dtype over one group, in one all-gather of their
-    slices laid end to end."""
+    """``(parameter, full value)`` for split parameters of one dtype over one group (one of them: ``one``; a
+    stream's bucket: ``many``), in one all-gather of their slices laid end to end."""
     split = params[0][1]
     device = params[0][0].device
-    comm = _comm(split.group, device)
+    # gloo moves CPU tensors only; NCCL moves them on the model's device.
+    comm = torch.device("cpu") if dist.get_backend(split.group) == "gloo" else device
     sent = torch.cat([p.detach().reshape(-1).to(comm) for p, _ in params])
     received = [torch.empty_like(sent) for _ in range(split.size)]
     dist.all_gather(received, sent, group=split.group)
@@ -179,18 +168,13 @@ class MegatronWeights:
     def write_values(self, values: Iterable[tuple[str, torch.Tensor]], alpha: float) -> None:
         """Each rank's slices (and buffers) from full values under the whole model's names, which every rank
         has (``alpha`` < 1: a moving average, on the slices alone); no collective. Names it lacks are skipped."""
-        live = dict(self.model.named_live())
-        done: set[int] = set()
-        with torch.no_grad():
-            for name, value in values:
-                dst = live.get(name)
-                if dst is None or id(dst) in done:
-                    continue
-                done.add(id(dst))
-                split = self.split(dst)
-                if split is not None:
-                    value = torch.cat(split.chunks(value.reshape(split.full_shape(dst))), dim=split.dim)
-                assign(dst, value.reshape(dst.shape), alpha)
+        assign_named(dict(self.model.named_live()), values, alpha, self._own_part)
+
+    def _own_part(self, dst: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        split = self.split(dst)
+        if split is not None:
+            full = torch.cat(split.chunks(full.reshape(split.full_shape(dst))), dim=split.dim)
+        return full.reshape(dst.shape)
 
 
 class MegatronGatherer:
@@ -199,7 +183,7 @@ class MegatronGatherer:
 
     def one(self, p: torch.Tensor) -> torch.Tensor:
         split = self.weights.split(p)
-        return p.detach() if split is None else split.gather(p)
+        return p.detach() if split is None else next(gather_together([(p, split)]))[1]
 
     def each(self) -> Iterator[tuple[str, torch.Tensor]]:
         done: dict[int, torch.Tensor] = {}

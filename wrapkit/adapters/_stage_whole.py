@@ -80,9 +80,7 @@ def _built(model: Adapter) -> torch.nn.Module:
     skip: Any = skip_init() or contextlib.nullcontext
     with torch.device(model.device), skip():
         whole = type(inner)(config)
-    tie = getattr(whole, "tie_weights", None)
-    if callable(tie):
-        tie()
+    _tie(whole)
     generation_config = getattr(inner, "generation_config", None)
     if generation_config is not None:
         whole.generation_config = copy.deepcopy(generation_config)
@@ -100,18 +98,31 @@ def _buffer_homes(root: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, str
 
 def _write_back(model: Adapter, whole: torch.nn.Module, modifier_rank: int) -> None:
     """Every tensor of ``modifier_rank``'s whole model, broadcast over the stages; each stage copies its own."""
-    group = model.process_group()
-    src = dist.get_global_rank(group, modifier_rank)
-    comm = torch.device("cpu") if dist.get_backend(group) == "gloo" else model.device
     live = dict(live_entries(model.unwrap()))
     with torch.no_grad():
-        for name, value in live_entries(whole):
-            sent = value.detach().to(comm, copy=True).contiguous()
-            dist.broadcast(sent, src=src, group=group)
+        for name, sent in _broadcast_whole(model, whole, modifier_rank):
             mine = live.get(name)
             if mine is not None:
                 mine.copy_(sent)
     model.weights.written(Written.WEIGHTS)
+
+
+def _broadcast_whole(model: Adapter, whole: torch.nn.Module, modifier_rank: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of ``modifier_rank``'s whole model, every tensor broadcast over the model's group."""
+    group = model.process_group()
+    src = dist.get_global_rank(group, modifier_rank)
+    comm = torch.device("cpu") if dist.get_backend(group) == "gloo" else model.device
+    for name, value in live_entries(whole):
+        sent = value.detach().to(comm, copy=True).contiguous()
+        dist.broadcast(sent, src=src, group=group)
+        yield name, sent
+
+
+def _tie(whole: torch.nn.Module) -> None:
+    """A tied head made one tensor with the embedding, which filling the embedding then fills."""
+    tie = getattr(whole, "tie_weights", None)
+    if callable(tie):
+        tie()
 
 
 @contextlib.contextmanager
@@ -126,9 +137,7 @@ def whole_in_hub_layout(model: Adapter, layout: Any, modifier_rank: int | None) 
     skip: Any = skip_init() or contextlib.nullcontext
     with torch.device(model.device), skip():
         whole: torch.nn.Module = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
-    tie = getattr(whole, "tie_weights", None)
-    if callable(tie):
-        tie()  # a tied head is one tensor with the embedding, which the export fills
+    _tie(whole)
     params = {canonical_name(n): p for n, p in whole.named_parameters(remove_duplicate=False)}
     with torch.no_grad():
         for name, value in layout.export(model.gatherer.each()):
@@ -151,15 +160,8 @@ def whole_in_hub_layout(model: Adapter, layout: Any, modifier_rank: int | None) 
 
 def _write_back_hub(model: Adapter, layout: Any, whole: torch.nn.Module, modifier_rank: int) -> None:
     """``modifier_rank``'s model broadcast over the model's group, turned back into the backend's tensors."""
-    group = model.process_group()
-    src = dist.get_global_rank(group, modifier_rank)
-    comm = torch.device("cpu") if dist.get_backend(group) == "gloo" else model.device
-    hub: dict[str, torch.Tensor] = {}
-    for name, value in live_entries(whole):
-        sent = value.detach().to(comm, copy=True).contiguous()
-        dist.broadcast(sent, src=src, group=group)
-        hub[name] = sent
+    hub = dict(_broadcast_whole(model, whole, modifier_rank))
     runtime = [name for name, _ in model.named_live(buffers=False)]
     values = ((name, layout.build(name, hub.__getitem__)) for name in runtime
-              if all(k in hub for k in layout.sources(name) or ["?"]))
+              if (keys := layout.sources(name)) is not None and all(k in hub for k in keys))
     model.weights.write_values(values, 1.0)  # type: ignore[attr-defined]

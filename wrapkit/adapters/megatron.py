@@ -28,6 +28,7 @@ from .._imports import lookup
 from .._megatron_layout import MegatronLayout
 from ._foreign import MEGATRON_LAYERS, MEGATRON_STAGES
 from ._kinds import ShardedAdapter
+from ._likeness import ShardedLikeness
 from ._megatron_parts import megatron_parts
 from ._parts import Parts, lacking
 from ._stages import Stage, StagePlan, stage_parts
@@ -142,7 +143,7 @@ class MegatronAdapter(ShardedAdapter):
         found = getattr(self._innermost, "pg_collection", None)
         ep, etp = getattr(found, "ep", None), getattr(found, "expt_tp", None)
         g = self._groups
-        split = self._groups.size(ep) > 1 or (etp is not None and g.size(etp) != g.size(g.tp))
+        split = g.size(ep) > 1 or (etp is not None and g.size(etp) != g.size(g.tp))
         experts = next((name for name, p in self.named_live(buffers=False) if getattr(p, "allreduce", True) is False),
                        None)
         if experts is not None and split:
@@ -181,19 +182,10 @@ class MegatronAdapter(ShardedAdapter):
         return MegatronLayout.of(self._innermost)
 
 
-class _MegatronLikeness:
+class _MegatronLikeness(ShardedLikeness["MegatronAdapter"]):
     """Frozen copies of a Megatron model: the model copied as it is, split the same way over the same groups
     (its parallel layers hold the groups, which a copy shares), outside Megatron's DDP and Float16Module, which
     only serve training. A module wrapped another way cannot become one: Megatron builds its layers split."""
-
-    takes_config = False
-    own_ops = False
-
-    def __init__(self, model: MegatronAdapter) -> None:
-        self.model = model
-
-    def start(self) -> torch.nn.Module | None:
-        return None
 
     def wrap(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
         raise lacking(self.model.name, "likeness.wrap", why=", because Megatron-Core builds its layers already split "
