@@ -9,14 +9,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.test_streaming import deepspeed_moves_states
 from wrapkit.cli._ops import OPS
 
-EXPECTED_ROWS = ["plain", "dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "tp", "pipeline"]
-# Refused as documented: tensor parallelism keeps no plan to build a frozen copy from.
-# A frozen copy of a tensor-parallel model, and PEFT on one, are refused as documented.
-TP_REFUSED = {("tp", "prepare_reference"), ("tp", "adapters")}
+EXPECTED_ROWS = ["plain", "dp", "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3", "tp", "pipeline",
+                 "megatron"]
+# Refused as documented: a frozen copy of a tensor-parallel model, and PEFT on one; PEFT on a Megatron-Core model,
+# and its forward on a machine without CUDA.
+TP_REFUSED = {("tp", "prepare_reference"), ("tp", "adapters"), ("megatron", "adapters")} | (
+    set() if torch.cuda.is_available() else {("megatron", "forward")})
 
 
 def test_doctor_all_backends_pass(tmp_path: Path) -> None:
@@ -41,7 +44,8 @@ def test_doctor_all_backends_pass(tmp_path: Path) -> None:
     if deepspeed_moves_states():
         assert refused == TP_REFUSED, refused
     for backend, op in refused:
-        why = {"prepare_reference": "cannot build a frozen copy", "adapters": "PEFT"}.get(op, "offload_states")
+        why = {"prepare_reference": "cannot build a frozen copy", "adapters": "PEFT", "forward": "needs CUDA"}.get(
+            op, "offload_states")
         assert f"{backend}/{op}: " in table and why in data["results"][backend][op]["refused"], table
     # Backends across, operations down, within 100 columns.
     header = next(line for line in table.splitlines() if line.startswith("(ms)"))
@@ -124,8 +128,9 @@ def test_doctor_on_a_chosen_family(tmp_path: Path) -> None:
     for backend in ("plain", "fsdp2", "zero3"):
         cells = data["results"][backend]
         assert len(cells) == 1 + len(OPS) and all(c["ok"] and not c.get("refused") for c in cells.values()), cells
-    out, data = _doctor(tmp_path, "--model", "t5", "--backends", "plain,tp")
+    out, data = _doctor(tmp_path, "--model", "t5", "--backends", "plain,tp,megatron")
     assert out.returncode == 0, out.stdout + out.stderr
-    assert data["results"]["tp"]["_status"] == "unsupported" and "t5" in data["results"]["tp"]["_why"]
+    for backend in ("tp", "megatron"):
+        assert data["results"][backend]["_status"] == "unsupported" and "t5" in data["results"][backend]["_why"]
     out, _ = _doctor(tmp_path, "--model", "nonsense")
     assert out.returncode == 2 and "qwen3-moe" in out.stdout

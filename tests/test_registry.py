@@ -334,9 +334,8 @@ def test_backend_adapters_define_only_their_wrapper_topology_parts_and_recipe() 
         public = {n for n in vars(cls) if not n.startswith("_")}
         assert public <= allowed, (f"{cls.__name__} defines {sorted(public - allowed)}: a backend says how it "
                                    "stores, gathers and moves weights through its parts (adapters/_parts.py)")
-    # Every built-in backend has a recipe, but Megatron-Core's (its models are built from Megatron's own specs, and
-    # the doctor's column for it is still to come), and a sharded one gives parts of its own.
+    # Every built-in backend has a recipe, and a sharded one gives parts of its own.
     for cls in (*BUILTIN_ADAPTERS, *CONTENT_ADAPTERS, PlainAdapter):
-        assert cls.recipe is not None or cls.name == "megatron", cls
+        assert cls.recipe is not None, cls
         if issubclass(cls, wrapkit.ShardedAdapter):
             assert "parts" in vars(cls), cls

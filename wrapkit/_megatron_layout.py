@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MegatronLayout", "hub_refusal"]
+__all__ = ["MegatronLayout", "hub_refusal", "megatron_settings"]
 
 Reader = Callable[[str], torch.Tensor]
 
@@ -68,6 +68,37 @@ def hub_refusal(model: Any) -> str | None:
         return None
     return (f"the Megatron-Core model has {', '.join(bad)}: its Hub layout is known for Llama-, Qwen2- and "
             "Qwen3-style configs (RMSNorm, rotary positions, SwiGLU, no linear biases)")
+
+
+def megatron_settings(hub: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The inverse of ``MegatronLayout.hub_config``: ``TransformerConfig``'s and ``GPTModel``'s keyword arguments
+    for a transformers Llama, Qwen2 or Qwen3 config (the parallel sizes and dtypes left to the caller). A config
+    with no Megatron model named here raises ``ValueError`` naming what keeps it out."""
+    kind = getattr(hub, "model_type", None)
+    rope = dict(getattr(hub, "rope_parameters", None) or {})
+    bias = bool(getattr(hub, "attention_bias", False)) or kind == "qwen2"
+    bad = [what for ok, what in [
+        (kind in ("llama", "qwen2", "qwen3"), f"model_type={kind!r} (Llama, Qwen2 and Qwen3 are known)"),
+        (getattr(hub, "hidden_act", None) == "silu", f"hidden_act={getattr(hub, 'hidden_act', None)!r}"),
+        (not getattr(hub, "mlp_bias", False), "mlp_bias=True"),
+        (rope.get("rope_type", "default") == "default", f"rope_type={rope.get('rope_type')!r}"),
+        (not (kind == "llama" and bias), "attention_bias=True on a Llama"),
+    ] if not ok]
+    if bad:
+        raise ValueError(f"no Megatron-Core GPT model matches this transformers config: {', '.join(bad)}")
+    heads = int(hub.num_attention_heads)
+    config = dict(
+        num_layers=int(hub.num_hidden_layers), hidden_size=int(hub.hidden_size), num_attention_heads=heads,
+        num_query_groups=int(getattr(hub, "num_key_value_heads", None) or heads),
+        kv_channels=int(getattr(hub, "head_dim", None) or hub.hidden_size // heads),
+        ffn_hidden_size=int(hub.intermediate_size), normalization="RMSNorm", layernorm_epsilon=float(hub.rms_norm_eps),
+        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=bias,
+        qk_layernorm=kind == "qwen3", hidden_dropout=0.0,
+        attention_dropout=float(getattr(hub, "attention_dropout", 0.0)), persist_layer_norm=False)
+    model = dict(vocab_size=int(hub.vocab_size), max_sequence_length=int(hub.max_position_embeddings),
+                 position_embedding_type="rope", share_embeddings_and_output_weights=bool(hub.tie_word_embeddings),
+                 rotary_base=float(rope.get("rope_theta", 10000.0)))
+    return config, model
 
 
 class MegatronLayout:
@@ -184,6 +215,11 @@ class MegatronLayout:
         if len(values) == 3:
             return self.join_qkv(*values)
         return values[0] if len(values) == 1 else torch.cat(values, dim=0)
+
+    def from_hub(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every runtime tensor of the whole model built from a Hub state dict (``state``, which holds them all)."""
+        names = [n for n, _ in self.model.named_parameters()]
+        return {name: self.build(name, state.__getitem__) for name in names}
 
     def imports(self, entries: Mapping[str, tuple[tuple[int, ...], str]],
                 runtime: Iterable[str]) -> tuple[dict[str, str], dict[str, Any]]:

@@ -27,7 +27,7 @@ from ._whole import TorchStates, WholePlacement
 if TYPE_CHECKING:
     from ._base import Adapter
 
-__all__ = ["TpSplit", "megatron_parts", "gather_together"]
+__all__ = ["TpSplit", "megatron_parts", "gather_together", "own_slice"]
 
 Shape = tuple[int, ...]
 
@@ -77,6 +77,15 @@ class TpSplit:
             with torch.no_grad():
                 local.copy_(torch.cat(self.chunks(values.reshape(full_shape)), dim=self.dim))
         return write
+
+
+def own_slice(p: torch.Tensor, full: torch.Tensor, group: Any) -> torch.Tensor:
+    """This rank's slice of ``full``, the whole value of parameter ``p`` split over ``group`` (all of it where
+    ``p`` is not split)."""
+    split = TpSplit.of(p, group)
+    if split is not None:
+        full = torch.cat(split.chunks(full.reshape(split.full_shape(p))), dim=split.dim)
+    return full.reshape(p.shape)
 
 
 def gather_together(params: list[tuple[torch.Tensor, TpSplit]]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -171,10 +180,7 @@ class MegatronWeights:
         assign_named(dict(self.model.named_live()), values, alpha, self._own_part)
 
     def _own_part(self, dst: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-        split = self.split(dst)
-        if split is not None:
-            full = torch.cat(split.chunks(full.reshape(split.full_shape(dst))), dim=split.dim)
-        return full.reshape(dst.shape)
+        return own_slice(dst, full, self.group)
 
 
 class MegatronGatherer:

@@ -25,12 +25,13 @@ import torch.distributed as dist
 
 from .._errors import UnsupportedModelError
 from .._imports import lookup
-from .._megatron_layout import MegatronLayout
+from .._megatron_layout import MegatronLayout, megatron_settings
 from ._foreign import MEGATRON_LAYERS, MEGATRON_STAGES
 from ._kinds import ShardedAdapter
 from ._likeness import ShardedLikeness
-from ._megatron_parts import megatron_parts
+from ._megatron_parts import megatron_parts, own_slice
 from ._parts import Parts, lacking
+from ._recipes import Recipe, Setting
 from ._stages import Stage, StagePlan, stage_parts
 from ._topology import Topology
 
@@ -61,8 +62,46 @@ class _Groups(NamedTuple):
         return 1 if group is None else dist.get_world_size(group)
 
 
+def _build(layer: str, model: torch.nn.Module, setting: Setting) -> torch.nn.Module:
+    """A transformers Llama, Qwen2 or Qwen3 as the Megatron-Core ``GPTModel`` of its architecture, with its weights:
+    split over two tensor-parallel ranks (one where the world size is odd), data parallel over the others, in
+    Megatron's DDP on CUDA (over its ``Float16Module`` in 16 bits). Megatron's parallel state is set up anew."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.module import Float16Module
+
+    settings, arguments = megatron_settings(model.config)
+    tp = 2 if dist.get_world_size() % 2 == 0 and settings["num_query_groups"] % 2 == 0 else 1
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    if setting.device.type == "cuda":
+        model_parallel_cuda_manual_seed(0)  # the generators Megatron's forward forks
+    dtype = setting.half or torch.float32
+    config = TransformerConfig(**settings, tensor_model_parallel_size=tp, use_cpu_initialization=True,
+                               params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
+                               fp16=dtype == torch.float16)
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=settings["qk_layernorm"])
+    gpt = GPTModel(config, spec, **arguments)
+    values = MegatronLayout(gpt).from_hub(model.state_dict())
+    group = ps.get_tensor_model_parallel_group()
+    with torch.no_grad():
+        for name, p in gpt.named_parameters():
+            p.copy_(own_slice(p, values[name], group))
+    gpt.to(setting.device)
+    inner: torch.nn.Module = Float16Module(config, gpt) if setting.half is not None else gpt
+    if setting.device.type != "cuda":
+        return inner  # Megatron's DDP allocates its gradient buffers on the current CUDA device
+    wrapped: torch.nn.Module = DistributedDataParallel(config, DistributedDataParallelConfig(), inner)
+    return wrapped
+
+
 class MegatronAdapter(ShardedAdapter):
     name = "megatron"
+    recipe = Recipe(("megatron",), _build, order=11, needs="megatron.core")
     peels = True
     distributed = True
     reads_marks: ClassVar[tuple[str, ...]] = (MEGATRON_LAYERS, MEGATRON_STAGES)

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FAMILIES", "TP_RECIPE", "PIPELINE_RECIPE", "family_model", "family_inputs", "any_model", "model_inputs"]
+__all__ = ["FAMILIES", "TP_RECIPE", "PIPELINE_RECIPE", "MEGATRON_RECIPE", "RECIPE_FAMILIES", "family_model",
+           "family_inputs", "any_model", "model_inputs"]
 
 _TEXT: dict[str, Any] = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -90,6 +91,19 @@ TP_RECIPE = frozenset({"llama", "qwen2-tied", "gemma3", "qwen3-moe", "qwen2-vl",
 # `model.layers` (vision-language models and T5 have none there) and its staged forward serves the language-model
 # head only (a reward model's scores never reach the last stage's caller).
 PIPELINE_RECIPE = frozenset({"llama", "qwen2-tied", "gemma3", "qwen3-moe", "gpt-oss", "deepseek-v3"})
+# The families the Megatron-Core recipe builds the GPTModel of (``_megatron_layout.megatron_settings``): RMSNorm,
+# rotary positions, SwiGLU, no linear biases but q/k/v's. Gemma's norms and GELU, experts, latent attention and
+# the other heads have no Megatron model named here.
+MEGATRON_RECIPE = frozenset({"llama", "qwen2-tied"})
+# A backend whose recipe serves only some families: those, and why the others are shown as unsupported.
+RECIPE_FAMILIES: dict[str, tuple[frozenset[str], str]] = {
+    "tp": (TP_RECIPE | {"toy"}, "the doctor's tensor-parallel recipe does not fit {model}; transformers' tp_plan "
+                                "does"),
+    "pipeline": (PIPELINE_RECIPE, "transformers' pipeline split (DistributedConfig(pp_size=...)) does not serve "
+                                  "{model}"),
+    "megatron": (MEGATRON_RECIPE, "the Megatron-Core recipe builds Llama- and Qwen2-style models (RMSNorm, rotary "
+                                  "positions, SwiGLU), not {model}"),
+}
 
 
 def family_model(family: str, seed: int = 0) -> torch.nn.Module:

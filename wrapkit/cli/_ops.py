@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from .._registry import as_adapter
+from ._models import PRECISIONS
 
 __all__ = ["OPS", "Op", "Refused"]
 
@@ -52,12 +53,31 @@ def _num_parameters(wm: Any, ctx: dict[str, Any]) -> None:
     assert n == ctx["expected_parameters"], f"{n} parameters, expected {ctx['expected_parameters']}"
 
 
-def _forward(wm: Any, ctx: dict[str, Any]) -> None:
+def _logits(model: Any, ctx: dict[str, Any], inputs: torch.Tensor, own: bool = True) -> torch.Tensor:
+    """``model``'s logits for ``inputs``. ``own``: through the backend's own forward, which for Megatron-Core
+    takes positions and a mask (True: left out) and may hand out a view of a buffer it reuses; otherwise the
+    model is transformers' (what ``gathered()`` holds)."""
     with torch.no_grad():
-        out = wm(ctx["inputs"], **ctx["extra_inputs"])
-    logits = out.logits if hasattr(out, "logits") else out
-    diff = float((logits.float().cpu() - ctx["expected_output"]).abs().max())
+        if own and ctx["backend"] == "megatron":
+            n = inputs.shape[1]
+            positions = torch.arange(n, device=inputs.device).expand_as(inputs)
+            masked = torch.ones(1, 1, n, n, dtype=torch.bool, device=inputs.device).triu(diagonal=1)
+            return model(inputs, positions, masked).clone()  # type: ignore[no-any-return]
+        out = model(inputs, **ctx["extra_inputs"])
+    return out.logits if hasattr(out, "logits") else out  # type: ignore[no-any-return]
+
+
+def _forward(wm: Any, ctx: dict[str, Any]) -> None:
+    if ctx["no_forward"]:
+        raise Refused(ctx["no_forward"])
+    diff = float((_logits(wm, ctx, ctx["inputs"]).float().cpu() - ctx["expected_output"]).abs().max())
     assert diff < ctx["output_tol"], f"output differs from the unwrapped model by {diff:.2e}"
+
+
+def _forward_checked(wm: Any, ctx: dict[str, Any]) -> None:
+    """The forward as the last check of another operation, where the backend's forward runs here."""
+    if not ctx["no_forward"]:
+        _forward(wm, ctx)
 
 
 def _describe(wm: Any, ctx: dict[str, Any]) -> None:
@@ -80,7 +100,7 @@ def _place(wm: Any, ctx: dict[str, Any]) -> None:
     _on_device(wm, "place()")
     after = {n: t.detach().cpu() for n, t in as_adapter(wm).placement.tensors()}
     assert all(torch.equal(before[n], after[n]) for n in before if n in after), "the round trip changed values"
-    _forward(wm, ctx)
+    _forward_checked(wm, ctx)
 
 
 def _to_eval_frozen(wm: Any, ctx: dict[str, Any]) -> None:
@@ -97,7 +117,7 @@ def _to_eval_frozen(wm: Any, ctx: dict[str, Any]) -> None:
         assert not trainable, "a parameter is still trainable"
         assert frozen.is_sharded == wm.is_sharded
         _on_device(frozen, "to_eval_frozen()")
-        _forward(frozen, ctx)
+        _forward_checked(frozen, ctx)
     finally:
         restore_modes(modes)
         for p, flag in flags:
@@ -116,7 +136,7 @@ def _prepare_reference(wm: Any, ctx: dict[str, Any]) -> None:
     assert ref.is_sharded == wm.is_sharded, "the reference is not sharded the policy's way"
     assert ref.num_parameters(trainable_only=True) == 0, "the reference is trainable"
     _on_device(ref, "prepare_reference()")
-    _forward(ref, ctx)
+    _forward_checked(ref, ctx)
     try:
         prepare_reference(wm.module, wm.module)
     except ReferenceModelError:
@@ -132,9 +152,7 @@ def _modes(wm: Any) -> list[bool]:
 def _gathered(wm: Any, ctx: dict[str, Any]) -> None:
     modes = _modes(wm)
     with wm.gathered() as m:
-        with torch.no_grad():
-            out = m(ctx["inputs"], **ctx["extra_inputs"])
-    logits = out.logits if hasattr(out, "logits") else out
+        logits = _logits(m, ctx, ctx["inputs"], own=False)
     diff = float((logits.float().cpu() - ctx["expected_output"]).abs().max())
     assert diff < ctx["output_tol"], f"forward inside gathered() differs from the unwrapped model by {diff:.2e}"
     assert _modes(wm) == modes, "gathered() changed training flags"
@@ -152,20 +170,22 @@ def _generation(wm: Any, ctx: dict[str, Any]) -> None:
         return
     prompt = ctx["inputs"][:, :4]
     kwargs = {"max_new_tokens": 4, "min_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
-    # Greedy decoding through the backend's own forward (in its own dtype) is what generate() must match.
+    # Greedy decoding through the backend's own forward (in its own dtype) is what generate() must match. A
+    # backend in a layout of its own generates with transformers' model of the Hub layout, so that model,
+    # built from the same weights in the backend's dtype, decodes the tokens to match (and only "full" holds one).
+    layout = ctx["layout"] is not None
+    decoder = _fresh_model(ctx, 0).to(PRECISIONS[ctx["precision"]]).eval() if layout else wm
     want = prompt
     for m in wm.module.modules():
         m.training = False
     try:
-        with torch.no_grad():
-            for _ in range(kwargs["max_new_tokens"]):
-                out = wm(want)
-                logits = out.logits if hasattr(out, "logits") else out
-                want = torch.cat([want, logits[:, -1].float().argmax(-1, keepdim=True)], dim=1)
+        for _ in range(kwargs["max_new_tokens"]):
+            logits = _logits(decoder, ctx, want, own=not layout)
+            want = torch.cat([want, logits[:, -1].float().argmax(-1, keepdim=True)], dim=1)
     finally:
         for m, flag in zip(wm.module.modules(), modes, strict=True):
             m.training = flag
-    for gather in ("full", "layerwise"):
+    for gather in ("full",) if layout else ("full", "layerwise"):
         with wm.generation(gather=gather) as m:
             got = m.generate(prompt, attention_mask=torch.ones_like(prompt), **kwargs)
         assert torch.equal(got.cpu(), want.cpu()), f"greedy tokens of gather={gather!r} differ from the backend's own"
@@ -174,7 +194,7 @@ def _generation(wm: Any, ctx: dict[str, Any]) -> None:
 
 def _named_full_parameters(wm: Any, ctx: dict[str, Any]) -> None:
     got = {n: t.detach().cpu() for n, t in wm.named_full_parameters()}
-    want: dict[str, torch.Tensor] = dict(_fresh_model(ctx, 0).named_parameters(remove_duplicate=False))
+    want = _expected(ctx, 0, parameters=True)
     _assert_equal(got, want, "named_full_parameters vs the unwrapped model", ctx["weight_tol"])
 
 
@@ -203,6 +223,16 @@ def _fresh_model(ctx: dict[str, Any], seed: int) -> torch.nn.Module:
     return any_model(ctx["model"], seed).to(ctx["device"])
 
 
+def _expected(ctx: dict[str, Any], seed: int, parameters: bool = False) -> dict[str, torch.Tensor]:
+    """The base model's state dict (or its parameters, tied ones under each name) in the backend's runtime
+    layout: transformers' own, or the one of a backend that keeps a layout of its own (Megatron-Core)."""
+    model = _fresh_model(ctx, seed)
+    hub: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False)) if parameters else dict(
+        model.state_dict())
+    layout = ctx["layout"]
+    return hub if layout is None else dict(layout.from_hub(hub))
+
+
 def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, tol: float = 0.0) -> None:
     assert got.keys() == want.keys(), f"{what}: keys differ ({sorted(set(got) ^ set(want))[:3]} ...)"
     bad = [k for k in want if float((got[k].double() - want[k].detach().cpu().double()).abs().max()) > tol]
@@ -211,7 +241,7 @@ def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], w
 
 def _full_state_dict(wm: Any, ctx: dict[str, Any]) -> None:
     sd = wm.full_state_dict(rank0_only=False)
-    want = dict(_fresh_model(ctx, 0).state_dict())
+    want = _expected(ctx, 0)
     _assert_equal(sd, want, "full_state_dict vs the unwrapped model", ctx["weight_tol"])
     assert list(sd) == list(want), "full_state_dict keys are not in state_dict() order"
     assert all(t.device.type == "cpu" for t in sd.values()), "full_state_dict returned non-CPU tensors"
@@ -250,7 +280,7 @@ def _save_load(wm: Any, ctx: dict[str, Any]) -> None:
         wm.save(path)
         _assert_equal(read_checkpoint(path), original, "the saved file")
         # Other weights in, then the file back: every weight must be restored exactly.
-        wm.load_full_state_dict(dict(_fresh_model(ctx, 1).state_dict()))
+        wm.load_full_state_dict(_expected(ctx, 1))
         wm.load(path)
         _assert_equal(wm.full_state_dict(rank0_only=False), original, "after load")
 
@@ -265,26 +295,36 @@ def _save_pretrained(wm: Any, ctx: dict[str, Any]) -> None:
         wm.save_pretrained(path, max_shard_size="16KB")
         files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
         assert len(files) > 1 and "model.safetensors.index.json" in os.listdir(path), f"wrote {sorted(files)}"
-        wm.load_full_state_dict(dict(_fresh_model(ctx, 1).state_dict()))
+        wm.load_full_state_dict(_expected(ctx, 1))
         wm.load(path)
         _assert_equal(wm.full_state_dict(rank0_only=False), original, "after load of the sharded checkpoint")
 
 
-def _copy_to(wm: Any, ctx: dict[str, Any]) -> None:
-    from .._wrapped import adapt
+def _other(wm: Any, ctx: dict[str, Any], seed: int) -> Any:
+    """A model of the base model's architecture holding seed ``seed``'s weights, for ``copy_to``: the plain
+    transformers model, or for a backend in a layout of its own a frozen copy of its model (same layout)."""
+    from .._wrapped import adapt, prepare_reference
 
+    if ctx["layout"] is None:
+        return adapt(_fresh_model(ctx, seed))
+    other = prepare_reference(wm.module, None)
+    other.load_full_state_dict(_expected(ctx, seed))
+    return other
+
+
+def _copy_to(wm: Any, ctx: dict[str, Any]) -> None:
     original = wm.full_state_dict(rank0_only=False)
-    other = adapt(_fresh_model(ctx, 1))
+    other = _other(wm, ctx, 1)
     before = other.full_state_dict(rank0_only=False)
     wm.copy_to(other, alpha=0.5)  # EMA into a plain model
     ema = {k: before[k] * 0.5 + original[k] * 0.5 for k in original}
-    _assert_equal(other.full_state_dict(rank0_only=False), ema, "EMA copy_to", tol=1e-6)
+    _assert_equal(other.full_state_dict(rank0_only=False), ema, "EMA copy_to", tol=1e-6 + ctx["weight_tol"])
     wm.copy_to(other)
     _assert_equal(other.full_state_dict(rank0_only=False), original, "exact copy_to")
     # And into this backend: other weights in, then the original ones back (rounded to its dtype).
-    adapt(_fresh_model(ctx, 1)).copy_to(wm)
+    _other(wm, ctx, 1).copy_to(wm)
     _assert_equal(wm.full_state_dict(rank0_only=False), before, "copy_to into this backend", ctx["weight_tol"])
-    adapt(_fresh_model(ctx, 0)).copy_to(wm)
+    _other(wm, ctx, 0).copy_to(wm)
     _assert_equal(wm.full_state_dict(rank0_only=False), original, "restoring by copy_to", ctx["weight_tol"])
 
 
@@ -323,6 +363,9 @@ def _adapters(wm: Any, ctx: dict[str, Any]) -> None:
 
     if not ctx["has_config"] or not is_available("peft"):
         raise Refused("needs transformers and peft")
+    if ctx["layout"] is not None:
+        raise Refused("PEFT's LoRA goes on transformers' layers, which a Megatron-Core model does not have (PEFT "
+                      "layers inside one are refused at adapt())")
 
     def wrapped(seed: int, zeroed: bool) -> Any:
         def wrap(spec: str, model: torch.nn.Module) -> torch.nn.Module:
@@ -380,7 +423,7 @@ def _sleep_wake(wm: Any, ctx: dict[str, Any]) -> None:
     _on_device(wm, "wake()")
     assert _modes(wm) == modes, "sleep/wake changed training flags"
     _assert_equal(wm.full_state_dict(rank0_only=False), original, "after sleep/wake")
-    _forward(wm, ctx)
+    _forward_checked(wm, ctx)
 
 
 OPS: list[tuple[str, Op]] = [

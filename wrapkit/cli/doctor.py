@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from .._imports import is_available, version_of
-from ._families import FAMILIES, PIPELINE_RECIPE, TP_RECIPE, any_model, model_inputs
+from ._families import FAMILIES, RECIPE_FAMILIES, any_model, model_inputs
 from ._models import build, needs, recipes, supports
 from ._ops import OPS, Refused
 from ._workers import WorkerError, WorkerGroup, keep_groups, release_kept_groups
@@ -73,6 +73,7 @@ def deepspeed_setup() -> dict[str, Any]:
 def setup_backend(backend: str, model: str, device: str = "cpu", dtype: str = "fp32",
                   topology: str = "flat") -> dict[str, Any]:
     """Worker side: wrap the model with ``backend``; the adapt row's cell."""
+    from .._registry import as_adapter
     from .._wrapped import adapt
 
     if device == "cuda":
@@ -97,9 +98,14 @@ def setup_backend(backend: str, model: str, device: str = "cpu", dtype: str = "f
         "output_tol": _TOLERANCES[dtype][0],
         "weight_tol": _TOLERANCES[dtype][1],
     }
+    # Megatron-Core's forward runs on CUDA only (it moves its rotary tables to the current CUDA device).
+    ctx["no_forward"] = ("Megatron-Core's forward needs CUDA (its rotary embedding moves to torch.cuda"
+                         ".current_device())") if backend == "megatron" and not device.startswith("cuda") else ""
     t0 = time.perf_counter()
     try:
         wm = adapt(build(backend, model=any_model(model), device=device, precision=dtype, topology=topology))
+        # A backend with a layout of its own (Megatron-Core's names and fused tensors) is compared in it.
+        ctx["layout"] = as_adapter(wm).hub_layout()
     except Exception as exc:
         return _cell(False, t0, exc)
     _STATE[backend] = (wm, ctx)
@@ -229,9 +235,11 @@ def _format_table(rows: dict[str, dict[str, Any]], columns: list[str]) -> str:
                          else f"{cell['ms']:.0f}")
         table.append(cells)
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+    # Two spaces between columns, one where that would not fit the report's width.
+    gap = "  " if sum(widths) + 2 * (len(widths) - 1) <= _WIDTH else " "
+    lines = [gap.join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
              for r in table]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines.insert(1, gap.join("-" * w for w in widths))
     return "\n".join(line.rstrip() for line in lines)
 
 
@@ -288,10 +296,9 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
                     rows[backend] = {"_status": f"not installed ({need})"}
                     continue
                 why = supports(backend, topology)
-                if why is None and backend == "tp" and model not in TP_RECIPE | {"toy"}:
-                    why = f"the doctor's tensor-parallel recipe does not fit {model}; transformers' tp_plan does"
-                if why is None and backend == "pipeline" and model not in PIPELINE_RECIPE:
-                    why = f"transformers' pipeline split (DistributedConfig(pp_size=...)) does not serve {model}"
+                served, unserved = RECIPE_FAMILIES.get(backend, (None, ""))
+                if why is None and served is not None and model not in served:
+                    why = unserved.format(model=model)
                 if why is not None:
                     rows[backend] = {"_status": "unsupported", "_why": why}
                     continue
