@@ -53,6 +53,10 @@ def on_cpu() -> None:
     random._CUDA_RNG_STATE_TRACKER = CpuRngTracker()
     random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment, return-value]
+    # A mixture's forward without Transformer Engine names TE's GEMM, which Megatron's import left undefined.
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None
     _PATCHED = True
 
 
@@ -135,3 +139,51 @@ def build(style: str = "llama", tp: int = 1, pp: int = 1, dtype: torch.dtype = t
         own[key] = full[name] if name in full else full["embedding.word_embeddings.weight"]
     stage.load_state_dict(own, strict=True)
     return stage
+
+
+def _mixture(dtype: torch.dtype, tp: int, ep: int, etp: int | None = None) -> torch.nn.Module:
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=8, ffn_hidden_size=64,
+        use_cpu_initialization=True, normalization="RMSNorm", gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, add_bias_linear=False, qk_layernorm=True, num_moe_experts=4,
+        moe_router_topk=2, moe_ffn_hidden_size=16, moe_token_dispatcher_type="allgather", hidden_dropout=0.0,
+        attention_dropout=0.0, layernorm_epsilon=1e-6, persist_layer_norm=False, params_dtype=dtype,
+        pipeline_dtype=dtype, bf16=dtype == torch.bfloat16, tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, normalization="RMSNorm", qk_layernorm=True)
+    torch.manual_seed(0)
+    return GPTModel(config, spec, vocab_size=64, max_sequence_length=32, position_embedding_type="rope",
+                    share_embeddings_and_output_weights=False, rotary_base=10000)
+
+
+def build_mixture(ep: int = 1, tp: int = 1, dtype: torch.dtype = torch.float32,
+                  etp: int | None = None) -> torch.nn.Module:
+    """A Qwen3-MoE-style mixture (q/k norms, four experts, two per token) split over ``tp`` tensor-parallel and
+    ``ep`` expert-parallel ranks, the same weights at every split: each rank's experts are filled from the model
+    built whole (expert-parallel ranks build their local experts alike, so the generator alone cannot tell them
+    apart)."""
+    import re
+
+    from megatron.core import parallel_state as ps
+
+    on_cpu()
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp)
+    seed_trackers(0, ps.get_tensor_model_parallel_rank())
+    whole = _mixture(dtype, tp, 1, etp)
+    if ep == 1:
+        return whole
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    seed_trackers(0, ps.get_tensor_model_parallel_rank())
+    split = _mixture(dtype, tp, ep)
+    first = ps.get_expert_model_parallel_rank() * (4 // ep)
+    full = whole.state_dict()
+    own = {key: full[re.sub(r"local_experts\.(\d+)\.", lambda m: f"local_experts.{int(m.group(1)) + first}.", key)]
+           for key in split.state_dict()}
+    split.load_state_dict(own, strict=True)
+    return split

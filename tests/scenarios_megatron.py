@@ -150,8 +150,7 @@ def refusals(tmp: str) -> dict[str, str]:
         said("gathered", lambda: stack.enter_context(wm.gathered()))
     said("chunks", lambda: wrapkit.adapt([build("llama", 1, 1), build("llama", 1, 1)]))
     gpt = wrapkit.adapt(build("gpt", 2, 1))
-    said("experts", lambda: wrapkit.adapt(_experts(expert_parallel=2)))
-    said("experts_whole", lambda: wrapkit.adapt(_experts(expert_parallel=1)))
+    said("experts", lambda: wrapkit.adapt(_expert_tp_apart()))
     said("gpt_save_pretrained", lambda: gpt.save_pretrained(os.path.join(tmp, "gpt")))
     said("gpt_gathered", lambda: gpt.gathered().__enter__())
     full = gpt.full_state_dict(rank0_only=False)  # its own names, which need no Hub layout
@@ -216,23 +215,57 @@ def reference(tmp: str, style: str, tp: int, pp: int) -> dict[str, Any]:
     return out
 
 
-def _experts(expert_parallel: int) -> torch.nn.Module:
-    """A mixture of four experts over the two ranks (two each), or whole on each."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer import TransformerConfig
+def mixture_ops(tmp: str, ep: int, tp: int) -> dict[str, Any]:
+    """A Qwen3-MoE-style mixture with its experts split over expert-parallel ranks: every export against the model
+    built whole, its Hub files against transformers' Qwen3-MoE, and a load of them back into every rank's experts."""
+    from transformers import AutoModelForCausalLM
 
-    from tests.megatron_cpu import on_cpu, seed_trackers
+    from tests.megatron_cpu import build_mixture
 
-    on_cpu()
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(expert_model_parallel_size=expert_parallel)
-    seed_trackers(0, 0)
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                               normalization="RMSNorm", gated_linear_unit=True, add_bias_linear=False,
-                               num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
-                               expert_model_parallel_size=expert_parallel, moe_token_dispatcher_type="allgather",
-                               pipeline_dtype=torch.float32)
-    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False, normalization="RMSNorm")
-    return GPTModel(config, spec, vocab_size=64, max_sequence_length=32, position_embedding_type="rope")
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    whole = build_mixture(1, tp)
+    expected = wrapkit.adapt(whole).full_state_dict(rank0_only=False)
+    want_logits = logits_of(whole, tokens)
+    model = build_mixture(ep, tp)
+    wm = wrapkit.adapt(model)
+    if wm.rank == 0:  # a summary enters no collective: one rank alone may ask for it
+        wm.describe()
+    dist.barrier()
+    out: dict[str, Any] = {"describe": wm.describe(), "sharded": wm.is_sharded, "backend": wm.backend,
+                           "count": (wm.num_parameters(), sum(v.numel() for v in expected.values())),
+                           "megatron_logits": (logits_of(model, tokens) - want_logits).abs().max().item()}
+    full = wm.full_state_dict(rank0_only=False)
+    out["names"] = sorted(set(full) ^ set(expected))[:4]
+    out["full_diff"] = max((full[k] - expected[k]).abs().max().item() for k in expected if k in full)
+    named = dict(wm.named_full_parameters())
+    out["named_equal"] = sorted(named) == sorted(full) and all(torch.equal(named[k], full[k]) for k in full)
+    directory = os.path.join(tmp, f"hub-moe-{ep}-{tp}")
+    wm.save_pretrained(directory, max_shard_size="20KB")
+    hub = AutoModelForCausalLM.from_pretrained(directory)
+    out["hub_class"] = type(hub).__name__
+    with torch.no_grad():
+        out["hub_logits_diff"] = (hub(tokens).logits - want_logits).abs().max().item()
+    want_hub = {n: t.clone() for b in wrapkit.adapt(hub).stream_full_parameters() for n, t in b.named_tensors()}
+    streamed = {n: t.clone() for b in wm.stream_full_parameters(bucket_bytes=1 << 13) for n, t in b.named_tensors()}
+    out["stream"] = (sorted(set(streamed) ^ set(want_hub))[:4],
+                     max((streamed[k] - want_hub[k]).abs().max().item() for k in want_hub if k in streamed))
+    # Other values in, then the Hub files back: every rank's experts restored exactly.
+    wm.load_full_state_dict({k: torch.zeros_like(v) for k, v in full.items()})
+    wm.load(directory)
+    again = wm.full_state_dict(rank0_only=False)
+    out["loaded"] = all(torch.equal(again[k], full[k]) for k in full)
+    with wm.generation() as m:
+        out["generation"] = (type(m).__name__, (m(tokens).logits - want_logits).abs().max().item())
+    ref = wrapkit.prepare_reference(wm)
+    copied = ref.full_state_dict(rank0_only=False)
+    out["reference"] = (ref.is_sharded, sorted(copied) == sorted(full) and all(torch.equal(copied[k], full[k])
+                                                                               for k in full))
+    return out
+
+
+def _expert_tp_apart() -> torch.nn.Module:
+    """A mixture whose experts are whole on each rank (expert tensor parallel size 1) while its dense layers are
+    split over two tensor-parallel ranks."""
+    from tests.megatron_cpu import build_mixture
+
+    return build_mixture(1, tp=2, etp=1)

@@ -98,11 +98,11 @@ def test_megatron_refusals_are_typed(group: Any, tmp_path: Any) -> None:
     for r in group.run("tests.scenarios_megatron:refusals", str(tmp_path), timeout=120):
         assert r["gathered"] == "no error", r["gathered"]
         assert "2 Megatron-Core model chunks" in r["chunks"], r["chunks"]
-        # Experts split over expert-parallel ranks hold others under the same names: refused, never read as whole.
-        assert r["experts"].startswith("UnsupportedModelError: this Megatron-Core model splits its experts over "
-                                       "expert-parallel ranks (decoder.layers.0.mlp.experts.local_experts.0."
-                                       "linear_fc1.weight: allreduce=False, expert_model_parallel_size=2"), r["experts"]
-        assert r["experts_whole"] == "no error", r["experts_whole"]
+        # Experts whole on each rank beside dense layers split over two: refused, never read as split like them.
+        assert r["experts"].startswith("UnsupportedModelError: this Megatron-Core model's experts (decoder.layers.0."
+                                       "mlp.experts.local_experts.0.linear_fc1.weight, ...) are split in a way "
+                                       "wrapkit does not read yet: expert tensor parallel size 1 over other ranks "
+                                       "than tensor parallel size 2"), r["experts"]
         said = r["gpt_save_pretrained"]
         assert said.startswith("UnsupportedModelError: the Megatron-Core model has normalization='LayerNorm', "
                                "position_embedding_type='learned_absolute'"), said
@@ -110,3 +110,28 @@ def test_megatron_refusals_are_typed(group: Any, tmp_path: Any) -> None:
         assert r["gpt_gathered"].startswith("UnsupportedModelError: the Megatron-Core model has normalization="), \
             r["gpt_gathered"]
         assert r["gpt_names"].startswith("decoder.final_layernorm.bias,decoder.final_layernorm.weight"), r["gpt_names"]
+
+
+def _check_mixture(per_rank: list[dict[str, Any]], ep: int) -> None:
+    for r in per_rank:
+        assert r["backend"] == "megatron" and r["sharded"], r
+        assert "experts:      share " in r["describe"] and f"of {ep} (expert parallel)" in r["describe"], r["describe"]
+        assert r["count"][0] == r["count"][1], r["count"]
+        assert r["megatron_logits"] < 1e-5, r["megatron_logits"]  # the fixture: the same model at every split
+        assert r["names"] == [] and r["full_diff"] == 0.0 and r["named_equal"], r
+        assert r["hub_class"] == "Qwen3MoeForCausalLM" and r["hub_logits_diff"] < 1e-5, r
+        assert r["stream"] == ([], 0.0), r["stream"]
+        assert r["loaded"], r
+        assert r["generation"][0] == "Qwen3MoeForCausalLM" and r["generation"][1] < 1e-5, r["generation"]
+        assert r["reference"] == (True, True), r["reference"]
+
+
+def test_megatron_experts_over_expert_parallel_ranks(group: Any, tmp_path: Any) -> None:
+    """Four experts, two on each rank: named by their global numbers, gathered from their rank, and exchanged with
+    transformers' Qwen3-MoE (its per-expert Hub layout) with the logits of the model built whole."""
+    _check_mixture(group.run("tests.scenarios_megatron:mixture_ops", str(tmp_path), 2, 1, timeout=180), 2)
+
+
+def test_megatron_experts_with_expert_data_parallel_copies(group4: Any, tmp_path: Any) -> None:
+    """Four ranks, experts over two of them and two copies of each share (expert data parallel)."""
+    _check_mixture(group4.run("tests.scenarios_megatron:mixture_ops", str(tmp_path), 2, 1, timeout=180), 2)

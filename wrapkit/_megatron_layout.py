@@ -35,7 +35,7 @@ _LAYER = {
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.gate.weight",
 }
 _TOP = {
     "embedding.word_embeddings.weight": "model.embed_tokens.weight",
@@ -44,7 +44,17 @@ _TOP = {
 }
 _QKV = ("q_proj", "k_proj", "v_proj")
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc[12]\.weight$")
 _HUB_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+def _mlp_of(rest: str) -> str | None:
+    """The Hub's prefix of the MLP (or of the expert) a layer's ``linear_fc1``/``linear_fc2`` weight is in, or
+    None for another tensor."""
+    if rest in ("mlp.linear_fc1.weight", "mlp.linear_fc2.weight"):
+        return "mlp."
+    found = _EXPERT.match(rest)
+    return None if found is None else f"mlp.experts.{found.group(1)}."
 
 
 def hub_refusal(model: Any) -> str | None:
@@ -59,15 +69,33 @@ def hub_refusal(model: Any) -> str | None:
          f"position_embedding_type={getattr(model, 'position_embedding_type', None)!r}"),
         (bool(getattr(cfg, "gated_linear_unit", False)) and act == "silu", "an MLP other than gated SiLU (SwiGLU)"),
         (not getattr(cfg, "add_bias_linear", True), "add_bias_linear=True"),
-        (not getattr(cfg, "num_moe_experts", None), "num_moe_experts (a mixture of experts)"),
+        *_mixture_checks(cfg),
         (not getattr(cfg, "multi_latent_attention", False), "multi_latent_attention=True"),
         (getattr(model, "rotary_percent", 1.0) == 1.0, f"rotary_percent={getattr(model, 'rotary_percent', None)}"),
     ]
     bad = [what for ok, what in checks if not ok]
     if not bad:
         return None
-    return (f"the Megatron-Core model has {', '.join(bad)}: its Hub layout is known for Llama-, Qwen2- and "
-            "Qwen3-style configs (RMSNorm, rotary positions, SwiGLU, no linear biases)")
+    return (f"the Megatron-Core model has {', '.join(bad)}: its Hub layout is known for Llama-, Qwen2-, Qwen3- and "
+            "Qwen3-MoE-style configs (RMSNorm, rotary positions, SwiGLU, no linear biases)")
+
+
+def _mixture_checks(cfg: Any) -> list[tuple[bool, str]]:
+    """What a mixture of experts needs for Qwen3-MoE's layout: q/k norms, every layer's MLP a mixture of experts
+    each in a module of its own, routed by a softmax over the top k, with no shared experts or other routing."""
+    if not getattr(cfg, "num_moe_experts", None):
+        return []
+    return [
+        (bool(getattr(cfg, "qk_layernorm", False)), "a mixture of experts without q/k norms (Qwen3-MoE has them)"),
+        (getattr(cfg, "moe_layer_freq", 1) == 1, f"moe_layer_freq={getattr(cfg, 'moe_layer_freq', None)!r}"),
+        (not getattr(cfg, "moe_grouped_gemm", False), "moe_grouped_gemm=True (its experts in one tensor)"),
+        (not getattr(cfg, "moe_shared_expert_intermediate_size", None), "shared experts"),
+        (getattr(cfg, "moe_router_score_function", "softmax") == "softmax",
+         f"moe_router_score_function={getattr(cfg, 'moe_router_score_function', None)!r}"),
+        (not getattr(cfg, "moe_router_enable_expert_bias", False), "moe_router_enable_expert_bias=True"),
+        (not getattr(cfg, "moe_router_num_groups", None), "grouped routing (moe_router_num_groups)"),
+        (getattr(cfg, "moe_router_topk_scaling_factor", None) in (None, 1.0), "moe_router_topk_scaling_factor"),
+    ]
 
 
 def megatron_settings(hub: Any) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -140,6 +168,13 @@ class MegatronLayout:
             tie_word_embeddings=self.tied, hidden_act="silu",
             rope_parameters={"rope_type": "default", "rope_theta": float(model.rotary_base)},
         )
+        if getattr(cfg, "num_moe_experts", None):
+            # Megatron's top k of the logits, then a softmax over them, is Qwen3-MoE's renormalised top k.
+            return transformers.Qwen3MoeConfig(
+                **common, attention_bias=bool(cfg.add_qkv_bias), num_experts=int(cfg.num_moe_experts),
+                num_experts_per_tok=int(cfg.moe_router_topk), moe_intermediate_size=int(cfg.moe_ffn_hidden_size),
+                norm_topk_prob=not getattr(cfg, "moe_router_pre_softmax", False), decoder_sparse_step=1,
+                mlp_only_layers=[])
         if getattr(cfg, "qk_layernorm", False):
             return transformers.Qwen3Config(**common, attention_bias=bool(cfg.add_qkv_bias))
         if getattr(cfg, "add_qkv_bias", False):
@@ -166,10 +201,13 @@ class MegatronLayout:
                 kind = rest.rsplit(".", 1)[1]
                 for proj, part in zip(_QKV, self.split_qkv(tensor), strict=True):
                     yield f"{at}self_attn.{proj}.{kind}", part
-            elif rest == "mlp.linear_fc1.weight":
-                gate, up = tensor.chunk(2, dim=0)
-                yield at + "mlp.gate_proj.weight", gate
-                yield at + "mlp.up_proj.weight", up
+            elif (mlp := _mlp_of(rest)) is not None:
+                if rest.endswith("linear_fc1.weight"):
+                    gate, up = tensor.chunk(2, dim=0)
+                    yield at + mlp + "gate_proj.weight", gate
+                    yield at + mlp + "up_proj.weight", up
+                else:
+                    yield at + mlp + "down_proj.weight", tensor
             else:
                 raise ValueError(f"{name!r} has no place in the Hub's layout of this model")
 
@@ -203,8 +241,11 @@ class MegatronLayout:
         if rest.startswith("self_attention.linear_qkv."):
             kind = rest.rsplit(".", 1)[1]
             return [f"{at}self_attn.{proj}.{kind}" for proj in _QKV]
-        if rest == "mlp.linear_fc1.weight":
-            return [at + "mlp.gate_proj.weight", at + "mlp.up_proj.weight"]
+        mlp = _mlp_of(rest)
+        if mlp is not None and rest.endswith("linear_fc1.weight"):
+            return [at + mlp + "gate_proj.weight", at + mlp + "up_proj.weight"]
+        if mlp is not None:
+            return [at + mlp + "down_proj.weight"]
         return None
 
     def build(self, name: str, read: Reader) -> torch.Tensor:

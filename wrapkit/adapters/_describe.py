@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from ._stages import StageWeights
+
 if TYPE_CHECKING:
     from ._base import Adapter
 
@@ -18,9 +20,12 @@ def describe(adapter: Adapter) -> str:
     training = sum(1 for m in mods if m.training)
     total = adapter.num_parameters()
     stage = adapter.topology().stage()
-    # Counting what trains across pipeline stages is a collective; a summary never enters one.
-    trainable = (f"{sum(p.numel() for p in adapter._unique_parameters() if p.requires_grad):,} trainable in this "
-                 "stage" if stage is not None else f"{adapter.num_parameters(trainable_only=True):,} trainable")
+    # Counting what trains across pipeline stages (or expert-parallel ranks, read as stages) is a collective; a
+    # summary never enters one.
+    local = f"{sum(p.numel() for p in adapter._unique_parameters() if p.requires_grad):,} trainable"
+    trainable = (f"{local} in this stage" if stage is not None else f"{local} held by this rank"
+                 if isinstance(adapter.weights, StageWeights) else
+                 f"{adapter.num_parameters(trainable_only=True):,} trainable")
     lines = [
         f"backend:      {adapter.backend}"
         + (f" (ZeRO stage {adapter.zero_stage})" if adapter.zero_stage is not None else ""),
@@ -30,7 +35,7 @@ def describe(adapter: Adapter) -> str:
         *_mesh_lines(adapter),
         *([f"pipeline:     stage {stage[0]} of {stage[1]}, holding its own layers; the stages share each batch"]
           if stage is not None else []),
-        *([f"experts:      share {experts[0]} of {experts[1]} (expert parallel), the rest sharded alike"]
+        *([f"experts:      share {experts[0]} of {experts[1]} (expert parallel), each rank holding its own"]
           if (experts := adapter.topology().experts()) is not None else []),
         f"sharded:      {'yes' if adapter.is_sharded else 'no'}",
         f"parameters:   {total:,} ({trainable}); "

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .._agree import settle
+from .._hub_layout import HubLayout
 from .._module_internals import init_weights, live_entries, own_buffers
 from .._names import canonical_name, model_class_name
 from ._likeness import copy_buffers, skip_init
@@ -139,9 +140,14 @@ def whole_in_hub_layout(model: Adapter, layout: Any, modifier_rank: int | None) 
         whole: torch.nn.Module = transformers.AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     _tie(whole)
     params = {canonical_name(n): p for n, p in whole.named_parameters(remove_duplicate=False)}
+    # The Hub's tensors may not be the transformers model's own (Qwen3-MoE fuses its experts at run time): its
+    # own Hub layout turns them into its tensors.
+    own = HubLayout.of(whole)
+    importer = own.importer({n: tuple(p.shape) for n, p in params.items()}) if own is not None else None
     with torch.no_grad():
-        for name, value in layout.export(model.gatherer.each()):
-            params[name].data = value.detach().to(model.device, copy=True)
+        for key, tensor in layout.export(model.gatherer.each()):
+            for name, value in importer.feed(key, tensor) if importer is not None else [(key, tensor)]:
+                params[name].data = value.detach().to(model.device, copy=True)
         # Non-persistent buffers (rotary tables) were skipped with the weights, and no export holds them: built
         # from the config as transformers builds them.
         init: Any = init_weights(whole)
@@ -160,7 +166,9 @@ def whole_in_hub_layout(model: Adapter, layout: Any, modifier_rank: int | None) 
 
 def _write_back_hub(model: Adapter, layout: Any, whole: torch.nn.Module, modifier_rank: int) -> None:
     """``modifier_rank``'s model broadcast over the model's group, turned back into the backend's tensors."""
-    hub = dict(_broadcast_whole(model, whole, modifier_rank))
+    entries = _broadcast_whole(model, whole, modifier_rank)
+    own = HubLayout.of(whole)
+    hub = dict(own.export(entries) if own is not None else entries)
     runtime = [name for name, _ in model.named_live(buffers=False)]
     values = ((name, layout.build(name, hub.__getitem__)) for name in runtime
               if (keys := layout.sources(name)) is not None and all(k in hub for k in keys))

@@ -41,6 +41,7 @@ _WRAPPERS = (("megatron.core.distributed.distributed_data_parallel", "Distribute
              ("megatron.core.transformer.module", "Float16Module"))
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EMBEDDING = "embedding.word_embeddings.weight"
+_LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
 
 
 def megatron_module(obj: object) -> bool:
@@ -57,6 +58,8 @@ class _Groups(NamedTuple):
     tp: Any
     pp: Any
     dp: Any
+    ep: Any = None  # the experts' own split: expert parallel, and expert tensor parallel
+    etp: Any = None
 
     def size(self, group: Any) -> int:
         return 1 if group is None else dist.get_world_size(group)
@@ -129,7 +132,8 @@ class MegatronAdapter(ShardedAdapter):
         found = getattr(self._innermost, "pg_collection", None)
         if found is not None:
             return _Groups(getattr(found, "tp", None), getattr(found, "pp", None),
-                           getattr(found, "dp_cp", None) or getattr(found, "dp", None))
+                           getattr(found, "dp_cp", None) or getattr(found, "dp", None), getattr(found, "ep", None),
+                           getattr(found, "expt_tp", None))
         # Before process-group collections, Megatron kept its groups in parallel_state.
         state: Any = sys.modules.get("megatron.core.parallel_state")
         if state is None or not state.model_parallel_is_initialized():
@@ -138,13 +142,28 @@ class MegatronAdapter(ShardedAdapter):
                 "(no pg_collection, and parallel_state is not initialised); adapt it while Megatron's model "
                 "parallelism is initialised.")
         return _Groups(state.get_tensor_model_parallel_group(), state.get_pipeline_model_parallel_group(),
-                       state.get_data_parallel_group(with_context_parallel=True))
+                       state.get_data_parallel_group(with_context_parallel=True),
+                       state.get_expert_model_parallel_group(), state.get_expert_tensor_parallel_group())
 
     @functools.cached_property
     def _stage(self) -> Stage | None:
         pp = self._groups.pp
         size = self._groups.size(pp)
         return None if size == 1 else Stage(pp, dist.get_rank(pp), size, MEGATRON_STAGES)
+
+    @functools.cached_property
+    def _experts_split(self) -> Stage | None:
+        """Experts split over expert-parallel ranks, read as the stages are: each rank of the ep group holds its
+        own experts (under their global numbers) beside the dense layers, which every rank holds; None without."""
+        ep = self._groups.ep
+        size = self._groups.size(ep)
+        return None if size == 1 else Stage(ep, dist.get_rank(ep), size, MEGATRON_STAGES)
+
+    @functools.cached_property
+    def _local_experts(self) -> int:
+        """How many experts each expert-parallel rank holds."""
+        cfg = getattr(self._innermost, "config", None)
+        return int(getattr(cfg, "num_moe_experts", None) or 0) // self._groups.size(self._groups.ep)
 
     @functools.cached_property
     def _offset(self) -> int:
@@ -159,15 +178,17 @@ class MegatronAdapter(ShardedAdapter):
         tp = g.size(g.tp) > 1
         replicas = (g.dp,) if g.size(g.dp) > 1 else ()
         if tp:  # slices of each layer within a stage; the stages a dimension around them
-            return Topology(g.tp, replicas, None, tp_group=g.tp, pp_group=self._stage and self._stage.group)
-        if self._stage is not None:
-            return Topology(g.pp, replicas, None, pp_group=g.pp)
-        return Topology(g.dp, (), None)  # whole copies, like DDP
+            top = Topology(g.tp, replicas, None, tp_group=g.tp, pp_group=self._stage and self._stage.group)
+        elif self._stage is not None:
+            top = Topology(g.pp, replicas, None, pp_group=g.pp)
+        else:
+            top = Topology(g.dp, (), None)  # whole copies, like DDP
+        return top if self._experts_split is None else top.with_experts(g.ep)
 
     @property
     def is_sharded(self) -> bool:
         g = self._groups
-        return g.size(g.tp) > 1 or self._stage is not None
+        return g.size(g.tp) > 1 or self._stage is not None or self._experts_split is not None
 
     def _check_stack(self) -> None:
         layers = [name for name, _ in self._entries if name == "peft"]
@@ -177,28 +198,42 @@ class MegatronAdapter(ShardedAdapter):
         self._check_experts()
 
     def _check_experts(self) -> None:
-        """Refuse experts split over their own ranks: each expert-parallel rank holds other experts under the same
-        local names (and expert tensor parallelism may split them over another group than the dense layers')."""
-        found = getattr(self._innermost, "pg_collection", None)
-        ep, etp = getattr(found, "ep", None), getattr(found, "expt_tp", None)
+        """Refuse the expert splits not read yet: experts sliced over other ranks than the dense layers (expert
+        tensor parallelism apart from tensor parallelism), expert parallelism beside pipeline stages, and grouped
+        experts (one tensor for all of a rank's experts) split over expert-parallel ranks."""
         g = self._groups
-        split = g.size(ep) > 1 or (etp is not None and g.size(etp) != g.size(g.tp))
-        experts = next((name for name, p in self.named_live(buffers=False) if getattr(p, "allreduce", True) is False),
-                       None)
-        if experts is not None and split:
+        # Found by name: Megatron marks experts allreduce=False only when split over expert-parallel ranks, and
+        # tensor_model_parallel even when they are whole on each rank.
+        experts = [name for name, _ in self.named_live(buffers=False) if ".mlp.experts." in name]
+        if not experts:
+            return
+        problems = []
+        if not _same_ranks(g.etp, g.tp):
+            problems.append(f"expert tensor parallel size {g.size(g.etp)} over other ranks than tensor parallel size "
+                            f"{g.size(g.tp)}")
+        if self._experts_split is not None and self._stage is not None:
+            problems.append(f"expert parallel size {g.size(g.ep)} beside {self._stage.stages} pipeline stages")
+        grouped = next((n for n in experts if not _LOCAL_EXPERT.search(n)), None)
+        if self._experts_split is not None and grouped is not None:
+            problems.append(f"grouped experts ({grouped}) split over {g.size(g.ep)} expert-parallel ranks")
+        if problems:
             raise UnsupportedModelError(
-                f"this Megatron-Core model splits its experts over expert-parallel ranks ({experts}: allreduce=False, "
-                f"expert_model_parallel_size={g.size(ep)}, expert tensor parallel {g.size(etp)} beside tensor parallel "
-                f"{g.size(g.tp)}), which wrapkit does not read yet; build it with expert_model_parallel_size=1 and "
-                "the experts split like the dense layers, or export it with Megatron-Core's dist_checkpointing.")
+                f"this Megatron-Core model's experts ({experts[0]}, ...) are split in a way wrapkit does not read yet: "
+                f"{'; '.join(problems)}. Expert parallelism is read for one module per expert (moe_grouped_gemm="
+                "False) without pipeline stages, the experts sliced over the tensor-parallel ranks; otherwise export "
+                "it with Megatron-Core's dist_checkpointing.")
 
     # -- names: each layer under its global number --------------------------------------------
     def named_live(self, parameters: bool = True, buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         offset = self._offset
         tied = bool(getattr(self._innermost, "share_embeddings_and_output_weights", False))
+        split = self._experts_split
+        first = 0 if split is None else split.number * self._local_experts  # this rank's first expert
         for name, t in super().named_live(parameters, buffers):
             if offset:
                 name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name, count=1)
+            if first:
+                name = _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + first}.", name, count=1)
             if tied and name == "output_layer.weight":
                 # A tied head on another stage than the embedding is Megatron's copy of it, kept equal by an
                 # all-reduce of their gradients: the whole model has one tensor, which loads fill on both.
@@ -208,7 +243,7 @@ class MegatronAdapter(ShardedAdapter):
     def parts(self) -> Parts:
         g = self._groups
         inner = megatron_parts(self, g.tp if g.size(g.tp) > 1 else None).replace(likeness=_MegatronLikeness(self))
-        stage = self._stage
+        stage = self._stage or self._experts_split  # both together are refused (_check_experts)
         if stage is None:
             return inner
         buffers = [(name, tuple(b.shape)) for name, b in self.named_live(parameters=False)]
@@ -240,6 +275,13 @@ class _MegatronLikeness(ShardedLikeness["MegatronAdapter"]):
         for mine, theirs in zip(source.parameters(), clone.parameters(), strict=True):
             theirs.__dict__.update({k: v for k, v in vars(mine).items() if isinstance(v, (bool, int, float, str))})
         return clone
+
+
+def _same_ranks(a: Any, b: Any) -> bool:
+    """Whether groups ``a`` and ``b`` (None: this rank alone) hold the same ranks."""
+    def ranks(g: Any) -> list[int]:
+        return [dist.get_rank()] if g is None or dist.get_world_size(g) == 1 else dist.get_process_group_ranks(g)
+    return ranks(a) == ranks(b)
 
 
 def _groups_held(root: torch.nn.Module) -> Iterator[Any]:
