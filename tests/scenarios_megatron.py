@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import wrapkit
 from tests.megatron_cpu import build
+from tests.scenarios_families import _bytes_read
 
 
 def _whole_names(style: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -92,7 +93,9 @@ def exports(tmp: str, style: str, tp: int, pp: int, dtype_name: str, wrap: str =
     with torch.no_grad():
         for p in model.parameters():
             p.add_(1.0)
-    result = wm.load(directory)
+    with _bytes_read() as read:
+        result = wm.load(directory)
+    out["read_fraction"] = read[0] / read[1]
     out["load"] = (list(result.missing_keys), list(result.unexpected_keys),
                    max((p.detach() - b).abs().max().item() for p, b in zip(model.parameters(), before, strict=True)))
     # And a file in Megatron's own names (save()), which needs no Hub layout.
@@ -101,7 +104,9 @@ def exports(tmp: str, style: str, tp: int, pp: int, dtype_name: str, wrap: str =
     with torch.no_grad():
         for p in model.parameters():
             p.sub_(1.0)
-    result = wm.load(path)
+    with _bytes_read() as read:
+        result = wm.load(path)
+    out["read_fraction_own"] = read[0] / read[1]
     restored = max((p.detach() - b).abs().max().item() for p, b in zip(model.parameters(), before, strict=True))
     out["load_own"] = (list(result.missing_keys), list(result.unexpected_keys), restored)
     dist.barrier()

@@ -47,6 +47,10 @@ def _check(results: list[dict[str, Any]], tp: int, pp: int, dtype: str) -> None:
         assert r["hub_class"] == ("Qwen2ForCausalLM" if "qwen2" in r["style"] else "LlamaForCausalLM"), r["hub_class"]
         assert r["stream_hub"] == (True, 0.0) and r["stream_runtime"], (rank, r["stream_hub"], r["stream_runtime"])
         assert r["load"] == ([], [], 0.0) and r["load_own"] == ([], [], 0.0), (rank, r["load"], r["load_own"])
+        # Each rank reads its own rows and columns of every split tensor (the norms whole): 1/(tp*pp) and a little
+        # (a tied head on the last stage reads its copy of the embedding's rows too).
+        share = 1 / (tp * pp)
+        assert share <= r["read_fraction"] <= share + 0.04 and share <= r["read_fraction_own"] <= share + 0.04, r
 
 
 @pytest.mark.parametrize("style, tp, pp, dtype, wrap", CASES2)

@@ -140,11 +140,22 @@ class Catalog:
         raise StateDictError(f"{path!r} holds neither {INDEX_NAME} nor {SINGLE_NAME}; pass a directory that "
                              "save_pretrained() wrote, or a safetensors file")
 
-    def read(self, name: str, start: int, numel: int) -> torch.Tensor:
+    def read(self, name: str, start: int, numel: int, columns: tuple[int, int] | None = None) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of the flattened tensor ``name``: only the rows that
-        cover them are read."""
+        cover them are read. ``columns``: of those whole rows, only columns ``[first, last)`` (dim 1), flattened
+        (``Piece.columns``); a tensor stored as it is loads only them."""
         shape, _ = self.entries[name]
         conv = self.converted.get(name)
+        if columns is not None:
+            row = math.prod(shape[1:])
+            first, last = start // row, (start + numel) // row
+            if conv is None:
+                handle, key = self.where[name]
+                block: torch.Tensor = handle.get_slice(key)[first:last, columns[0]:columns[1]]
+                self.bytes_read += block.numel() * block.element_size()
+            else:
+                block = self.full(name)[first:last, columns[0]:columns[1]]
+            return block.reshape(-1)
         if conv is None and len(shape) == 0:
             handle, key = self.where[name]
             scalar: torch.Tensor = handle.get_tensor(key)
@@ -341,7 +352,7 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
 def _fill(wm: Adapter, catalog: Catalog) -> None:
     for piece in wm.weights.pieces():
         if piece.name in catalog.entries:
-            piece.write(catalog.read(piece.name, piece.start, piece.numel))
+            piece.write(catalog.read(piece.name, piece.start, piece.numel, piece.columns))
     for name, b in wm.named_live(parameters=False):
         if name in catalog.entries:
             b.copy_(catalog.full(name).reshape(b.shape))
@@ -369,9 +380,8 @@ def _fill_broadcast(wm: Adapter, catalog: Catalog | None, entries: dict[str, tup
         # Sent as its bytes: gloo (and NCCL for some) cannot carry every dtype a checkpoint holds,
         # float8 among them, and bytes are bytes whatever the dtype.
         dist.broadcast(full.reshape(-1).view(torch.uint8), global_src, group=group)
-        flat = full.reshape(-1)
         for piece in pieces.get(name, ()):
-            piece.write(flat[piece.start: piece.start + piece.numel])
+            piece.write(piece.block(full))
         if name in buffers:
             buffers[name].copy_(full.reshape(buffers[name].shape))
 

@@ -71,6 +71,14 @@ class TpSplit:
         return [Piece(name, (j * self.size + self.rank) * per * row, per * row, full_shape,
                       copy_into(local[j * per:(j + 1) * per])) for j in range(self.stride)]
 
+    def column_pieces(self, name: str, local: torch.Tensor, full_shape: Shape) -> list[Piece]:
+        """A split along the columns (dim 1) as pieces: chunk ``j`` of this rank's slice is full columns chunk
+        ``j * size + rank`` of every row, so a load reads those columns alone."""
+        per = local.shape[1] // self.stride
+        return [Piece(name, 0, math.prod(full_shape), full_shape, copy_into(local[:, j * per:(j + 1) * per]),
+                      columns=((j * self.size + self.rank) * per, (j * self.size + self.rank + 1) * per))
+                for j in range(self.stride)]
+
     def writer(self, local: torch.Tensor, full_shape: Shape) -> Any:
         """A ``Piece.write`` taking this rank's chunks out of the full value."""
         def write(values: torch.Tensor) -> None:
@@ -167,6 +175,8 @@ class MegatronWeights:
             full = split.full_shape(p)
             if split.dim == 0:  # each of its chunks is a contiguous range of the flattened full value
                 out.extend(split.row_pieces(name, p.data, full))
+            elif split.dim == 1:  # each of its chunks is a block of columns
+                out.extend(split.column_pieces(name, p.data, full))
             else:
                 out.append(Piece(name, 0, self.global_numel(p), full, split.writer(p.data, full)))
         return out

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple, Protocol
 
@@ -54,13 +55,24 @@ MOVED_TO_PARTS = {
 class Piece(NamedTuple):
     """Elements ``[start, start + numel)`` of the flattened full parameter ``name`` (shape
     ``full_shape``) that this rank holds; ``write(values)`` stores them (a 1-D tensor of ``numel``
-    elements, any dtype) in this rank's storage, and in the optimizer's master copy where one is kept."""
+    elements, any dtype) in this rank's storage, and in the optimizer's master copy where one is kept.
+    ``columns``: where set, ``(first, last)``, only those columns (dim 1) of the rows that range covers:
+    ``write`` takes that block, flattened (a split along the columns, read without the other ranks')."""
 
     name: str
     start: int
     numel: int
     full_shape: Shape
     write: Callable[[torch.Tensor], None]
+    columns: tuple[int, int] | None = None
+
+    def block(self, full: torch.Tensor) -> torch.Tensor:
+        """This piece's values out of the whole tensor ``full``, flattened, as ``write`` takes them."""
+        if self.columns is None:
+            return full.reshape(-1)[self.start:self.start + self.numel]
+        row = math.prod(self.full_shape[1:])
+        first, last = self.start // row, (self.start + self.numel) // row
+        return full.reshape(self.full_shape)[first:last, self.columns[0]:self.columns[1]].reshape(-1)
 
 
 def copy_into(dst: torch.Tensor) -> Any:
