@@ -122,12 +122,17 @@ def test_doctor_hsdp_needs_four_ranks(tmp_path: Path) -> None:
 def test_doctor_on_a_chosen_family(tmp_path: Path) -> None:
     """`--model qwen3-moe`: every operation on the MoE (LoRA on its experts in the adapters column), and a
     family the tensor-parallel recipe does not fit shown as unsupported with the reason."""
-    out, data = _doctor(tmp_path, "--model", "qwen3-moe", "--backends", "plain,fsdp2,zero3")
+    out, data = _doctor(tmp_path, "--model", "qwen3-moe", "--backends", "plain,fsdp2,zero3,megatron")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "model: transformers qwen3-moe" in out.stdout and data["model"] == "qwen3-moe"
     for backend in ("plain", "fsdp2", "zero3"):
         cells = data["results"][backend]
         assert len(cells) == 1 + len(OPS) and all(c["ok"] and not c.get("refused") for c in cells.values()), cells
+    # Megatron-Core's mixture: its experts over the two ranks (expert parallel), every operation passing.
+    cells = data["results"]["megatron"]
+    refused = {op for op, c in cells.items() if c.get("refused")}
+    assert len(cells) == 1 + len(OPS) and all(c["ok"] for c in cells.values()), cells
+    assert refused == {op for b, op in TP_REFUSED if b == "megatron"}, refused
     out, data = _doctor(tmp_path, "--model", "t5", "--backends", "plain,tp,megatron")
     assert out.returncode == 0, out.stdout + out.stderr
     for backend in ("tp", "megatron"):

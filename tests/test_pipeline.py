@@ -97,3 +97,16 @@ def test_lora_on_pipeline_stages_exports_merges_and_saves_every_stages_adapters(
         for op in ("unmerged", "merged", "streamed_merged", "saved_merged", "adapters_only"):
             assert r[op] == [], (op, r[op][:3])
         assert r["adapters_loaded"] == ([], [], []), r["adapters_loaded"]
+
+
+def test_the_plan_orders_names_as_the_whole_model_does() -> None:
+    """Stages append their layers after the earlier stages' (a tied head's copy on the last stage keeps the
+    embedding's place); another owner's experts within a layer every owner holds go between that layer's names."""
+    from wrapkit.adapters._stages import _merged
+
+    stages = [["embed", "l0.a", "l1.a"], ["l2.a", "l3.a", "norm", "embed"]]
+    assert _merged(stages) == ["embed", "l0.a", "l1.a", "l2.a", "l3.a", "norm"]
+    experts = [["embed", "l0.router", "l0.e0", "l0.e1", "l1.norm", "l1.router", "l1.e0", "l1.e1", "head"],
+               ["embed", "l0.router", "l0.e2", "l0.e3", "l1.norm", "l1.router", "l1.e2", "l1.e3", "head"]]
+    assert _merged(experts) == ["embed", "l0.router", "l0.e0", "l0.e1", "l0.e2", "l0.e3", "l1.norm", "l1.router",
+                                "l1.e0", "l1.e1", "l1.e2", "l1.e3", "head"]

@@ -24,7 +24,7 @@ import torch
 from ._imports import lookup
 from ._module_internals import recorded_conversions
 
-__all__ = ["HubLayout", "Converted", "Layout"]
+__all__ = ["HubLayout", "Converted", "Layout", "hub_tensors"]
 
 Entries = Mapping[str, tuple[tuple[int, ...], str]]
 Reader = Callable[[str], torch.Tensor]
@@ -246,6 +246,14 @@ class HubLayout:
     def optional(self) -> frozenset[str]:
         """Runtime names a checkpoint may lack: the tied copies, rebuilt from what they are tied to."""
         return frozenset(self.tied)
+
+
+def hub_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A transformers model's parameters and persistent buffers in the Hub's layout (its state dict where the two
+    layouts coincide), each tied weight once."""
+    state = model.state_dict()
+    layout = HubLayout.of(model)
+    return dict(state) if layout is None else dict(layout.export(state.items()))
 
 
 class Importer:

@@ -45,6 +45,7 @@ _TOP = {
 _QKV = ("q_proj", "k_proj", "v_proj")
 _LAYER_NAME = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.linear_fc[12]\.weight$")
+_HUB_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.\d+\.")
 _HUB_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -106,7 +107,10 @@ def megatron_settings(hub: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     rope = dict(getattr(hub, "rope_parameters", None) or {})
     bias = bool(getattr(hub, "attention_bias", False)) or kind == "qwen2"
     bad = [what for ok, what in [
-        (kind in ("llama", "qwen2", "qwen3"), f"model_type={kind!r} (Llama, Qwen2 and Qwen3 are known)"),
+        (kind in ("llama", "qwen2", "qwen3", "qwen3_moe"),
+         f"model_type={kind!r} (Llama, Qwen2, Qwen3 and Qwen3-MoE are known)"),
+        (not getattr(hub, "mlp_only_layers", None) and getattr(hub, "decoder_sparse_step", 1) == 1,
+         "dense layers among the mixtures (mlp_only_layers, decoder_sparse_step)"),
         (getattr(hub, "hidden_act", None) == "silu", f"hidden_act={getattr(hub, 'hidden_act', None)!r}"),
         (not getattr(hub, "mlp_bias", False), "mlp_bias=True"),
         (rope.get("rope_type", "default") == "default", f"rope_type={rope.get('rope_type')!r}"),
@@ -121,8 +125,14 @@ def megatron_settings(hub: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         kv_channels=int(getattr(hub, "head_dim", None) or hub.hidden_size // heads),
         ffn_hidden_size=int(hub.intermediate_size), normalization="RMSNorm", layernorm_epsilon=float(hub.rms_norm_eps),
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False, add_qkv_bias=bias,
-        qk_layernorm=kind == "qwen3", hidden_dropout=0.0,
+        qk_layernorm=kind in ("qwen3", "qwen3_moe"), hidden_dropout=0.0,
         attention_dropout=float(getattr(hub, "attention_dropout", 0.0)), persist_layer_norm=False)
+    if kind == "qwen3_moe":
+        # Qwen3-MoE's renormalised top k is Megatron's softmax over the top k logits; without it, the top k of
+        # the softmax over all.
+        config.update(num_moe_experts=int(hub.num_experts), moe_router_topk=int(hub.num_experts_per_tok),
+                      moe_ffn_hidden_size=int(hub.moe_intermediate_size),
+                      moe_router_pre_softmax=not hub.norm_topk_prob, moe_token_dispatcher_type="allgather")
     model = dict(vocab_size=int(hub.vocab_size), max_sequence_length=int(hub.max_position_embeddings),
                  position_embedding_type="rope", share_embeddings_and_output_weights=bool(hub.tie_word_embeddings),
                  rotary_base=float(rope.get("rope_theta", 10000.0)))
@@ -211,6 +221,13 @@ class MegatronLayout:
             else:
                 raise ValueError(f"{name!r} has no place in the Hub's layout of this model")
 
+    def fused_group(self, key: str) -> str | None:
+        """The tensor of transformers' model a Hub tensor ``key`` is fused into with others kept apart here (a
+        layer's experts: ``mlp.experts.gate_up_proj`` and ``down_proj`` at run time), or None: a stream keeps a
+        group in one bucket for receivers that load bucket by bucket."""
+        found = _HUB_EXPERT.match(key)
+        return None if found is None else found.group(1)
+
     def split_qkv(self, fused: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k and v out of ``linear_qkv``'s rows (per query group: its query heads, its key, its value)."""
         per = self.heads // self.groups
@@ -257,9 +274,8 @@ class MegatronLayout:
             return self.join_qkv(*values)
         return values[0] if len(values) == 1 else torch.cat(values, dim=0)
 
-    def from_hub(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Every runtime tensor of the whole model built from a Hub state dict (``state``, which holds them all)."""
-        names = [n for n, _ in self.model.named_parameters()]
+    def from_hub(self, state: Mapping[str, torch.Tensor], names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """The runtime tensors ``names`` (the whole model's) built from a Hub state dict holding them all."""
         return {name: self.build(name, state.__getitem__) for name in names}
 
     def imports(self, entries: Mapping[str, tuple[tuple[int, ...], str]],

@@ -160,7 +160,8 @@ def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     units = wm.gatherer.units()
     if units is None:
         feed = _Feed(lora_fold_stream(plan, wm.gatherer.each()))
-        yield from _from_each(wm, bucket_bytes, feed, converted(feed), out_dtype, mine)
+        fused = getattr(hub, "fused_group", None)
+        yield from _from_each(wm, bucket_bytes, feed, converted(feed), out_dtype, mine, fused)
         return
     names: dict[int, list[str]] = {}
     for n, p in wm.named_live(buffers=False):
@@ -274,8 +275,25 @@ def _same_source(feed: _Feed, values: Iterator[tuple[str, torch.Tensor]]) -> Ite
         yield group
 
 
+def _fused_runs(groups: Iterator[list[tuple[str, torch.Tensor]]],
+                fused: Callable[[str], str | None] | None) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """``groups``, with consecutive ones that a receiver fuses into one tensor (``fused``: the same group name,
+    a layer's experts in a layout that keeps them apart) joined."""
+    run: list[tuple[str, torch.Tensor]] = []
+    key: str | None = None
+    for group in groups:
+        mine = fused(group[0][0]) if fused is not None else None
+        if run and (mine is None or mine != key):
+            yield run
+            run = []
+        run, key = run + group, mine
+    if run:
+        yield run
+
+
 def _from_each(wm: Adapter, bucket_bytes: int, feed: _Feed, values: Iterator[tuple[str, torch.Tensor]],
-               out_dtype: Callable[[str, torch.dtype], torch.dtype], mine: bool) -> Iterator[Bucket]:
+               out_dtype: Callable[[str, torch.dtype], torch.dtype], mine: bool,
+               fused: Callable[[str], str | None] | None = None) -> Iterator[Bucket]:
     """Buckets cut from a ``gather_each`` stream, for layouts ``gather_many`` does not serve. The tensors converted
     from the same runtime values stay in one bucket, as they do from whole units: a receiver loading bucket by
     bucket (vLLM's ``load_weights``) must get every piece of a fused tensor together."""
@@ -285,7 +303,7 @@ def _from_each(wm: Adapter, bucket_bytes: int, feed: _Feed, values: Iterator[tup
     def pack(entries: list[tuple[str, torch.Tensor]]) -> Bucket:
         return _pack(entries, out_dtype, wm.device)
 
-    for group in _same_source(feed, values):
+    for group in _fused_runs(_same_source(feed, values), fused):
         if not mine:
             continue
         group_size = sum(_aligned(value.numel() * max(value.element_size(), out_dtype(name, value.dtype).itemsize))

@@ -127,6 +127,31 @@ def _adapter_keys(root: torch.nn.Module) -> dict[str, dict[str, str]]:
     return out
 
 
+def _merged(lists: list[list[str]]) -> list[str]:
+    """Each name once, in the whole model's order: the first list's, then each later list's new names where that
+    list puts them. A run of new names between two known ones (another expert-parallel rank's experts within a
+    layer every rank holds) goes before the known name that follows it; a run with no known name before it (a
+    later stage's layers) goes at the end."""
+    order: list[str] = []
+    known: set[str] = set()
+    for names in lists:
+        run: list[str] = []
+        before: str | None = None  # the last known name seen in this list
+        for name in [*names, None]:
+            if name is not None and name not in known:
+                run.append(name)
+                continue
+            if run:
+                at = len(order)
+                if name is not None and before is not None and order.index(name) > order.index(before):
+                    at = order.index(name)
+                order[at:at] = run
+                known.update(run)
+                run = []
+            before = name
+    return order
+
+
 class StagePlan:
     """Which stage owns each tensor of the whole model, and the order every stage walks them in.
 
@@ -148,7 +173,6 @@ class StagePlan:
             for names in h.ties:
                 for other in names[1:]:
                     parent[find(other)] = find(names[0])
-        self.order: list[str] = []
         self.shapes: dict[str, Shape] = {}
         self.owner: dict[str, int] = {}  # tensor (its first name) -> stage
         self.tensor_of: dict[str, str] = {}
@@ -156,10 +180,10 @@ class StagePlan:
             for name, shape in h.names:
                 if name in self.shapes:
                     continue
-                self.order.append(name)
                 self.shapes[name] = shape
                 self.tensor_of[name] = find(name)
                 self.owner.setdefault(find(name), s)
+        self.order: list[str] = _merged([[name for name, _ in h.names] for h in held])
         # Persistent buffers (a router's bias in a layer): each from the first stage holding it.
         self.buffer_shapes: dict[str, Shape] = {}
         self.buffer_owner: dict[str, int] = {}
@@ -168,7 +192,7 @@ class StagePlan:
                 self.buffer_shapes.setdefault(name, shape)
                 self.buffer_owner.setdefault(name, s)
         # The whole model's state dict keys in its order: the stages hold consecutive modules.
-        self.keys = list(dict.fromkeys(k for h in held for k in h.keys))
+        self.keys = _merged([h.keys for h in held])
         # The whole model's tie map, for its Hub layout: the same on every stage.
         self.tied_keys: dict[str, str] = {k: v for h in held for k, v in h.tied_keys.items()}
         self.adapter_keys: dict[str, dict[str, str]] = {}

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .._errors import UnsupportedModelError
+from .._hub_layout import hub_tensors
 from .._imports import lookup
 from .._megatron_layout import MegatronLayout, megatron_settings
 from ._foreign import MEGATRON_LAYERS, MEGATRON_STAGES
@@ -78,22 +79,34 @@ def _build(layer: str, model: torch.nn.Module, setting: Setting) -> torch.nn.Mod
     from megatron.core.transformer.module import Float16Module
 
     settings, arguments = megatron_settings(model.config)
-    tp = 2 if dist.get_world_size() % 2 == 0 and settings["num_query_groups"] % 2 == 0 else 1
+    experts = int(settings.get("num_moe_experts") or 0)
+    even = dist.get_world_size() % 2 == 0
+    # A mixture splits its experts instead: Megatron takes tensor parallelism beside experts only with sequence
+    # parallelism.
+    tp = 2 if even and not experts and settings["num_query_groups"] % 2 == 0 else 1
+    ep = 2 if even and experts % 2 == 0 and experts else 1
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     if setting.device.type == "cuda":
         model_parallel_cuda_manual_seed(0)  # the generators Megatron's forward forks
     dtype = setting.half or torch.float32
-    config = TransformerConfig(**settings, tensor_model_parallel_size=tp, use_cpu_initialization=True,
+    config = TransformerConfig(**settings, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                               use_cpu_initialization=True,
                                params_dtype=dtype, pipeline_dtype=dtype, bf16=dtype == torch.bfloat16,
                                fp16=dtype == torch.float16)
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=settings["qk_layernorm"])
+    spec = get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False, normalization="RMSNorm",
+                                    qk_layernorm=settings["qk_layernorm"])
     gpt = GPTModel(config, spec, **arguments)
-    values = MegatronLayout(gpt).from_hub(model.state_dict())
+    # Each expert-parallel rank holds its own experts under local numbers: their values are the Hub's experts
+    # from this rank's first on.
+    first = ps.get_expert_model_parallel_rank() * (experts // ep)
+    local = [(name, _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + first}.", name, count=1), p)
+             for name, p in gpt.named_parameters()]
+    values = MegatronLayout(gpt).from_hub(hub_tensors(model), [whole for _, whole, _ in local])
     group = ps.get_tensor_model_parallel_group()
     with torch.no_grad():
-        for name, p in gpt.named_parameters():
-            p.copy_(own_slice(p, values[name], group))
+        for _, whole, p in local:
+            p.copy_(own_slice(p, values[whole], group))
     gpt.to(setting.device)
     inner: torch.nn.Module = Float16Module(config, gpt) if setting.half is not None else gpt
     if setting.device.type != "cuda":

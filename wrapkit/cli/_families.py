@@ -92,17 +92,18 @@ TP_RECIPE = frozenset({"llama", "qwen2-tied", "gemma3", "qwen3-moe", "qwen2-vl",
 # head only (a reward model's scores never reach the last stage's caller).
 PIPELINE_RECIPE = frozenset({"llama", "qwen2-tied", "gemma3", "qwen3-moe", "gpt-oss", "deepseek-v3"})
 # The families the Megatron-Core recipe builds the GPTModel of (``_megatron_layout.megatron_settings``): RMSNorm,
-# rotary positions, SwiGLU, no linear biases but q/k/v's. Gemma's norms and GELU, experts, latent attention and
-# the other heads have no Megatron model named here.
-MEGATRON_RECIPE = frozenset({"llama", "qwen2-tied"})
+# rotary positions, SwiGLU, no linear biases but q/k/v's, and Qwen3-MoE's mixture (its experts over two
+# expert-parallel ranks). Gemma's norms and GELU, other mixtures, latent attention and the other heads have no
+# Megatron model named here.
+MEGATRON_RECIPE = frozenset({"llama", "qwen2-tied", "qwen3-moe"})
 # A backend whose recipe serves only some families: those, and why the others are shown as unsupported.
 RECIPE_FAMILIES: dict[str, tuple[frozenset[str], str]] = {
     "tp": (TP_RECIPE | {"toy"}, "the doctor's tensor-parallel recipe does not fit {model}; transformers' tp_plan "
                                 "does"),
     "pipeline": (PIPELINE_RECIPE, "transformers' pipeline split (DistributedConfig(pp_size=...)) does not serve "
                                   "{model}"),
-    "megatron": (MEGATRON_RECIPE, "the Megatron-Core recipe builds Llama- and Qwen2-style models (RMSNorm, rotary "
-                                  "positions, SwiGLU), not {model}"),
+    "megatron": (MEGATRON_RECIPE, "the Megatron-Core recipe builds Llama-, Qwen2- and Qwen3-MoE-style models "
+                                  "(RMSNorm, rotary positions, SwiGLU), not {model}"),
 }
 
 

@@ -226,11 +226,13 @@ def _fresh_model(ctx: dict[str, Any], seed: int) -> torch.nn.Module:
 def _expected(ctx: dict[str, Any], seed: int, parameters: bool = False) -> dict[str, torch.Tensor]:
     """The base model's state dict (or its parameters, tied ones under each name) in the backend's runtime
     layout: transformers' own, or the one of a backend that keeps a layout of its own (Megatron-Core)."""
+    from .._hub_layout import hub_tensors
+
     model = _fresh_model(ctx, seed)
-    hub: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False)) if parameters else dict(
-        model.state_dict())
     layout = ctx["layout"]
-    return hub if layout is None else dict(layout.from_hub(hub))
+    if layout is not None:  # built from the Hub's tensors (transformers may fuse them at run time)
+        return dict(layout.from_hub(hub_tensors(model), ctx["names"]))
+    return dict(model.named_parameters(remove_duplicate=False)) if parameters else dict(model.state_dict())
 
 
 def _assert_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str, tol: float = 0.0) -> None:

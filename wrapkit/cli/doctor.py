@@ -106,6 +106,7 @@ def setup_backend(backend: str, model: str, device: str = "cpu", dtype: str = "f
         wm = adapt(build(backend, model=any_model(model), device=device, precision=dtype, topology=topology))
         # A backend with a layout of its own (Megatron-Core's names and fused tensors) is compared in it.
         ctx["layout"] = as_adapter(wm).hub_layout()
+        ctx["names"] = list(as_adapter(wm).weights.param_shapes())  # the whole model's, in its runtime layout
     except Exception as exc:
         return _cell(False, t0, exc)
     _STATE[backend] = (wm, ctx)
