@@ -286,7 +286,8 @@ def _fused_runs(groups: Iterator[list[tuple[str, torch.Tensor]]],
         if run and (mine is None or mine != key):
             yield run
             run = []
-        run, key = run + group, mine
+        run.extend(group)
+        key = mine
     if run:
         yield run
 

@@ -45,6 +45,13 @@ _EMBEDDING = "embedding.word_embeddings.weight"
 _LOCAL_EXPERT = re.compile(r"(\.mlp\.experts\.local_experts\.)(\d+)\.")
 
 
+def _global_expert(name: str, first: int) -> str:
+    """``name`` with its local expert number (if any) turned global: ``first`` is this rank's first expert."""
+    if not first:
+        return name
+    return _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + first}.", name, count=1)
+
+
 def megatron_module(obj: object) -> bool:
     """Whether ``obj`` is a Megatron-Core module (no import: Megatron loaded it if it is one)."""
     base = lookup("megatron.core.transformer.module", "MegatronModule")
@@ -100,13 +107,12 @@ def _build(layer: str, model: torch.nn.Module, setting: Setting) -> torch.nn.Mod
     # Each expert-parallel rank holds its own experts under local numbers: their values are the Hub's experts
     # from this rank's first on.
     first = ps.get_expert_model_parallel_rank() * (experts // ep)
-    local = [(name, _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + first}.", name, count=1), p)
-             for name, p in gpt.named_parameters()]
-    values = MegatronLayout(gpt).from_hub(hub_tensors(model), [whole for _, whole, _ in local])
+    params = [(_global_expert(name, first), p) for name, p in gpt.named_parameters()]
+    values = MegatronLayout(gpt).from_hub(hub_tensors(model), [name for name, _ in params])
     group = ps.get_tensor_model_parallel_group()
     with torch.no_grad():
-        for _, whole, p in local:
-            p.copy_(own_slice(p, values[whole], group))
+        for name, p in params:
+            p.copy_(own_slice(p, values[name], group))
     gpt.to(setting.device)
     inner: torch.nn.Module = Float16Module(config, gpt) if setting.half is not None else gpt
     if setting.device.type != "cuda":
@@ -158,19 +164,21 @@ class MegatronAdapter(ShardedAdapter):
                        state.get_data_parallel_group(with_context_parallel=True),
                        state.get_expert_model_parallel_group(), state.get_expert_tensor_parallel_group())
 
+    def _owners(self, group: Any) -> Stage | None:
+        """``group``'s ranks as owners of parts of the whole model (the stage plan reads them), or None where it
+        has one rank."""
+        size = self._groups.size(group)
+        return None if size == 1 else Stage(group, dist.get_rank(group), size, MEGATRON_STAGES)
+
     @functools.cached_property
     def _stage(self) -> Stage | None:
-        pp = self._groups.pp
-        size = self._groups.size(pp)
-        return None if size == 1 else Stage(pp, dist.get_rank(pp), size, MEGATRON_STAGES)
+        return self._owners(self._groups.pp)
 
     @functools.cached_property
     def _experts_split(self) -> Stage | None:
         """Experts split over expert-parallel ranks, read as the stages are: each rank of the ep group holds its
         own experts (under their global numbers) beside the dense layers, which every rank holds; None without."""
-        ep = self._groups.ep
-        size = self._groups.size(ep)
-        return None if size == 1 else Stage(ep, dist.get_rank(ep), size, MEGATRON_STAGES)
+        return self._owners(self._groups.ep)
 
     @functools.cached_property
     def _local_experts(self) -> int:
@@ -245,8 +253,7 @@ class MegatronAdapter(ShardedAdapter):
         for name, t in super().named_live(parameters, buffers):
             if offset:
                 name = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name, count=1)
-            if first:
-                name = _LOCAL_EXPERT.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + first}.", name, count=1)
+            name = _global_expert(name, first)
             if tied and name == "output_layer.weight":
                 # A tied head on another stage than the embedding is Megatron's copy of it, kept equal by an
                 # all-reduce of their gradients: the whole model has one tensor, which loads fill on both.
