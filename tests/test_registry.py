@@ -321,7 +321,9 @@ _WRAPPER = {"name", "peels", "distributed", "matches", "inner", "claims", "devic
             "unsupported_dtensor", "frozen_form", "reads_marks",
             # How its model's names read where the module's own paths are not the whole model's (Megatron numbers
             # each stage's layers from 0), and the Hub layout of a model that is not transformers'.
-            "named_live", "hub_layout"}
+            "named_live", "hub_layout",
+            # The names behind each tensor an optimizer holds, where one stands for several (FSDP1's flat ones).
+            "parameter_names"}
 _COMPOSED = {"topology", "parts", "recipe"}
 
 

@@ -21,6 +21,7 @@ from .checkpoint import read_checkpoint
 from .shutdown import shutdown
 from .sleeping import SleepReport
 from .streaming import Bucket, BucketEntry
+from .training_state import StateLoad
 
 __version__ = "0.1.0"
 
@@ -49,5 +50,6 @@ __all__ = [
     "Bucket",
     "BucketEntry",
     "SleepReport",
+    "StateLoad",
     "shutdown",
 ]

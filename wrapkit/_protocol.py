@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from .adapters._base import Adapter
     from .sleeping import SleepReport
     from .streaming import Bucket
+    from .training_state import StateLoad
 
 __all__ = ["WrappedModel", "Handle", "LoadResult"]
 
@@ -247,4 +248,17 @@ class WrappedModel(Protocol):
 
     def copy_to(self, target: WrappedModel, alpha: float = 1.0) -> None:
         """Name-aligned weight sync into another model; ``alpha < 1`` is EMA (``alpha*self + (1-alpha)*target``)."""
+        ...
+
+    # -- training state --------------------------------------------------------------
+    def save_state(self, directory: str | os.PathLike[str], optimizer: Any = None, *, scheduler: Any = None,
+                   extra: Mapping[str, Any] | None = None) -> None:
+        """Weights as the optimizer steps them, its state and param groups by canonical name, the scheduler,
+        each rank's RNG and ``extra``, into ``directory`` (DCP format, atomic). Collective."""
+        ...
+
+    def load_state(self, directory: str | os.PathLike[str], optimizer: Any = None, *,
+                   scheduler: Any = None) -> StateLoad:
+        """What ``save_state`` wrote, on any backend, topology and world size, checked whole first;
+        returns ``StateLoad(extra, skipped)``. Collective."""
         ...

@@ -28,6 +28,7 @@ from . import (
     state_dict,
     streaming,
     sync,
+    training_state,
     view,
 )
 from ._agree import Call
@@ -281,6 +282,27 @@ class Wrapped(Handle):
         """``target = alpha*self + (1-alpha)*target``, by canonical name, any backend to any backend."""
         sync.copy_to(self._below, copy_target(target), alpha)
 
+    def save_state(self, directory: str | os.PathLike[str], optimizer: Any = None, *, scheduler: Any = None,
+                   extra: Mapping[str, Any] | None = None) -> None:
+        """Save what training resumes from into ``directory``, atomically: the weights as the optimizer steps
+        them, its state for each parameter under the parameter's canonical name, its param groups, the
+        ``scheduler``'s state, each rank's RNG states and ``extra`` (any picklable dict, rank 0's). Collective;
+        each rank writes only the parts it holds, in torch's distributed checkpoint format, on storage every
+        rank shares. ``load_state`` reads it on any backend, topology and world size."""
+        training_state.save_state(self._below, _args.path(directory, "directory", "save_state"), optimizer,
+                                  scheduler, extra)
+
+    def load_state(self, directory: str | os.PathLike[str], optimizer: Any = None, *,
+                   scheduler: Any = None) -> training_state.StateLoad:
+        """Restore what ``save_state`` saved, on this model whatever its backend, topology or world size: the
+        weights, ``optimizer``'s state (created where it has none yet) and param groups (matched by their
+        parameters' names), the ``scheduler``'s state and this rank's RNG states. Collective; each rank reads
+        only what overlaps its own parts. Every problem (another model's checkpoint, another optimizer class
+        or param-group layout, other state keys, a truncated directory) is raised as ``StateDictError`` on
+        every rank before anything changes. Returns ``StateLoad(extra, skipped)``."""
+        return training_state.load_state(self._below, _args.path(directory, "directory", "load_state"),
+                                         optimizer, scheduler)
+
 
 class AdapterDisabledView(Wrapped):
     """A PEFT policy seen with its adapters off: the frozen base model, at no memory cost.
@@ -343,6 +365,12 @@ class AdapterDisabledView(Wrapped):
         """Refused: it would write the policy's weights."""
         view.refuse(self._below, Call.of("load", strict=strict, src_rank=src_rank, adapter_name=adapter_name),
                     "load() into it")
+
+    def load_state(self, directory: str | os.PathLike[str], optimizer: Any = None, *,
+                   scheduler: Any = None) -> training_state.StateLoad:
+        """Refused: it would write the policy's weights."""
+        view.refuse(self._below, Call.of("load_state", optimizer=type(optimizer).__name__ if optimizer is not None
+                                         else None, scheduler=scheduler is not None), "load_state() into it")
 
     def copy_to(self, target: Any, alpha: float = 1.0) -> None:
         """``target = alpha*base + (1-alpha)*target``, into a model of the base architecture."""

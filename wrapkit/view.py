@@ -51,7 +51,7 @@ class AdaptersOff(Adapter):
         # Parts that read the policy's under the base model's names; those that would write or move its
         # weights refuse. No likeness, no states: a copy or a sleep acts on the policy's.
         self.weights, self.gatherer, self.placement = OffWeights(self), OffGatherer(self), OffPlacement(self)
-        self.likeness, self.states = None, None
+        self.likeness, self.states, self.resume = None, None, None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} of {self.policy!r}>"

@@ -12,11 +12,11 @@ import torch
 
 from .._errors import MissingConfigError
 from .._module_internals import live_entries
-from .._names import model_class_name
+from .._names import canonical_name, model_class_name
 from ._checks import check_group, check_layout, check_moved
 from ._describe import describe
 from ._dtensor import local_tensor
-from ._parts import Gatherer, Likeness, Parts, Placement, States, Weights
+from ._parts import Gatherer, Likeness, Parts, Placement, Resume, States, Weights
 from ._recipes import Recipe
 from ._topology import Topology
 from ._whole import move_buffers, whole_parts
@@ -50,6 +50,7 @@ class Adapter:
     placement: Placement
     likeness: Likeness | None
     states: States | None
+    resume: Resume | None
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -75,7 +76,7 @@ class Adapter:
         self._entries = tuple(entries)
         self._backend_obj = backend_obj
         self._innermost = innermost
-        self.weights, self.gatherer, self.placement, self.likeness, self.states = self.parts()
+        self.weights, self.gatherer, self.placement, self.likeness, self.states, self.resume = self.parts()
         check_group(self)
         self._check_internals()
         check_layout(self)
@@ -202,6 +203,14 @@ class Adapter:
     def named_live(self, parameters: bool = True, buffers: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
         """(canonical name, this rank's live tensor) for every key of ``unwrap().state_dict()``, in its order."""
         return live_entries(self.unwrap(), parameters=parameters, buffers=buffers)
+
+    def parameter_names(self) -> dict[int, list[str]]:
+        """id(each tensor an optimizer over ``module.parameters()`` holds) -> the canonical names of the parameters
+        it is: one each here; several for a tensor that flattens many (FSDP1's flat parameters)."""
+        out: dict[int, list[str]] = {}
+        for name, p in self.module.named_parameters():
+            out.setdefault(id(p), [canonical_name(name)])
+        return out
 
     def merge_root(self) -> torch.nn.Module | None:
         """The PEFT model whose LoRA layers ``merge_adapters`` folds in, or None without one."""

@@ -26,6 +26,7 @@ from .._errors import UnsupportedModelError
 from .._gather import Replace, all_gather_into, submodules
 from .._imports import lookup
 from ._internals import DEVICE_MESH, require_internals
+from ._parts import flat_view
 from ._primitives import Piece, copy_into
 from ._topology import Topology
 
@@ -293,9 +294,18 @@ def load_piece(name: str, p: Any) -> Piece | None:
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     if tuple(shape[1:]) == full_shape[1:] and local.is_contiguous():
         row = math.prod(full_shape[1:])
-        return Piece(name, offset[0] * row, local.numel(), full_shape, copy_into(local))
+        return Piece(name, offset[0] * row, local.numel(), full_shape, copy_into(local), source=p,
+                     values=_local_flat)
     block = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
-    return Piece(name, 0, p.numel(), full_shape, _block_writer(local, full_shape, block))
+    # A block read as one box: only where it is one (a strided shard's rows are not).
+    strided = any(type(pl).__name__ == "_StridedShard" for pl in p.placements)
+    return Piece(name, 0, p.numel(), full_shape, _block_writer(local, full_shape, block),
+                 source=None if strided else p, values=None if strided else local_tensor,
+                 box=(tuple(offset), tuple(shape)))
+
+
+def _local_flat(t: Any) -> torch.Tensor:
+    return local_tensor(t).detach().view(-1)
 
 
 def _block_writer(local: torch.Tensor, full_shape: Shape, block: tuple[slice, ...]) -> Any:
@@ -353,7 +363,7 @@ def pieces(named: Iterable[tuple[str, torch.Tensor]]) -> list[Piece]:
     out: list[Piece] = []
     for name, p in named:
         if not is_dtensor(p):
-            out.append(Piece(name, 0, p.numel(), tuple(p.shape), copy_into(p.data)))
+            out.append(Piece(name, 0, p.numel(), tuple(p.shape), copy_into(p.data), source=p, values=flat_view))
         elif (piece := load_piece(name, p)) is not None:
             out.append(piece)
     return out

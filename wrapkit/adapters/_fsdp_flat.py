@@ -15,9 +15,10 @@ import torch.distributed as dist
 
 from .._gather import all_gather_into
 from .._names import canonical_name
+from ._parts import flat_view
 from ._primitives import Piece, copy_into
 
-__all__ = ["local_shard", "flat_pieces", "gather_in", "full_from_shards"]
+__all__ = ["local_shard", "flat_pieces", "flat_parameter_names", "gather_in", "full_from_shards"]
 
 
 def local_shard(flat: Any) -> torch.Tensor:
@@ -52,15 +53,39 @@ def flat_pieces(root: torch.nn.Module, handles: Iterable[Any]) -> list[Piece]:
         for i, info in enumerate(flat._shard_param_infos):
             if not info.in_shard:
                 continue
+            start, n = int(info.offset_in_shard), int(info.numel_in_shard)
+            # An optimizer holds the original parameters (use_orig_params=True: each a 1-D view of its
+            # range of the shard), or the flat parameter itself.
             if flat._params is not None:
                 name = names[id(flat._params[i])]
+                source, values = flat._params[i], flat_view
             else:
                 prefix = prefixes[id(flat)]
                 name = canonical_name(f"{prefix}.{flat._fqns[i]}" if prefix else flat._fqns[i])
-            dest = shard[info.offset_in_shard: info.offset_in_shard + info.numel_in_shard]
-            out.append(Piece(name, int(info.intra_param_start_idx), int(info.numel_in_shard),
-                             tuple(flat._shapes[i]), copy_into(dest)))
+                source, values = flat, _range(start, n)
+            out.append(Piece(name, int(info.intra_param_start_idx), n, tuple(flat._shapes[i]),
+                             copy_into(shard[start:start + n]), source=source, values=values))
     return out
+
+
+def flat_parameter_names(root: torch.nn.Module) -> dict[int, list[str]]:
+    """id(parameter) -> canonical names: a flat parameter (use_orig_params=False) stands for every original
+    parameter of its unit, in its order."""
+    out: dict[int, list[str]] = {}
+    for name, p in root.named_parameters():
+        if getattr(p, "_fqns", None) is not None and getattr(p, "_params", None) is None:
+            prefix = name.rpartition(".")[0]
+            fqns: list[str] = p._fqns  # type: ignore[attr-defined]
+            out.setdefault(id(p), [canonical_name(f"{prefix}.{f}" if prefix else f) for f in fqns])
+        else:
+            out.setdefault(id(p), [canonical_name(name)])
+    return out
+
+
+def _range(start: int, n: int) -> Any:
+    def values(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().view(-1)[start:start + n]
+    return values
 
 
 def gather_in(units: list[Any], dtypes: dict[int, torch.dtype], group: Any,

@@ -59,12 +59,16 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     # Read on objects that do not exist when a model is adapted, or outside the backends.
     "DeepSpeed engine config": ("_config", "_param_dict"),
     "DeepSpeed GatheredParameters": ("_param_versions",),
-    "DeepSpeed ZeRO-3 optimizer": ("_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",),
+    "DeepSpeed ZeRO-3 optimizer": ("_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
+                                   "_get_fp32_opt_state_partition"),
+    # How DeepSpeed itself links each parameter to its fragment of new optimizer state (after a load).
+    "DeepSpeed ZeRO-1/2 and bf16 optimizer": ("_lazy_init_hp_params_optimizer_state",),
     "FSDP1 ShardingStrategy": ("_HYBRID_SHARD_ZERO2",),
     # torch's own module internals and namespaces, stable across every torch release wrapkit supports.
     "torch.nn.Module": ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks",
                         "_non_persistent_buffers_set"),
-    "torch": ("_C", "_nn", "_foreach_add_", "_foreach_mul_"),
+    # _make_wrapper_subclass: how a tensor subclass that only carries other tensors is made (torch's docs).
+    "torch": ("_C", "_nn", "_foreach_add_", "_foreach_mul_", "_make_wrapper_subclass"),
     "torch.compile OptimizedModule": ("_orig_mod",),
     # Set by FSDP1 and FSDP2 on the modules they manage; cleared while a module runs bypassed (Bypass).
     "FSDP-managed module flag": FSDP_MANAGED,

@@ -29,8 +29,8 @@ import torch
 from .._errors import UnsupportedModelError
 from .._gather import Bypass
 
-__all__ = ["Weights", "Gatherer", "Placement", "Likeness", "States", "Parts", "Written", "Piece", "copy_into",
-           "MOVED_TO_PARTS", "lacking"]
+__all__ = ["Weights", "Gatherer", "Placement", "Likeness", "States", "Resume", "Held", "Parts", "Written", "Piece",
+           "copy_into", "flat_view", "MOVED_TO_PARTS", "lacking"]
 
 Shape = tuple[int, ...]
 
@@ -65,6 +65,13 @@ class Piece(NamedTuple):
     full_shape: Shape
     write: Callable[[torch.Tensor], None]
     columns: tuple[int, int] | None = None
+    # The read side, for the training state (None: this piece cannot be read so). ``source``: the tensor an
+    # optimizer holds for these elements, whose state it keys by it. ``values(t)``: those elements of
+    # ``source``, or of an optimizer state tensor shaped like it, as a view: 1-D, or where ``box`` (offsets,
+    # sizes in the full shape) is set, that block.
+    source: torch.Tensor | None = None
+    values: Callable[[torch.Tensor], torch.Tensor] | None = None
+    box: tuple[tuple[int, ...], tuple[int, ...]] | None = None
 
     def block(self, full: torch.Tensor) -> torch.Tensor:
         """This piece's values out of the whole tensor ``full``, flattened, as ``write`` takes them."""
@@ -73,6 +80,11 @@ class Piece(NamedTuple):
         row = math.prod(self.full_shape[1:])
         first, last = self.start // row, (self.start + self.numel) // row
         return full.reshape(self.full_shape)[first:last, self.columns[0]:self.columns[1]].reshape(-1)
+
+
+def flat_view(t: torch.Tensor) -> torch.Tensor:
+    """A ``Piece.values`` for a piece that is all of its (contiguous) source: its elements flattened, a view."""
+    return t.detach().view(-1)
 
 
 def copy_into(dst: torch.Tensor) -> Any:
@@ -224,6 +236,52 @@ class States(Protocol):
         ...
 
 
+class Held(NamedTuple):
+    """Elements ``[start, start + numel)`` of the flattened full parameter ``name`` as the optimizer steps them
+    on this rank: ``weights`` (its master copy where it keeps one), ``state`` (each per-element tensor of its
+    state: Adam's moments) and ``scalars`` (the rest of it: Adam's ``step``), tensors written in place by a
+    load. ``weights`` and each ``state`` tensor are 1-D views of ``numel`` elements, or where ``box`` (offsets,
+    sizes in the full shape) is set, views of that block. ``owner``: the tensor the optimizer keys that state by."""
+
+    name: str
+    full_shape: Shape
+    start: int
+    numel: int
+    weights: torch.Tensor
+    state: dict[str, torch.Tensor]
+    scalars: dict[str, Any]
+    owner: torch.Tensor
+    box: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+
+
+class Resume(Protocol):
+    """The training state of a backend whose optimizer keeps it outside the torch optimizer's view of the model's
+    parameters (a DeepSpeed engine's flat fp32 partitions), for ``save_state`` / ``load_state``. Backends
+    without one are read through ``Weights.pieces`` and the torch optimizer's ``state``."""
+
+    def optimizer(self) -> Any:
+        """The torch optimizer that steps (its class and hyperparameters are what a checkpoint records)."""
+        ...
+
+    def group_names(self) -> list[list[str]]:
+        """The canonical names of the parameters in each of its param groups."""
+        ...
+
+    def held(self) -> list[Held]:
+        """This rank's part of every trained parameter's weights and state."""
+        ...
+
+    def create(self, keys: Mapping[str, Mapping[str, tuple[bool, torch.dtype, tuple[int, ...]]]]) -> None:
+        """Give an optimizer that has not stepped the state a checkpoint holds, as zeros to load into: ``keys``
+        maps a parameter's name to each state key's (per element, dtype, shape where not per element)."""
+        ...
+
+    def loaded(self) -> None:
+        """``held()``'s tensors were written: refresh what the backend derives from them (its 16-bit weights).
+        Collective where that refresh is."""
+        ...
+
+
 class Parts(NamedTuple):
     """What ``Adapter.parts()`` returns: the storage kind's parts for this model, and the backend's likeness
     and states, each None where the backend has none."""
@@ -233,6 +291,7 @@ class Parts(NamedTuple):
     placement: Placement
     likeness: Likeness | None = None
     states: States | None = None
+    resume: Resume | None = None
 
     def replace(self, **parts: Any) -> Parts:
         """These parts with those named replaced: a backend's ``likeness=`` and ``states=`` beside its storage

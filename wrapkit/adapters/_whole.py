@@ -15,7 +15,7 @@ from .._gather import Bypass, broadcast_
 from .._names import canonical_name
 from ._dtensor import local_tensor
 from ._likeness import replicated_copy
-from ._parts import Parts, Written
+from ._parts import Parts, Written, flat_view
 from ._primitives import Piece, copy_into
 
 if TYPE_CHECKING:
@@ -74,8 +74,8 @@ class WholeWeights:
         return None
 
     def pieces(self) -> list[Piece]:
-        return [Piece(canonical_name(name), 0, p.numel(), tuple(p.shape), copy_into(p.data))
-                for name, p in self.model.unwrap().named_parameters()]
+        return [Piece(canonical_name(name), 0, p.numel(), tuple(p.shape), copy_into(p.data), source=p,
+                      values=flat_view) for name, p in self.model.unwrap().named_parameters()]
 
     def written(self, kind: Written, values: Mapping[str, torch.Tensor] | None = None) -> None:
         return None  # the weights are all there is: nothing derived to refresh

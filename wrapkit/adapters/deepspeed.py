@@ -21,6 +21,7 @@ from ._topology import Topology
 from ._whole import TorchStates
 from ._zero_parts import zero_parts
 from ._zero_reference import engine_dtype, reference_config, reference_engine, zero3_copy
+from ._zero_resume import zero_resume
 from ._zero_states import offload_engine_states, sleep_way
 
 
@@ -83,7 +84,8 @@ class DeepSpeedAdapter(ShardedAdapter):
         # Without a way to move the engine's states (older DeepSpeed, or no optimizer), it has none.
         movable = sleep_way(self.zero_stage or 0, getattr(self._engine(), "optimizer", None)) is not None
         states = _EngineStates(self) if movable else None
-        return zero_parts(self).replace(likeness=_EngineLikeness(self), states=states)
+        return zero_parts(self).replace(likeness=_EngineLikeness(self), states=states,
+                                        resume=zero_resume(self, self._engine()))
 
 
 

@@ -10,6 +10,7 @@ import torch
 from .._imports import is_instance
 from ._flat_parts import flat_parts
 from ._flat_parts import units as fsdp_units
+from ._fsdp_flat import flat_parameter_names
 from ._internals import FSDP1_FLAT, FSDP1_HANDLE, FSDP1_UNIT, require_internals
 from ._kinds import ShardedAdapter
 from ._likeness import ShardedLikeness, block_classes, copy_buffers, skeleton
@@ -82,6 +83,9 @@ class FSDPAdapter(ShardedAdapter):
 
     def parts(self) -> Parts:
         return flat_parts(self).replace(likeness=_Fsdp1Likeness(self))
+
+    def parameter_names(self) -> dict[int, list[str]]:
+        return flat_parameter_names(self.module)
 
 
 class _Fsdp1Likeness(ShardedLikeness["FSDPAdapter"]):

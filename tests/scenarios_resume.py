@@ -1,0 +1,128 @@
+"""Scenarios for the training state (``save_state`` / ``load_state``): a run that stops and resumes, on the
+same backend or another, the same world size or another.
+
+``trained`` takes two steps, saves, records the backend's own full view of what it saved (every fp32 weight,
+every optimizer moment through torch's ``get_optimizer_state_dict``), then takes two more steps as the
+uninterrupted run. ``resumed`` builds the model again from other weights, loads, and compares: the state
+exactly, and where the data layout is the same, the next steps' losses and weights too.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import wrapkit
+from wrapkit._names import canonical_name
+from wrapkit.cli._models import build
+
+VOCAB = 128
+STEPS = 2
+
+
+def _optimizer(wm: Any, lr: float, groups: int) -> tuple[Any, Any]:
+    """AdamW and a scheduler. ``groups=2``: norms undecayed, as trainers build it (not where FSDP1 flattens
+    every parameter of a unit into one). A DeepSpeed engine steps its own (torch's AdamW, one group)."""
+    if wm.backend == "deepspeed":
+        inner = wm.module.optimizer.optimizer
+        for g in inner.param_groups:
+            g.update(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+            g["initial_lr"] = lr
+        return wm.module.optimizer, torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.8)
+    named = [(n, p) for n, p in wm.module.named_parameters() if p.requires_grad]
+    decay = [p for n, p in named if groups == 1 or "norm" not in n]
+    rest = [p for n, p in named if groups == 2 and "norm" in n]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}][:groups],
+                            lr=lr, betas=(0.9, 0.95))
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+
+
+def _steps(wm: Any, opt: Any, sched: Any, first: int) -> list[float]:
+    losses = []
+    for i in range(first, first + STEPS):
+        # Each data-parallel rank its own batch, the same for a step whatever the backend.
+        g = torch.Generator().manual_seed(1000 + 17 * i + wm.data_parallel_rank)
+        ids = torch.randint(0, VOCAB, (2, 8), generator=g).to(wm.device)
+        loss = wm(input_ids=ids, labels=ids).loss
+        if wm.backend == "deepspeed":
+            wm.module.backward(loss)
+            wm.module.step()
+        else:
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        sched.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def _full_state(wm: Any, opt: Any) -> dict[str, torch.Tensor]:
+    """The backend's own full view: weights (``full_state_dict``) and each moment (torch's reader)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    out = {f"model/{k}": v.float() for k, v in wm.full_state_dict(rank0_only=False).items()}
+    if wm.backend == "deepspeed":  # DeepSpeed's own full readers, parameter by parameter
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        zero = wm.module.optimizer
+        for name, p in wm.unwrap().named_parameters():
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"optim/{canonical_name(name)}/{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu()
+            step = next(iter(zero.optimizer.state.values()))["step"]
+            out[f"optim/{canonical_name(name)}/step"] = step.detach().cpu().clone()
+        return out
+    osd = get_optimizer_state_dict(wm.module, opt, options=StateDictOptions(full_state_dict=True))
+    for fqn, st in osd["state"].items():
+        for key, value in st.items():
+            v = value.full_tensor() if hasattr(value, "full_tensor") else value
+            out[f"optim/{canonical_name(fqn)}/{key}"] = v.detach().cpu().clone()
+    return out
+
+
+def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))[:5]
+    return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+
+
+def trained(tmp: str, spec: str, precision: str = "fp32", topology: str = "flat", groups: int = 2) -> dict[str, Any]:
+    wm = wrapkit.adapt(build(spec, seed=0, precision=precision, topology=topology))
+    opt, sched = _optimizer(wm, 1e-2, groups)
+    _steps(wm, opt, sched, 0)
+    wm.save_state(os.path.join(tmp, "state"), opt, scheduler=sched, extra={"step": STEPS, "spec": spec})
+    saved = _full_state(wm, opt)
+    lr = [g["lr"] for g in opt.param_groups]
+    rng = torch.rand(3)  # what this rank's generator gives next
+    losses = _steps(wm, opt, sched, STEPS)
+    after = {k: v.float() for k, v in wm.full_state_dict(rank0_only=False).items()}
+    if dist.get_rank() == 0:
+        torch.save({"saved": saved, "after": after, "lr": lr},
+                   os.path.join(tmp, "reference.pt"))
+    torch.save({"rng": rng, "losses": losses}, os.path.join(tmp, f"rank{dist.get_rank()}.pt"))  # each rank's own
+    return {"files": sorted(os.listdir(os.path.join(tmp, "state")))}
+
+
+def resumed(tmp: str, spec: str, precision: str = "fp32", topology: str = "flat",
+            follow: bool = True, groups: int = 2) -> dict[str, Any]:
+    """``follow``: the data layout is the one saved (same data-parallel ranks), so the next steps are
+    compared with the uninterrupted run's."""
+    ref = torch.load(os.path.join(tmp, "reference.pt"))
+    wm = wrapkit.adapt(build(spec, seed=7, precision=precision, topology=topology))
+    opt, sched = _optimizer(wm, 5e-4, groups)
+    got = wm.load_state(os.path.join(tmp, "state"), opt, scheduler=sched)
+    mine = os.path.join(tmp, f"rank{dist.get_rank()}.pt")
+    own = torch.load(mine) if os.path.exists(mine) else None
+    obs: dict[str, Any] = {
+        "extra": got.extra, "skipped": got.skipped,
+        "state": _diff(_full_state(wm, opt), ref["saved"]),
+        "lr": ([g["lr"] for g in opt.param_groups], ref["lr"]), "scheduler_epoch": sched.last_epoch,
+        "rng": bool(torch.equal(torch.rand(3), own["rng"])) if own is not None else None,
+    }
+    if follow:
+        assert own is not None
+        obs["losses"] = (_steps(wm, opt, sched, STEPS), own["losses"])
+        after = {k: v.float() for k, v in wm.full_state_dict(rank0_only=False).items()}
+        obs["after"] = _diff(after, ref["after"])
+    return obs

@@ -1,0 +1,179 @@
+"""Training state that resumes anywhere: ``save_state`` on one backend, world size and topology, ``load_state``
+on another, checked against the backends' own full readers and against the run that did not stop."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import wrapkit
+from tests import scenarios_resume as sc
+from wrapkit import StateDictError
+from wrapkit.cli._models import tiny_llama
+
+# (saved on, resumed on, precision, what the next steps are compared with):
+#   "exact": bit for bit the run that did not stop (same backend and world size);
+#   "close": that run within reduction order (another backend of the same family, same data layout);
+#   "state": nothing beyond the state (another family's step arithmetic, or another data layout).
+TWO_RANKS = [
+    ("ddp", "ddp", "fp32", "exact"),
+    ("fsdp2", "fsdp2", "fp32", "exact"),
+    ("fsdp", "fsdp", "fp32", "exact"),
+    ("zero2", "zero2", "fp32", "exact"),
+    ("zero3", "zero3", "fp32", "exact"),
+    ("fsdp2", "fsdp2", "bf16", "exact"),
+    ("zero3", "zero3", "bf16", "exact"),
+    ("ddp", "fsdp2", "fp32", "close"),
+    ("fsdp2", "fsdp", "fp32", "close"),
+    ("fsdp", "ddp", "fp32", "close"),
+    ("fsdp", "fsdp2", "bf16", "close"),
+    ("zero2", "zero3", "fp32", "close"),
+    ("zero3", "zero1", "bf16", "close"),
+    ("zero3", "fsdp2", "fp32", "state"),
+    ("fsdp2", "zero3", "fp32", "state"),
+    ("zero2", "ddp", "fp32", "state"),
+    ("fsdp", "zero3", "fp32", "state"),
+    ("zero2", "fsdp2", "bf16", "state"),
+    ("tp", "fsdp2", "fp32", "state"),
+    ("fsdp2", "tp", "fp32", "state"),
+]
+
+
+def _groups(*specs: str) -> int:
+    """Two param groups, as trainers build them; one where FSDP1 flattens a unit's parameters into one, or a
+    DeepSpeed engine steps its own optimizer (one group as configured here)."""
+    return 1 if any(s == "fsdp" or s.startswith("zero") for s in specs) else 2
+
+
+def check(obs: dict[str, Any], follow: str) -> None:
+    assert obs["extra"]["step"] == sc.STEPS, obs["extra"]
+    assert obs["state"] == 0.0, f"a weight or moment differs from the saved one by {obs['state']}"
+    got_lr, want_lr = obs["lr"]
+    assert got_lr == want_lr and obs["scheduler_epoch"] == sc.STEPS, obs
+    if obs["rng"] is not None:
+        assert obs["rng"] and obs["skipped"] == [], obs
+    if follow == "exact":
+        got, want = obs["losses"]
+        assert got == want and obs["after"] == 0.0, (got, want, obs["after"])
+    elif follow == "close":
+        got, want = obs["losses"]
+        assert max(abs(a - b) for a, b in zip(got, want, strict=True)) < 1e-5 and obs["after"] < 1e-6, obs
+
+
+@pytest.mark.parametrize("saved,resumed,precision,follow", TWO_RANKS,
+                         ids=[f"{a}-{b}-{p}" for a, b, p, _ in TWO_RANKS])
+def test_resume_on_two_ranks(group: Any, tmp_path: Path, saved: str, resumed: str, precision: str,
+                             follow: str) -> None:
+    groups = _groups(saved, resumed)
+    group.run(sc.trained, str(tmp_path), saved, precision, groups=groups, timeout=120)
+    results = group.run(sc.resumed, str(tmp_path), resumed, precision, follow=follow != "state", groups=groups,
+                        timeout=120)
+    for obs in results:
+        check(obs, follow)
+
+
+@pytest.mark.parametrize("saved,resumed", [("fsdp2", "fsdp2-hsdp"), ("fsdp", "fsdp2"), ("ddp", "fsdp"),
+                                           ("zero3", "zero3")])
+def test_resume_from_two_ranks_on_four(group: Any, group4: Any, tmp_path: Path, saved: str, resumed: str) -> None:
+    """Another world size (and topology): the state arrives exact; ranks the saving job lacked say so."""
+    groups = _groups(saved, resumed)
+    group.run(sc.trained, str(tmp_path), saved, groups=groups, timeout=120)
+    spec, _, topology = resumed.partition("-")
+    results = group4.run(sc.resumed, str(tmp_path), spec, "fp32", topology or "flat", follow=False, groups=groups,
+                         timeout=120)
+    for rank, obs in enumerate(results):
+        check(obs, "state")
+        if rank >= 2:
+            assert obs["rng"] is None and "rank" in obs["skipped"][0], obs
+
+
+@pytest.mark.parametrize("resumed", ["ddp", "zero2"])
+def test_resume_from_four_ranks_on_two(group: Any, group4: Any, tmp_path: Path, resumed: str) -> None:
+    group4.run(sc.trained, str(tmp_path), "fsdp2", "fp32", "hsdp", groups=_groups(resumed), timeout=120)
+    for obs in group.run(sc.resumed, str(tmp_path), resumed, follow=False, groups=_groups(resumed), timeout=120):
+        check(obs, "state")
+
+
+# -- bad input: every problem listed, on a plain model in this process, before anything changes -----------------
+def _plain(seed: int = 0, layers: int = 2) -> tuple[Any, Any, Any]:
+    wm = wrapkit.adapt(tiny_llama(seed, layers=layers))
+    opt, sched = sc._optimizer(wm, 1e-2, 2)
+    return wm, opt, sched
+
+
+def _stepped(wm: Any, opt: Any, sched: Any) -> None:
+    sc._steps(wm, opt, sched, 0)
+
+
+def _snapshot(wm: Any, opt: Any) -> tuple[dict[str, Any], dict[int, Any]]:
+    return ({k: v.clone() for k, v in wm.module.state_dict().items()},
+            {id(p): {k: v.clone() if hasattr(v, "clone") else v for k, v in st.items()} for p, st in opt.state.items()})
+
+
+def _unchanged(wm: Any, opt: Any, before: tuple[dict[str, Any], dict[int, Any]]) -> bool:
+    weights, states = before
+    now = _snapshot(wm, opt)
+    return weights.keys() == now[0].keys() and all(torch.equal(weights[k], now[0][k]) for k in weights) and \
+        states.keys() == now[1].keys()
+
+
+def test_a_plain_model_resumes_bit_for_bit(tmp_path: Path) -> None:
+    wm, opt, sched = _plain()
+    _stepped(wm, opt, sched)
+    wm.save_state(tmp_path / "s", opt, scheduler=sched, extra={"epoch": 3})
+    want = sc._steps(wm, opt, sched, sc.STEPS)
+    wm2, opt2, sched2 = _plain(seed=5)
+    assert wm2.load_state(tmp_path / "s", opt2, scheduler=sched2).extra == {"epoch": 3}
+    assert sc._steps(wm2, opt2, sched2, sc.STEPS) == want
+    # The manifest says what was saved and from what.
+    manifest = json.loads((tmp_path / "s" / "wrapkit_state.json").read_text())
+    assert manifest["backend"] == "plain" and manifest["optimizer"]["class"] == "torch.optim.adamw.AdamW"
+    assert set(manifest["files"]) >= {".metadata", "__0_0.distcp"} and "torch" in manifest["versions"]
+
+
+def test_bad_resumes_list_every_problem_and_change_nothing(tmp_path: Path) -> None:
+    wm, opt, sched = _plain()
+    _stepped(wm, opt, sched)
+    state = tmp_path / "s"
+    wm.save_state(state, opt, scheduler=sched)
+
+    def refused(target: Any, optimizer: Any, scheduler: Any, *needles: str, directory: Path = state) -> None:
+        before = _snapshot(target, optimizer)
+        with pytest.raises(StateDictError) as err:
+            target.load_state(directory, optimizer, scheduler=scheduler)
+        for needle in needles:
+            assert needle in str(err.value), (needle, str(err.value))
+        assert _unchanged(target, optimizer, before), "a refused load changed the model or optimizer"
+
+    # Another model: a layer more. Its optimizer's groups differ too, and both are named.
+    other, other_opt, other_sched = _plain(layers=3)
+    refused(other, other_opt, other_sched, "parameters the checkpoint lacks (9)", "model.layers.2.", "param groups")
+    # Another optimizer class.
+    wm2, _, _ = _plain(seed=1)
+    sgd = torch.optim.SGD(wm2.module.parameters(), lr=0.1, momentum=0.9)
+    refused(wm2, sgd, None, "torch.optim.adamw.AdamW", "torch.optim.sgd.SGD")
+    # Another param-group layout: one group where two were saved; and no scheduler where one was saved.
+    one = torch.optim.AdamW(wm2.module.parameters(), lr=1e-2)
+    refused(wm2, one, None, "param groups differ: 2 group(s) of [", "the scheduler to restore it")
+    # Optimizer state keys that differ: an AdamW that has stepped with amsgrad keeps max_exp_avg_sq too.
+    wm3, opt3, sched3 = _plain(seed=2)
+    for g in opt3.param_groups:
+        g["amsgrad"] = True
+    _stepped(wm3, opt3, sched3)
+    refused(wm3, opt3, sched3, "optimizer state keys differ", "max_exp_avg_sq")
+    # A truncated directory: one data file cut short, and one missing.
+    cut = tmp_path / "cut"
+    shutil.copytree(state, cut)
+    data = cut / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:100])
+    refused(wm2, *_plain(seed=1)[1:], "'__0_0.distcp' has 100 bytes", directory=cut)
+    (cut / ".metadata").unlink()
+    refused(wm2, *_plain(seed=1)[1:], "'.metadata' is missing", directory=cut)
+    # Not a save_state directory at all.
+    wm.save_pretrained(tmp_path / "pretrained")
+    refused(wm2, *_plain(seed=1)[1:], "wrapkit_state.json", directory=tmp_path / "pretrained")

@@ -1,0 +1,103 @@
+"""This rank's blocks of one full tensor, as torch's distributed checkpoint (DCP) saves and loads them.
+
+Every backend keeps its part of a parameter (and of the optimizer's state for it) its own way: a range of
+the flattened tensor (FSDP1, ZeRO), a block of rows or columns (FSDP2, tensor parallelism), or all of it.
+``Blocks`` shows DCP any of these as rectangular boxes of the full shape, each a view of this rank's own
+storage: DCP writes each box where it lies in the full tensor, and on a load reads into each box the
+overlapping parts of whatever boxes another layout wrote. A range of the flattened tensor is cut into at
+most ``2 * ndim - 1`` boxes (``boxes``), each a contiguous run of it.
+
+DCP finds these methods on any ``torch.Tensor`` subclass (``torch.distributed.checkpoint`` checks for
+``__create_write_items__``, ``__create_chunk_list__`` and ``__get_tensor_shard__``); nothing else of the
+subclass is used, so it refuses every other operation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["Blocks", "boxes"]
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) in the full tensor
+
+
+def boxes(shape: Sequence[int], start: int, stop: int) -> list[Box]:
+    """Elements ``[start, stop)`` of a flattened tensor of ``shape`` as boxes, in order; each box is a
+    contiguous run of the flattened tensor."""
+    shape = tuple(int(n) for n in shape)
+    if start >= stop:
+        return []
+    if len(shape) <= 1:
+        return [((start,), (stop - start,))] if shape else [((), ())]
+    inner = math.prod(shape[1:])
+    out: list[Box] = []
+    if start % inner:  # a partial first row
+        row = start // inner
+        end = min(stop, (row + 1) * inner)
+        out += [((row, *o), (1, *s)) for o, s in boxes(shape[1:], start - row * inner, end - row * inner)]
+        start = end
+    first, last = -(-start // inner), stop // inner
+    if last > first:  # whole rows
+        out.append(((first, *(0,) * (len(shape) - 1)), (last - first, *shape[1:])))
+    if stop % inner and stop > start:  # a partial last row
+        row = stop // inner
+        lo = max(start, row * inner)
+        out += [((row, *o), (1, *s)) for o, s in boxes(shape[1:], lo - row * inner, stop - row * inner)]
+    return out
+
+
+class Blocks(torch.Tensor):
+    """Boxes of a tensor of ``shape``: ``parts`` pairs each ``(offsets, sizes)`` with the tensor holding its
+    values (of those sizes; a view of this rank's storage, written in place on a load)."""
+
+    _parts: list[tuple[Box, torch.Tensor]]
+
+    @staticmethod
+    def __new__(cls, shape: Sequence[int], parts: list[tuple[Box, torch.Tensor]], dtype: torch.dtype) -> Blocks:
+        t = torch.Tensor._make_wrapper_subclass(cls, tuple(shape), dtype=dtype,  # type: ignore[attr-defined]
+                                                device=torch.device("cpu"))
+        t._parts = parts
+        return t  # type: ignore[no-any-return]
+
+    def __init__(self, shape: Sequence[int], parts: list[tuple[Box, torch.Tensor]], dtype: torch.dtype) -> None:
+        super().__init__()
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Blocks(shape={tuple(self.shape)}, boxes={[b for b, _ in self._parts]})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        if func is torch.ops.aten.detach.default:  # DCP detaches what it is given
+            return args[0]
+        raise NotImplementedError(f"Blocks only carries boxes to torch.distributed.checkpoint, not {func}")
+
+    # -- what DCP asks of a checkpointable tensor ---------------------------------------
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+        from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+        items = []
+        for (offsets, sizes), values in self._parts:
+            items.append(WriteItem(
+                index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=torch.Size(offsets),
+                                                                       sizes=torch.Size(sizes)),
+                                            properties=TensorProperties.create_from_tensor(values),
+                                            size=self.shape)))
+        return items
+
+    def __create_chunk_list__(self) -> list[Any]:
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for (o, s), _ in self._parts]
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        want = tuple(index.offset)
+        for (offsets, _), values in self._parts:
+            if offsets == want:
+                return values
+        raise KeyError(f"no box at {want} in {self!r}")

@@ -1,0 +1,544 @@
+"""Training state that resumes on any backend and world size: ``save_state`` / ``load_state``.
+
+The format is torch's distributed checkpoint (DCP), written with every tensor under its canonical name and
+its full shape, each rank writing the boxes it holds (``_dcp_chunks.Blocks``: a range of the flattened
+tensor, a block of rows or columns, or all of it) and reading on a load only what overlaps its own. So the
+state saved by one layout loads into any other: DCP does the overlap arithmetic, and no rank holds more
+than its share plus one box. The keys:
+
+- ``model/<name>``: the parameter as the optimizer steps it (its fp32 master where the backend keeps one);
+- ``optim/<name>/<key>``: the optimizer's state for it: each per-element tensor (Adam's ``exp_avg``,
+  ``exp_avg_sq``) in boxes like the parameter's, anything else (``step``) whole;
+- ``optim/param_groups``: each group's hyperparameters (the groups are matched by their parameters' names,
+  kept in the manifest); ``scheduler``; ``extra``; ``rng/<global rank>``: that rank's RNG states.
+
+Beside DCP's files, ``wrapkit_state.json`` (the manifest) says what was saved and from what: the backend,
+topology, world size, versions, every parameter's name and shape, the optimizer's class and groups, and
+every file's size, so that a load checks all of it before anything changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import warnings
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ._agree import Call, any_over_models, enter, models_group, raise_agreed, writes_files
+from ._dcp_chunks import Blocks, boxes
+from ._errors import ArgumentError, StateDictError
+from .adapters._parts import Held, Piece, Written
+from .pretrained import commit_directory, open_directory
+
+if TYPE_CHECKING:
+    from .adapters._base import Adapter
+
+__all__ = ["StateLoad", "save_state", "load_state", "MANIFEST", "FORMAT"]
+
+MANIFEST = "wrapkit_state.json"
+FORMAT = 1
+_FIX_SAVE = "Pass a directory whose parent exists and is writable, and the optimizer the model trains with."
+_FIX_LOAD = ("Pass the directory save_state wrote, with an optimizer (and scheduler) built as when it was saved, "
+             "over this model.")
+
+
+class StateLoad(NamedTuple):
+    """What ``load_state`` returns: the ``extra`` dict given to ``save_state``, and what it did not restore
+    (``skipped``: each item says what and why, e.g. a rank the saving job did not have has no RNG state)."""
+
+    extra: dict[str, Any]
+    skipped: list[str]
+
+
+# -- what this rank holds ---------------------------------------------------------------------------------
+Box = tuple[tuple[int, ...], tuple[int, ...]]
+
+
+class _Held:
+    """What this rank holds of the training state: from the backend's ``Resume`` part where its optimizer keeps
+    the state apart (a DeepSpeed engine's), else from its weights' pieces and the torch optimizer's ``state``."""
+
+    def __init__(self, wm: Adapter, optimizer: Any, where: str, problems: list[str]) -> None:
+        self.wm, self.resume = wm, wm.resume
+        self.pieces: list[Piece] = []
+        if self.resume is not None:
+            own = self.resume.optimizer()
+            engine_own = wm.states.own_optimizer() if wm.states is not None else None
+            if optimizer is not None and optimizer is not own and optimizer is not engine_own:
+                raise ArgumentError(f"{where}(optimizer=...): the {wm.backend} model steps its own optimizer; pass "
+                                    "None (or that optimizer)")
+            self.optimizer: Any = own
+        else:
+            self.optimizer = optimizer
+            self.pieces = _readable(wm, problems)
+
+    def group_names(self) -> list[list[str]]:
+        if self.resume is not None:
+            return [sorted(g) for g in self.resume.group_names()]
+        return _groups(self.optimizer, _param_names(self.wm, self.pieces))
+
+    def held(self) -> list[Held]:
+        if self.resume is not None:
+            return self.resume.held()
+        out: list[Held] = []
+        for piece in self.pieces:
+            src, values = piece.source, piece.values
+            assert src is not None and values is not None
+            st = self.optimizer.state.get(src, {}) if self.optimizer is not None else {}
+            per = {k: values(v) for k, v in st.items() if torch.is_tensor(v) and tuple(v.shape) == tuple(src.shape)}
+            out.append(Held(piece.name, tuple(piece.full_shape), piece.start, piece.numel, values(src), per,
+                            {k: v for k, v in st.items() if k not in per}, src, piece.box))
+        return out
+
+    def create(self, saved: dict[str, dict[str, Any]]) -> None:
+        """An optimizer that has not stepped gets the state tensors the checkpoint holds (zeros), to load into."""
+        if self.optimizer is None:
+            return
+        shapes = self.wm.weights.param_shapes()
+        keys = {name: {k: (tuple(md.size) == tuple(shapes.get(name, ())), md.properties.dtype, tuple(md.size))
+                       for k, md in per.items() if hasattr(md, "size")}  # tensors, not objects
+                for name, per in saved.items()}
+        if self.resume is not None:
+            self.resume.create(keys)
+            return
+        trained = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        for piece in self.pieces:
+            assert piece.source is not None
+            if id(piece.source) in trained:
+                for key, (per_element, dtype, shape) in keys.get(piece.name, {}).items():
+                    _state_tensor(self.optimizer, piece.source, key, dtype, shape, per_element)
+
+    def loaded(self) -> None:
+        if self.resume is not None:
+            self.resume.loaded()
+        else:
+            self.wm.weights.written(Written.PIECES)
+
+
+def _readable(wm: Adapter, problems: list[str]) -> list[Piece]:
+    pieces = wm.weights.pieces()
+    unreadable = sorted({p.name for p in pieces if p.source is None or p.values is None})
+    if unreadable:
+        problems.append(f"the {wm.backend} backend's part of {len(unreadable)} parameter(s) ({unreadable[0]}, ...) "
+                        "cannot be read as blocks of the full tensor; save_state and load_state do not serve this "
+                        "layout yet")
+    return [p for p in pieces if p.source is not None and p.values is not None]
+
+
+def _boxes(h: Held, tensor: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
+    """``tensor`` (``h``'s weights or one of its state tensors) as boxes of the full shape, each a view."""
+    if h.box is not None:
+        return [(h.box, tensor)]
+    if tensor.numel() != h.numel:  # never a silent misread: the view must be exactly the held elements
+        raise StateDictError(f"{h.name}: this rank's part has {tensor.numel()} elements where its range holds "
+                             f"{h.numel}; the backend's storage is not in the layout save_state reads")
+    out, at = [], 0
+    for offsets, sizes in boxes(h.full_shape, h.start, h.start + h.numel):
+        n = math.prod(sizes)
+        out.append(((offsets, sizes), tensor[at:at + n].view(sizes)))
+        at += n
+    return out
+
+
+def _tensors(held: list[Held]) -> tuple[dict[str, Any], list[tuple[str, Held, str, Any]]]:
+    """The checkpoint's entries for ``held``: every per-element tensor as ``Blocks``, and (key, held, state key,
+    value) for each other state value, the first piece of an owner standing for its others."""
+    parts: dict[str, list[tuple[Box, torch.Tensor]]] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    others: list[tuple[str, Held, str, Any]] = []
+    seen: set[tuple[int, str, str]] = set()
+    for h in held:
+        for key, t in (("model/" + h.name, h.weights), *((f"optim/{h.name}/{k}", v) for k, v in h.state.items())):
+            parts.setdefault(key, []).extend(_boxes(h, t))
+            shapes[key] = h.full_shape
+        for k, v in h.scalars.items():
+            if (id(h.owner), h.name, k) not in seen:
+                seen.add((id(h.owner), h.name, k))
+                others.append((f"optim/{h.name}/{k}", h, k, v))
+    return {key: Blocks(shapes[key], p, p[0][1].dtype) for key, p in parts.items()}, others
+
+
+def _param_names(wm: Adapter, pieces: list[Piece]) -> dict[int, list[str]]:
+    """id(tensor an optimizer holds) -> the canonical names of the parameters it is, for every parameter of the
+    model, held here or not."""
+    out = wm.parameter_names()
+    for piece in pieces:  # an optimizer over tensors the module does not register as its parameters
+        out.setdefault(id(piece.source), [piece.name])
+    return out
+
+
+def _groups(optimizer: Any, names: dict[int, list[str]]) -> list[list[str]]:
+    return [sorted(n for p in g["params"] for n in names.get(id(p), [f"<unnamed {tuple(p.shape)}>"]))
+            for g in optimizer.param_groups]
+
+
+def _hyper(optimizer: Any) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+class _Object:
+    """One picklable value in the checkpoint. DCP hands a load a copy of the dict it is given and gives back
+    only through ``load_state_dict`` (its ``Stateful`` protocol), so every object travels in one of these."""
+
+    def __init__(self, value: Any = None) -> None:
+        self.value = value
+
+    def state_dict(self) -> Any:
+        return self.value
+
+    def load_state_dict(self, value: Any) -> None:
+        self.value = value
+
+
+def _rng() -> dict[str, Any]:
+    out: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if "numpy" in sys.modules:
+        out["numpy"] = sys.modules["numpy"].random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def _set_rng(state: Mapping[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state and "numpy" in sys.modules:
+        sys.modules["numpy"].random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _dcp_group(wm: Adapter, problems: list[str]) -> tuple[bool, Any]:
+    """(Whether DCP runs without collectives, the group it runs over): every rank holding the model."""
+    use, group = models_group(wm)
+    if not use:
+        return True, None
+    span = wm.world_size
+    for g in wm.outer_groups():
+        span *= dist.get_world_size(g)
+    if span == dist.get_world_size():
+        return False, None
+    if wm.outer_groups():
+        problems.append(f"the model lies over {span} of the job's {dist.get_world_size()} ranks in more than one "
+                        "group; save_state and load_state serve a model over every rank, or over one group")
+    return False, group
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    # DCP warns that it runs in one process whenever it is told to (no_dist): a model with no group.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _versions(wm: Adapter) -> dict[str, str]:
+    """wrapkit's, torch's, and those of the libraries the model's layers come from (its wrapper's, its own)."""
+    from . import __version__
+
+    out = {"wrapkit": __version__, "torch": torch.__version__}
+    for obj in (wm.module, wm.backend_object, wm.unwrap(keep_peft=True), wm.unwrap(keep_peft=False)):
+        top = type(obj).__module__.split(".")[0]
+        if obj is not None and top not in out and top in sys.modules:
+            out[top] = str(getattr(sys.modules[top], "__version__", "?"))
+    return out
+
+
+def _check_optimizer(optimizer: Any, where: str) -> None:
+    if optimizer is not None and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state")):
+        raise ArgumentError(f"{where}(optimizer=...) takes a torch optimizer (with param_groups and state), got "
+                            f"{type(optimizer).__name__}")
+
+
+def _check_scheduler(scheduler: Any, where: str) -> None:
+    if scheduler is not None and not (hasattr(scheduler, "state_dict") and hasattr(scheduler, "load_state_dict")):
+        raise ArgumentError(f"{where}(scheduler=...) takes an object with state_dict() and load_state_dict() (a "
+                            f"torch LR scheduler), got {type(scheduler).__name__}")
+
+
+def _class_name(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+# -- save ---------------------------------------------------------------------------------------------------
+def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: Any = None,
+               extra: Mapping[str, Any] | None = None) -> None:
+    """See ``WrappedModel.save_state``."""
+    from torch.distributed.checkpoint import state_dict_saver
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    _check_optimizer(optimizer, "save_state")
+    _check_scheduler(scheduler, "save_state")
+    if extra is not None and not isinstance(extra, Mapping):
+        raise ArgumentError(f"save_state(extra=...) takes a dict, got {type(extra).__name__}")
+    problems: list[str] = []
+    source = _Held(wm, optimizer, "save_state", problems)
+    optimizer = source.optimizer
+    no_dist, group = _dcp_group(wm, problems)
+    call = Call.of("save_state", optimizer=type(optimizer).__name__ if optimizer is not None else None,
+                   scheduler=scheduler is not None, extra=extra is not None)
+    directory, tmp = open_directory(wm, directory, call, problems, _FIX_SAVE)
+    if any_over_models(not os.path.isdir(tmp), wm):
+        if writes_files(wm):
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise StateDictError(f"save_state to {directory!r}: every rank writes its own part, but some rank cannot see "
+                             f"the directory {tmp!r} made beside it; save to storage every rank shares")
+    writer = writes_files(wm)
+    with torch.no_grad():
+        state, others = _tensors(source.held())
+        for key, _, _, value in others:
+            state[key] = value.detach().clone() if torch.is_tensor(value) else _Object(value)
+        if writer and optimizer is not None:
+            state["optim/param_groups"] = _Object(_hyper(optimizer))
+        if writer and scheduler is not None:
+            state["scheduler"] = _Object(scheduler.state_dict())
+        if writer and extra is not None:
+            state["extra"] = _Object(dict(extra))
+        state[f"rng/{_global_rank()}"] = _Object(_rng())
+    error: BaseException | None = None
+    try:
+        # Not flattened: each object (a scheduler's state dict, the RNG states) is one item.
+        with _quiet():
+            state_dict_saver.save(state, checkpoint_id=tmp, process_group=group, no_dist=no_dist,
+                                  planner=DefaultSavePlanner(flatten_state_dict=False))
+    except Exception as exc:  # every rank learns of it in commit_directory
+        error = exc
+    manifest = {
+        "format": FORMAT, "backend": wm.backend, "stack": list(wm.stack), "world_size": wm.world_size,
+        "ranks": dist.get_world_size() if not no_dist else 1, "topology": wm.describe(),
+        "versions": _versions(wm), "parameters": {n: list(s) for n, s in wm.weights.param_shapes().items()},
+        "optimizer": None if optimizer is None else {
+            "class": _class_name(optimizer), "param_groups": source.group_names()},
+        "scheduler": None if scheduler is None else _class_name(scheduler), "extra": extra is not None,
+    }
+
+    def finish(tmp: str) -> None:
+        manifest["files"] = {f: os.path.getsize(os.path.join(tmp, f)) for f in sorted(os.listdir(tmp))}
+        with open(os.path.join(tmp, MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=2, sort_keys=True)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    commit_directory(wm, "save_state", directory, tmp, error, finish)
+
+
+# -- load ---------------------------------------------------------------------------------------------------
+def _read_manifest(directory: str, problems: list[str]) -> tuple[dict[str, Any] | None, Any]:
+    """The manifest and DCP's metadata, each checked; None where unreadable (the problem is listed)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isdir(directory):
+        problems.append(f"{directory!r} is not a directory")
+        return None, None
+    try:
+        with open(path) as f:
+            manifest: dict[str, Any] = json.load(f)
+    except (OSError, ValueError) as exc:
+        problems.append(f"{path!r} cannot be read ({type(exc).__name__}: {exc}); this is not a complete save_state "
+                        "directory")
+        return None, None
+    if manifest.get("format") != FORMAT:
+        problems.append(f"{path!r} is format {manifest.get('format')!r}; this release reads format {FORMAT}")
+        return None, None
+    for name, size in manifest.get("files", {}).items():
+        try:
+            have = os.path.getsize(os.path.join(directory, name))
+        except OSError:
+            problems.append(f"file {name!r} is missing (the directory is incomplete)")
+            continue
+        if have != size:
+            problems.append(f"file {name!r} has {have} bytes where {size} were written (truncated or changed)")
+    if problems:
+        return manifest, None
+    try:
+        return manifest, FileSystemReader(directory).read_metadata()
+    except Exception as exc:
+        problems.append(f"the checkpoint's metadata cannot be read ({type(exc).__name__}: {exc})")
+        return manifest, None
+
+
+def _compare_parameters(wm: Adapter, manifest: dict[str, Any], problems: list[str]) -> None:
+    saved = {n: tuple(s) for n, s in manifest["parameters"].items()}
+    have = {n: tuple(s) for n, s in wm.weights.param_shapes().items()}
+    missing = [n for n in have if n not in saved]
+    unexpected = [n for n in saved if n not in have]
+    shaped = [f"{n}: {saved[n]} saved, {have[n]} here" for n in have if n in saved and saved[n] != have[n]]
+    for what, items in (("parameters the checkpoint lacks", missing), ("parameters this model lacks", unexpected),
+                        ("shapes differ", shaped)):
+        if items:
+            problems.append(f"{what} ({len(items)}): {', '.join(items[:5])}{', ...' if len(items) > 5 else ''}"
+                            f" (saved from {manifest.get('stack', ['?'])[-1]}; another model's checkpoint?)")
+
+
+def _saved_keys(metadata: Any) -> dict[str, dict[str, Any]]:
+    """Name -> {optimizer state key: its metadata} from the checkpoint."""
+    out: dict[str, dict[str, Any]] = {}
+    for fqn, md in metadata.state_dict_metadata.items():
+        if fqn.startswith("optim/") and fqn != "optim/param_groups":
+            name, _, key = fqn[len("optim/"):].rpartition("/")
+            out.setdefault(name, {})[key] = md
+    return out
+
+
+def _compare_optimizer(source: _Held, manifest: dict[str, Any], saved_keys: dict[str, dict[str, Any]],
+                       problems: list[str]) -> None:
+    saved, optimizer = manifest.get("optimizer"), source.optimizer
+    if saved is None:
+        if optimizer is not None:
+            problems.append("the checkpoint holds no optimizer state; pass optimizer=None, or resume from a "
+                            "save_state given the optimizer")
+        return
+    if optimizer is None:
+        problems.append(f"the checkpoint holds the state of a {saved['class']}; pass the optimizer to restore it")
+        return
+    if saved["class"] != _class_name(optimizer):
+        problems.append(f"the checkpoint's optimizer is a {saved['class']}, this one a {_class_name(optimizer)}")
+        return
+    groups = source.group_names()
+    if sorted(map(tuple, groups)) != sorted(map(tuple, saved["param_groups"])):
+        sizes = [len(g) for g in saved["param_groups"]], [len(g) for g in groups]
+        problems.append(f"the param groups differ: {len(sizes[0])} group(s) of {sizes[0]} parameters saved, "
+                        f"{len(sizes[1])} of {sizes[1]} here, or other parameters in them; build the optimizer's "
+                        "groups as when it was saved")
+    # State that exists already (an optimizer that has stepped, a DeepSpeed engine's) must have the saved keys.
+    wrong: list[str] = []
+    for h in source.held():
+        have, want = {*h.state, *h.scalars}, set(saved_keys.get(h.name, {}))
+        if have and want and have != want:
+            wrong.append(f"{h.name}: {sorted(have)} here, {sorted(want)} saved")
+    if wrong:
+        problems.append(f"optimizer state keys differ ({len(wrong)}): {'; '.join(dict.fromkeys(wrong[:3]))}")
+
+
+def _compare_others(manifest: dict[str, Any], scheduler: Any, problems: list[str]) -> None:
+    saved = manifest.get("scheduler")
+    if saved is None and scheduler is not None:
+        problems.append("the checkpoint holds no scheduler state; pass scheduler=None")
+    elif saved is not None and scheduler is None:
+        problems.append(f"the checkpoint holds a {saved}'s state; pass the scheduler to restore it")
+    elif saved is not None and saved != _class_name(scheduler):
+        problems.append(f"the checkpoint's scheduler is a {saved}, this one a {_class_name(scheduler)}")
+
+
+def _state_tensor(optimizer: Any, p: torch.Tensor, key: str, dtype: torch.dtype, shape: tuple[int, ...],
+                  per_element: bool) -> None:
+    """The optimizer's state tensor ``key`` of ``p``, made (zeros, as the optimizer would) where it has none."""
+    st = optimizer.state[p]
+    if key in st:
+        return
+    if per_element:
+        st[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        return
+    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    # torch's optimizers keep a scalar step on the CPU unless they step on the device.
+    device = p.device if (group.get("capturable") or group.get("fused")) else torch.device("cpu")
+    st[key] = torch.zeros(shape, dtype=dtype, device=device)
+
+
+def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: Any = None) -> StateLoad:
+    """See ``WrappedModel.load_state``."""
+    from torch.distributed.checkpoint import state_dict_loader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    _check_optimizer(optimizer, "load_state")
+    _check_scheduler(scheduler, "load_state")
+    directory = os.path.abspath(directory)
+    problems: list[str] = []
+    source = _Held(wm, optimizer, "load_state", problems)
+    optimizer = source.optimizer
+    no_dist, group = _dcp_group(wm, problems)
+    manifest, metadata = _read_manifest(directory, problems)
+    saved_keys: dict[str, dict[str, Any]] = {}
+    if manifest is not None and metadata is not None:
+        saved_keys = _saved_keys(metadata)
+        _compare_parameters(wm, manifest, problems)
+        _compare_optimizer(source, manifest, saved_keys, problems)
+        _compare_others(manifest, scheduler, problems)
+    call = Call.of("load_state", optimizer=type(optimizer).__name__ if optimizer is not None else None,
+                   scheduler=scheduler is not None)
+    [agreed] = enter(call, wm, flags=[bool(problems)], invalid=1)
+    raise_agreed(problems, f"load_state from {directory!r}", _FIX_LOAD, wm, agreed=agreed)
+    assert manifest is not None and metadata is not None
+
+    saved = metadata.state_dict_metadata
+    rank_key = f"rng/{_global_rank()}"
+    with torch.no_grad():
+        if optimizer is not None:
+            source.create(saved_keys)
+        state, others = _tensors(source.held())
+        absent = sorted(k for k in state if k not in saved)
+        objects: list[tuple[str, Held, str]] = []
+        for key, h, k, value in others:
+            if key not in saved:
+                absent.append(key)
+            elif torch.is_tensor(value):
+                state[key] = value  # read in place
+            else:
+                state[key] = _Object()
+                objects.append((key, h, k))
+        if source.resume is None:  # state the optimizer keeps as Python objects, not tensors
+            done = {(h.name, k) for _, h, k, _ in others}
+            for h in source.held():
+                for k, md in saved_keys.get(h.name, {}).items():
+                    if not hasattr(md, "size") and (h.name, k) not in done:
+                        done.add((h.name, k))
+                        state[f"optim/{h.name}/{k}"] = _Object()
+                        objects.append((f"optim/{h.name}/{k}", h, k))
+        # Never a silent restart from zero: every state key saved for a parameter held here has its place.
+        placed: dict[str, set[str]] = {}
+        for key in [*state, *(k for k, _, _, _ in others)]:
+            if key.startswith("optim/"):
+                name, _, k = key[len("optim/"):].rpartition("/")
+                placed.setdefault(name, set()).add(k)
+        for h in source.held() if optimizer is not None else []:
+            lost = sorted(set(saved_keys.get(h.name, {})) - placed.get(h.name, set()))
+            if lost:
+                absent.append(f"{h.name}'s optimizer state {lost} has no place in this optimizer")
+        # Every rank takes part: one whose layout the checkpoint does not cover raises on all.
+        missing = [f"entries missing from the checkpoint ({len(absent)}): {', '.join(absent[:5])}"] if absent else []
+        raise_agreed(missing, f"load_state from {directory!r}", _FIX_LOAD, wm)
+        if optimizer is not None:
+            state["optim/param_groups"] = _Object()
+        if scheduler is not None:
+            state["scheduler"] = _Object()
+        if "extra" in saved:
+            state["extra"] = _Object()
+        if rank_key in saved:
+            state[rank_key] = _Object()
+        with _quiet():
+            state_dict_loader.load(state, checkpoint_id=directory, process_group=group, no_dist=no_dist,
+                                   planner=DefaultLoadPlanner(flatten_state_dict=False,
+                                                              flatten_sharded_tensors=False))
+        source.loaded()
+
+    if optimizer is not None:
+        for key, h, k in objects:
+            optimizer.state[h.owner][k] = state[key].value
+        by_names = {tuple(g): hyper for g, hyper in zip(manifest["optimizer"]["param_groups"],
+                                                        state["optim/param_groups"].value, strict=True)}
+        for group_names, g in zip(source.group_names(), optimizer.param_groups, strict=True):
+            g.update(by_names[tuple(group_names)])
+    if scheduler is not None:
+        scheduler.load_state_dict(state["scheduler"].value)
+    skipped: list[str] = []
+    if rank_key in saved:
+        _set_rng(state[rank_key].value)
+    else:
+        skipped.append(f"RNG states: global rank {_global_rank()} had none in the checkpoint (saved by "
+                       f"{manifest.get('ranks')} rank(s)); this rank's are left as they were")
+    return StateLoad(dict(state["extra"].value) if "extra" in state else {}, skipped)
