@@ -1,11 +1,13 @@
 """Time of ``save_state`` / ``load_state`` against each backend's own way of saving the training state.
 
-Two gloo ranks on the CPU; the benchmark Llama of ``generation.py`` (8 layers, hidden 256, a 4096-token
-vocabulary) with AdamW after one step, so every moment exists. The baselines:
+Two gloo ranks on the CPU; a Llama of 8 layers, hidden 512 (256 with ``--quick``) and a 4096-token vocabulary,
+with AdamW after one step, so every moment exists. The baselines:
 
 - FSDP2 and FSDP1: torch's distributed checkpoint with ``get_state_dict`` (save) and ``set_state_dict`` (load),
   the way torchtitan and accelerate save a torch-native model and its optimizer;
 - ZeRO-2 and ZeRO-3: ``engine.save_checkpoint`` / ``engine.load_checkpoint``.
+
+Every save goes to a new checkpoint (a directory, or a DeepSpeed tag), as a trainer saves ``checkpoint-<step>``.
 
 Each side is timed in interleaved pairs (``_common.interleaved``), the slower rank's time counting. The goal is
 at most 1.1x the backend's own. The note gives each side's peak extra resident memory on the worse rank (after
@@ -28,6 +30,7 @@ NAME = "resume"
 GOAL = 1.1
 BACKENDS = ("fsdp2", "fsdp", "zero2", "zero3")
 VOCAB = 4096
+HIDDEN = {False: 512, True: 256}  # by ``quick``: 8 layers, 25M or 7M parameters
 
 
 def _status(field: str) -> int:
@@ -53,63 +56,74 @@ def _peak_of(fn: Any) -> tuple[float, int]:
     return secs, _status("VmHWM") - base
 
 
-def _trained(backend: str) -> tuple[Any, Any]:
+def _model(hidden: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=8,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def _trained(backend: str, hidden: int) -> tuple[Any, Any]:
     import torch
 
     import wrapkit
-    from benchmarks.generation import llama
     from wrapkit.cli._models import build
 
-    wm = wrapkit.adapt(build(backend, model=llama(vocab=VOCAB)))
+    torch.manual_seed(0)
+    wm = wrapkit.adapt(build(backend, model=_model(hidden)))
     ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    # Built before the forward: FSDP2 swaps unsharded tensors in while it runs.
+    opt = None if wm.backend == "deepspeed" else torch.optim.AdamW(wm.module.parameters(), lr=1e-3)
     loss = wm(input_ids=ids, labels=ids).loss
-    if wm.backend == "deepspeed":
+    if opt is None:
         wm.module.backward(loss)
         wm.module.step()
         return wm, None
-    opt = torch.optim.AdamW(wm.module.parameters(), lr=1e-3)
     loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return wm, opt
 
 
-def _own_ways(wm: Any, opt: Any, directory: str) -> tuple[Any, Any]:
-    """The backend's own save and load of the model and optimizer state, as callables."""
+def _ways(wm: Any, opt: Any, root: str) -> dict[str, dict[str, Any]]:
+    """Each side's save and load into checkpoint ``k`` (a new directory, or DeepSpeed tag, per save: as a trainer
+    saves ``checkpoint-<step>``), as callables taking ``k``."""
+    def ours(k: int) -> str:
+        return os.path.join(root, f"wrapkit-{k}")
+
+    sides: dict[str, dict[str, Any]] = {"wrapkit": {"save": lambda k: wm.save_state(ours(k), opt),
+                                                    "load": lambda k: wm.load_state(ours(k), opt)}}
     if wm.backend == "deepspeed":
-        engine = wm.module
-        return (lambda: engine.save_checkpoint(directory, tag="t"),
-                lambda: engine.load_checkpoint(directory, tag="t"))
+        engine, own = wm.module, os.path.join(root, "own")
+        sides["own"] = {"save": lambda k: engine.save_checkpoint(own, tag=f"t{k}"),
+                        "load": lambda k: engine.load_checkpoint(own, tag=f"t{k}")}
+        return sides
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    def save() -> None:
+    def save(k: int) -> None:
         msd, osd = get_state_dict(wm.module, opt)
-        dcp.save({"model": msd, "optim": osd}, checkpoint_id=directory)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, f"own-{k}"))
 
-    def load() -> None:
+    def load(k: int) -> None:
         msd, osd = get_state_dict(wm.module, opt)
         state = {"model": msd, "optim": osd}
-        dcp.load(state, checkpoint_id=directory)
+        dcp.load(state, checkpoint_id=os.path.join(root, f"own-{k}"))
         set_state_dict(wm.module, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    return save, load
+    sides["own"] = {"save": save, "load": load}
+    return sides
 
 
-def _share(wm: Any, opt: Any) -> int:
-    """Bytes of this rank's share of the training state: its weights (fp32 masters) and moments."""
-    if wm.backend == "deepspeed":
-        zero = wm.module.optimizer
-        inner = zero.optimizer
-        flats = [p for g in inner.param_groups for p in g["params"]]
-        return sum(t.numel() * t.element_size() for f in flats
-                   for t in (f, *(v for v in inner.state[f].values() if v.dim())))
-    def local(t: Any) -> Any:
-        return t.to_local() if hasattr(t, "to_local") else t
-    return sum(t.numel() * t.element_size() for p, st in opt.state.items()
-               for t in (local(p), *(local(v) for v in st.values() if v.dim())))
+def _share(directory: str) -> int:
+    """Bytes of this rank's share of the training state: what it wrote of it (its weights and moments)."""
+    import torch.distributed as dist
+
+    return os.path.getsize(os.path.join(directory, f"__{dist.get_rank()}_0.distcp"))
 
 
-def measure(root: str, reps: int) -> dict[str, Any]:
+def measure(root: str, reps: int, hidden: int) -> dict[str, Any]:
     """Runs on every rank: {backend: {side: {op: ([seconds...], [peak bytes...])}, "share": bytes}}."""
     import torch.distributed as dist
 
@@ -119,23 +133,17 @@ def measure(root: str, reps: int) -> dict[str, Any]:
     for backend in BACKENDS:
         if backend.startswith("zero") and not is_available("deepspeed"):
             continue
-        wm, opt = _trained(backend)
-        ours = os.path.join(root, backend, "wrapkit")
-        own_save, own_load = _own_ways(wm, opt, os.path.join(root, backend, "own"))
-        sides: dict[str, Any] = {
-            "wrapkit": {"save": lambda wm=wm, opt=opt, d=ours: wm.save_state(d, opt),
-                        "load": lambda wm=wm, opt=opt, d=ours: wm.load_state(d, opt)},
-            "own": {"save": own_save, "load": own_load},
-        }
+        wm, opt = _trained(backend, hidden)
+        sides = _ways(wm, opt, os.path.join(root, backend))
         times: dict[str, Any] = {s: {"save": ([], []), "load": ([], [])} for s in sides}
         for i in range(reps + 1):  # the first pair warms both up and is not counted
             for side in (("wrapkit", "own") if i % 2 else ("own", "wrapkit")):
                 for op in ("save", "load"):
-                    secs, peak = _peak_of(sides[side][op])
+                    secs, peak = _peak_of(lambda: sides[side][op](i))  # noqa: B023 - called at once
                     if i:
                         times[side][op][0].append(secs)
                         times[side][op][1].append(peak)
-        out[backend] = {**times, "share": _share(wm, opt)}
+        out[backend] = {**times, "share": _share(os.path.join(root, backend, f"wrapkit-{reps}"))}
         del wm, opt
         dist.barrier()
     return out
@@ -149,7 +157,7 @@ def collect(quick: bool = False) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="wrapkit-resume-")
     try:
         with two_ranks() as group:
-            per_rank = group.run("benchmarks.resume:measure", root, 2 if quick else 5, timeout=900)
+            per_rank = group.run("benchmarks.resume:measure", root, 2 if quick else 5, HIDDEN[quick], timeout=900)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if saved is None:

@@ -14,6 +14,7 @@ subclass is used, so it refuses every other operation.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -99,5 +100,18 @@ class Blocks(torch.Tensor):
         want = tuple(index.offset)
         for (offsets, _), values in self._parts:
             if offsets == want:
-                return values
+                return _exact(values)
         raise KeyError(f"no box at {want} in {self!r}")
+
+
+def _exact(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous, on the CPU) as a tensor whose storage is exactly its own bytes, the same memory.
+
+    DCP's writer copies a CPU tensor whose storage is larger than the tensor before writing it, and keeps each
+    copy until the rank's file is complete: for boxes that are views of a larger buffer (a DeepSpeed partition,
+    an FSDP1 flat shard) that is a second copy of the rank's whole share. A tensor over just those bytes is
+    written from the memory it views. It lives no longer than ``Blocks``, which keeps the buffer alive."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0 or t.untyped_storage().nbytes() == t.nbytes:
+        return t
+    memory = (ctypes.c_char * t.nbytes).from_address(t.data_ptr())
+    return torch.frombuffer(memory, dtype=t.dtype).view(t.shape)

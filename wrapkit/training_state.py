@@ -20,6 +20,7 @@ every file's size, so that a load checks all of it before anything changes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -99,13 +100,12 @@ class _Held:
                             {k: v for k, v in st.items() if k not in per}, src, piece.box))
         return out
 
-    def create(self, saved: dict[str, dict[str, Any]]) -> None:
+    def create(self, saved: dict[str, dict[str, list[Any]]]) -> None:
         """An optimizer that has not stepped gets the state tensors the checkpoint holds (zeros), to load into."""
         if self.optimizer is None:
             return
-        shapes = self.wm.weights.param_shapes()
-        keys = {name: {k: (tuple(md.size) == tuple(shapes.get(name, ())), md.properties.dtype, tuple(md.size))
-                       for k, md in per.items() if hasattr(md, "size")}  # tensors, not objects
+        keys = {name: {k: (spec[0] == "element", _dtype(spec[1]), tuple(spec[2]) if spec[0] == "tensor" else ())
+                       for k, spec in per.items() if spec[0] != "object"}
                 for name, per in saved.items()}
         if self.resume is not None:
             self.resume.create(keys)
@@ -149,22 +149,44 @@ def _boxes(h: Held, tensor: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
     return out
 
 
-def _tensors(held: list[Held]) -> tuple[dict[str, Any], list[tuple[str, Held, str, Any]]]:
-    """The checkpoint's entries for ``held``: every per-element tensor as ``Blocks``, and (key, held, state key,
-    value) for each other state value, the first piece of an owner standing for its others."""
+def _tensors(held: list[Held]) -> dict[str, Blocks]:
+    """Every per-element tensor of ``held`` (weights and moments) as ``Blocks`` under its checkpoint key."""
     parts: dict[str, list[tuple[Box, torch.Tensor]]] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    others: list[tuple[str, Held, str, Any]] = []
-    seen: set[tuple[int, str, str]] = set()
     for h in held:
         for key, t in (("model/" + h.name, h.weights), *((f"optim/{h.name}/{k}", v) for k, v in h.state.items())):
             parts.setdefault(key, []).extend(_boxes(h, t))
             shapes[key] = h.full_shape
+    return {key: Blocks(shapes[key], p, p[0][1].dtype) for key, p in parts.items()}
+
+
+def _scalars(held: list[Held]) -> dict[str, dict[str, Any]]:
+    """Name -> the rest of its state (Adam's ``step``): small, so each rank's go in one object."""
+    out: dict[str, dict[str, Any]] = {}
+    for h in held:
+        if h.scalars and h.name not in out:
+            out[h.name] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in h.scalars.items()}
+    return out
+
+
+def _specs(held: list[Held]) -> dict[str, dict[str, list[Any]]]:
+    """Name -> each state key's kind, for the manifest: ``["element", dtype]`` (per element, saved in boxes),
+    ``["tensor", dtype, shape]`` or ``["object"]``."""
+    out: dict[str, dict[str, list[Any]]] = {}
+    for h in held:
+        spec = out.setdefault(h.name, {})
+        for k, v in h.state.items():
+            spec[k] = ["element", str(v.dtype)]
         for k, v in h.scalars.items():
-            if (id(h.owner), h.name, k) not in seen:
-                seen.add((id(h.owner), h.name, k))
-                others.append((f"optim/{h.name}/{k}", h, k, v))
-    return {key: Blocks(shapes[key], p, p[0][1].dtype) for key, p in parts.items()}, others
+            spec[k] = ["tensor", str(v.dtype), list(v.shape)] if torch.is_tensor(v) else ["object"]
+    return {n: spec for n, spec in out.items() if spec}
+
+
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name.rpartition(".")[2], None)
+    if not isinstance(dtype, torch.dtype):
+        raise StateDictError(f"the checkpoint names an unknown dtype {name!r}")
+    return dtype
 
 
 def _param_names(wm: Adapter, pieces: list[Piece]) -> dict[int, list[str]]:
@@ -298,9 +320,10 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
                              f"the directory {tmp!r} made beside it; save to storage every rank shares")
     writer = writes_files(wm)
     with torch.no_grad():
-        state, others = _tensors(source.held())
-        for key, _, _, value in others:
-            state[key] = value.detach().clone() if torch.is_tensor(value) else _Object(value)
+        held = source.held()
+        state: dict[str, Any] = dict(_tensors(held))
+        if optimizer is not None:
+            state[f"optim/scalars/{_global_rank()}"] = _Object(_scalars(held))
         if writer and optimizer is not None:
             state["optim/param_groups"] = _Object(_hyper(optimizer))
         if writer and scheduler is not None:
@@ -316,12 +339,21 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
                                   planner=DefaultSavePlanner(flatten_state_dict=False))
     except Exception as exc:  # every rank learns of it in commit_directory
         error = exc
+    # Which state keys each parameter has, from every rank (a rank holds some parameters only): a load checks and
+    # creates them from the manifest alone.
+    specs = _specs(held) if optimizer is not None else {}
+    if not no_dist and optimizer is not None:
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, specs, group=group)
+        for other in every:
+            for name, spec in other.items():
+                specs.setdefault(name, {}).update(spec)
     manifest = {
         "format": FORMAT, "backend": wm.backend, "stack": list(wm.stack), "world_size": wm.world_size,
         "ranks": dist.get_world_size() if not no_dist else 1, "topology": wm.describe(),
         "versions": _versions(wm), "parameters": {n: list(s) for n, s in wm.weights.param_shapes().items()},
         "optimizer": None if optimizer is None else {
-            "class": _class_name(optimizer), "param_groups": source.group_names()},
+            "class": _class_name(optimizer), "param_groups": source.group_names(), "state": specs},
         "scheduler": None if scheduler is None else _class_name(scheduler), "extra": extra is not None,
     }
 
@@ -337,6 +369,26 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
 
 
 # -- load ---------------------------------------------------------------------------------------------------
+@functools.cache
+def _reader_class() -> Any:
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    class Reader(FileSystemReader):  # type: ignore[misc]
+        """DCP's file reader, given the metadata already read (and checked) once."""
+
+        def __init__(self, path: str, metadata: Any) -> None:
+            super().__init__(path)
+            self._known = metadata
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return self._known
+    return Reader
+
+
+def _Reader(path: str, metadata: Any) -> Any:  # noqa: N802 - a class made on first use (DCP imported late)
+    return _reader_class()(path, metadata)
+
+
 def _read_manifest(directory: str, problems: list[str]) -> tuple[dict[str, Any] | None, Any]:
     """The manifest and DCP's metadata, each checked; None where unreadable (the problem is listed)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -385,14 +437,10 @@ def _compare_parameters(wm: Adapter, manifest: dict[str, Any], problems: list[st
                             f" (saved from {manifest.get('stack', ['?'])[-1]}; another model's checkpoint?)")
 
 
-def _saved_keys(metadata: Any) -> dict[str, dict[str, Any]]:
-    """Name -> {optimizer state key: its metadata} from the checkpoint."""
-    out: dict[str, dict[str, Any]] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if fqn.startswith("optim/") and fqn != "optim/param_groups":
-            name, _, key = fqn[len("optim/"):].rpartition("/")
-            out.setdefault(name, {})[key] = md
-    return out
+def _saved_keys(manifest: dict[str, Any]) -> dict[str, dict[str, list[Any]]]:
+    """Name -> {optimizer state key: its kind} (``_specs``), as saved."""
+    saved: dict[str, dict[str, list[Any]]] = (manifest.get("optimizer") or {}).get("state", {})
+    return saved
 
 
 def _compare_optimizer(source: _Held, manifest: dict[str, Any], saved_keys: dict[str, dict[str, Any]],
@@ -463,9 +511,9 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
     optimizer = source.optimizer
     no_dist, group = _dcp_group(wm, problems)
     manifest, metadata = _read_manifest(directory, problems)
-    saved_keys: dict[str, dict[str, Any]] = {}
+    saved_keys: dict[str, dict[str, list[Any]]] = {}
     if manifest is not None and metadata is not None:
-        saved_keys = _saved_keys(metadata)
+        saved_keys = _saved_keys(manifest)
         _compare_parameters(wm, manifest, problems)
         _compare_optimizer(source, manifest, saved_keys, problems)
         _compare_others(manifest, scheduler, problems)
@@ -480,38 +528,21 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
     with torch.no_grad():
         if optimizer is not None:
             source.create(saved_keys)
-        state, others = _tensors(source.held())
+        held = source.held()
+        state: dict[str, Any] = dict(_tensors(held))
         absent = sorted(k for k in state if k not in saved)
-        objects: list[tuple[str, Held, str]] = []
-        for key, h, k, value in others:
-            if key not in saved:
-                absent.append(key)
-            elif torch.is_tensor(value):
-                state[key] = value  # read in place
-            else:
-                state[key] = _Object()
-                objects.append((key, h, k))
-        if source.resume is None:  # state the optimizer keeps as Python objects, not tensors
-            done = {(h.name, k) for _, h, k, _ in others}
-            for h in source.held():
-                for k, md in saved_keys.get(h.name, {}).items():
-                    if not hasattr(md, "size") and (h.name, k) not in done:
-                        done.add((h.name, k))
-                        state[f"optim/{h.name}/{k}"] = _Object()
-                        objects.append((f"optim/{h.name}/{k}", h, k))
-        # Never a silent restart from zero: every state key saved for a parameter held here has its place.
-        placed: dict[str, set[str]] = {}
-        for key in [*state, *(k for k, _, _, _ in others)]:
-            if key.startswith("optim/"):
-                name, _, k = key[len("optim/"):].rpartition("/")
-                placed.setdefault(name, set()).add(k)
-        for h in source.held() if optimizer is not None else []:
-            lost = sorted(set(saved_keys.get(h.name, {})) - placed.get(h.name, set()))
+        # Never a silent restart from zero: every per-element state saved for a parameter held here has a place.
+        for h in held if optimizer is not None else []:
+            lost = sorted(k for k, spec in saved_keys.get(h.name, {}).items()
+                          if spec[0] == "element" and k not in h.state)
             if lost:
                 absent.append(f"{h.name}'s optimizer state {lost} has no place in this optimizer")
         # Every rank takes part: one whose layout the checkpoint does not cover raises on all.
         missing = [f"entries missing from the checkpoint ({len(absent)}): {', '.join(absent[:5])}"] if absent else []
         raise_agreed(missing, f"load_state from {directory!r}", _FIX_LOAD, wm)
+        scalar_keys = [k for k in saved if k.startswith("optim/scalars/")] if optimizer is not None else []
+        for key in scalar_keys:  # each small; every rank reads all (which rank held a parameter is not known)
+            state[key] = _Object()
         if optimizer is not None:
             state["optim/param_groups"] = _Object()
         if scheduler is not None:
@@ -521,14 +552,23 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
         if rank_key in saved:
             state[rank_key] = _Object()
         with _quiet():
-            state_dict_loader.load(state, checkpoint_id=directory, process_group=group, no_dist=no_dist,
-                                   planner=DefaultLoadPlanner(flatten_state_dict=False,
-                                                              flatten_sharded_tensors=False))
+            state_dict_loader.load(state, storage_reader=_Reader(directory, metadata), process_group=group,
+                                   no_dist=no_dist, planner=DefaultLoadPlanner(flatten_state_dict=False,
+                                                                               flatten_sharded_tensors=False))
+        if optimizer is not None:
+            scalars: dict[str, dict[str, Any]] = {}
+            for key in scalar_keys:
+                scalars.update(state[key].value)
+            for h in held:
+                for k, value in scalars.get(h.name, {}).items():
+                    have = h.scalars.get(k, optimizer.state[h.owner].get(k))
+                    if torch.is_tensor(have) and torch.is_tensor(value):
+                        have.copy_(value)
+                    else:
+                        optimizer.state[h.owner][k] = value
         source.loaded()
 
     if optimizer is not None:
-        for key, h, k in objects:
-            optimizer.state[h.owner][k] = state[key].value
         by_names = {tuple(g): hyper for g, hyper in zip(manifest["optimizer"]["param_groups"],
                                                         state["optim/param_groups"].value, strict=True)}
         for group_names, g in zip(source.group_names(), optimizer.param_groups, strict=True):
