@@ -19,6 +19,21 @@ def two_ranks(preload: Sequence[str] = PRELOAD) -> WorkerGroup:
     return WorkerGroup(world_size=2, backend="gloo", preload=preload, log_dir=os.environ.get("WRAPKIT_BENCH_LOGS"))
 
 
+def proc_status(field: str) -> int:
+    """Bytes of a ``/proc/self/status`` memory field of this process (``VmRSS``, ``VmHWM``). Linux only."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def reset_peak() -> None:
+    """Reset this process's peak resident set (``VmHWM``) to its current one (writing 5 to clear_refs)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def barrier_timed(fn: Callable[[], object]) -> float:
     """Seconds ``fn()`` takes on this rank, started together on every rank (a barrier first)."""
     import time

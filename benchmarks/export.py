@@ -23,25 +23,12 @@ BACKENDS = ("ddp", "zero3", "fsdp", "fsdp2")
 VOCAB = 16384
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    # Writing 5 to clear_refs resets VmHWM (the peak resident set) to the current RSS.
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
 def measure() -> dict[str, Any]:
     """Runs on every rank: {backend: (peak extra bytes, largest parameter bytes, seconds, parameters seen)}."""
     import torch.distributed as dist
 
     import wrapkit
+    from benchmarks._common import proc_status, reset_peak
     from benchmarks.generation import llama
     from wrapkit._imports import is_available
     from wrapkit.cli._models import build
@@ -56,14 +43,14 @@ def measure() -> dict[str, Any]:
         dist.barrier()
         t0 = time.perf_counter()
         seen = 0
-        _reset_peak()
-        base = _status("VmRSS")
+        reset_peak()
+        base = proc_status("VmRSS")
         tensor = None
         for _name, tensor in wm.named_full_parameters():  # noqa: B007 - held until the next, like a consumer
             seen += 1
         del tensor
         secs = time.perf_counter() - t0
-        out[backend] = (_status("VmHWM") - base, largest, secs, seen)
+        out[backend] = (proc_status("VmHWM") - base, largest, secs, seen)
     return out
 
 

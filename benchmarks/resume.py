@@ -33,27 +33,20 @@ VOCAB = 4096
 HIDDEN = {False: 512, True: 256}  # by ``quick``: 8 layers, 25M or 7M parameters
 
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _peak_of(fn: Any) -> tuple[float, int]:
     """(Seconds, peak extra resident bytes) of ``fn()`` on this rank, started together on every rank."""
     import torch.distributed as dist
 
+    from benchmarks._common import proc_status, reset_peak
+
     dist.barrier()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident set
-    base = _status("VmRSS")
+    reset_peak()
+    base = proc_status("VmRSS")
     t0 = time.perf_counter()
     fn()
     secs = time.perf_counter() - t0
     dist.barrier()
-    return secs, _status("VmHWM") - base
+    return secs, proc_status("VmHWM") - base
 
 
 def _model(hidden: int) -> Any:

@@ -27,7 +27,8 @@ def _optimizer(wm: Any, lr: float, groups: int) -> tuple[Any, Any]:
     """AdamW and a scheduler. ``groups=2``: norms undecayed, as trainers build it (not where FSDP1 flattens
     every parameter of a unit into one). A DeepSpeed engine steps its own (torch's AdamW, one group)."""
     if wm.backend == "deepspeed":
-        inner = wm.module.optimizer.optimizer
+        zero = wm.module.optimizer
+        inner = getattr(zero, "optimizer", zero)  # ZeRO-0 in fp32 steps the torch optimizer itself
         for g in inner.param_groups:
             g.update(lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
             g["initial_lr"] = lr
@@ -64,11 +65,21 @@ def _full_state(wm: Any, opt: Any) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     out = {f"model/{k}": v.float() for k, v in wm.full_state_dict(rank0_only=False).items()}
-    if wm.backend == "deepspeed":  # DeepSpeed's own full readers, parameter by parameter
+    zero = wm.module.optimizer if wm.backend == "deepspeed" else None
+    if hasattr(zero, "fp32_groups") and hasattr(zero, "fp16_groups"):  # ZeRO-0's unfused 16-bit optimizer
+        names = {id(p): canonical_name(n) for n, p in wm.unwrap().named_parameters()}
+        for lows, highs in zip(zero.fp16_groups, zero.fp32_groups, strict=True):
+            for low, high in zip(lows, highs, strict=True):
+                for key, value in zero.optimizer.state[high].items():
+                    out[f"optim/{names[id(low)]}/{key}"] = value.detach().cpu().clone()
+        return out
+    if wm.backend == "deepspeed" and hasattr(wm.module.optimizer, "optimizer"):  # DeepSpeed's own full readers
         from deepspeed.utils import safe_get_full_optimizer_state
 
         zero = wm.module.optimizer
         for name, p in wm.unwrap().named_parameters():
+            if not p.requires_grad:
+                continue
             for key in ("exp_avg", "exp_avg_sq"):
                 out[f"optim/{canonical_name(name)}/{key}"] = safe_get_full_optimizer_state(p, key).detach().cpu()
             step = next(iter(zero.optimizer.state.values()))["step"]
@@ -87,8 +98,22 @@ def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
-def trained(tmp: str, spec: str, precision: str = "fp32", topology: str = "flat", groups: int = 2) -> dict[str, Any]:
-    wm = wrapkit.adapt(build(spec, seed=0, precision=precision, topology=topology))
+def _model(seed: int, lora: bool) -> torch.nn.Module | None:
+    """None: the recipe's own Llama. ``lora``: LoRA on its attention, the base frozen (PEFT's own init, seeded)."""
+    if not lora:
+        return None
+    from peft import LoraConfig, get_peft_model
+
+    from wrapkit.cli._models import tiny_llama
+
+    base = tiny_llama(seed)
+    torch.manual_seed(seed)
+    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))  # type: ignore[no-any-return]
+
+
+def trained(tmp: str, spec: str, precision: str = "fp32", topology: str = "flat", groups: int = 2,
+            lora: bool = False) -> dict[str, Any]:
+    wm = wrapkit.adapt(build(spec, model=_model(0, lora), seed=0, precision=precision, topology=topology))
     opt, sched = _optimizer(wm, 1e-2, groups)
     _steps(wm, opt, sched, 0)
     wm.save_state(os.path.join(tmp, "state"), opt, scheduler=sched, extra={"step": STEPS, "spec": spec})
@@ -105,11 +130,11 @@ def trained(tmp: str, spec: str, precision: str = "fp32", topology: str = "flat"
 
 
 def resumed(tmp: str, spec: str, precision: str = "fp32", topology: str = "flat",
-            follow: bool = True, groups: int = 2) -> dict[str, Any]:
+            follow: bool = True, groups: int = 2, lora: bool = False) -> dict[str, Any]:
     """``follow``: the data layout is the one saved (same data-parallel ranks), so the next steps are
     compared with the uninterrupted run's."""
     ref = torch.load(os.path.join(tmp, "reference.pt"))
-    wm = wrapkit.adapt(build(spec, seed=7, precision=precision, topology=topology))
+    wm = wrapkit.adapt(build(spec, model=_model(7, lora), seed=7, precision=precision, topology=topology))
     opt, sched = _optimizer(wm, 5e-4, groups)
     got = wm.load_state(os.path.join(tmp, "state"), opt, scheduler=sched)
     mine = os.path.join(tmp, f"rank{dist.get_rank()}.pt")

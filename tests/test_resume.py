@@ -28,6 +28,8 @@ TWO_RANKS = [
     ("zero3", "zero3", "fp32", "exact"),
     ("fsdp2", "fsdp2", "bf16", "exact"),
     ("zero3", "zero3", "bf16", "exact"),
+    ("zero0", "zero0", "fp32", "exact"),
+    ("zero0", "zero0", "bf16", "exact"),
     ("ddp", "fsdp2", "fp32", "close"),
     ("fsdp2", "fsdp", "fp32", "close"),
     ("fsdp", "ddp", "fp32", "close"),
@@ -39,6 +41,7 @@ TWO_RANKS = [
     ("zero2", "ddp", "fp32", "state"),
     ("fsdp", "zero3", "fp32", "state"),
     ("zero2", "fsdp2", "bf16", "state"),
+    ("zero0", "fsdp2", "fp32", "state"),
     ("tp", "fsdp2", "fp32", "state"),
     ("fsdp2", "tp", "fp32", "state"),
 ]
@@ -74,6 +77,18 @@ def test_resume_on_two_ranks(group: Any, tmp_path: Path, saved: str, resumed: st
     results = group.run(sc.resumed, str(tmp_path), resumed, precision, follow=follow != "state", groups=groups,
                         timeout=120)
     for obs in results:
+        check(obs, follow)
+
+
+@pytest.mark.parametrize("saved,resumed,follow", [("fsdp2", "ddp", "close"), ("ddp", "zero3", "state"),
+                                                  ("zero2", "zero2", "exact")])
+def test_resume_with_lora(group: Any, tmp_path: Path, saved: str, resumed: str, follow: str) -> None:
+    """A PEFT model: the frozen base weights are saved and restored as well, the optimizer's state is the
+    adapters' alone, under PEFT's names."""
+    groups = _groups(saved, resumed)
+    group.run(sc.trained, str(tmp_path), saved, groups=groups, lora=True, timeout=120)
+    for obs in group.run(sc.resumed, str(tmp_path), resumed, follow=follow != "state", groups=groups, lora=True,
+                         timeout=120):
         check(obs, follow)
 
 

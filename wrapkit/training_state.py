@@ -73,13 +73,17 @@ class _Held:
         self.pieces: list[Piece] = []
         if self.resume is not None:
             own = self.resume.optimizer()
-            engine_own = wm.states.own_optimizer() if wm.states is not None else None
-            if optimizer is not None and optimizer is not own and optimizer is not engine_own:
+            # The engine's optimizer wraps the torch one that steps: either may be passed.
+            if optimizer is not None and optimizer is not own and getattr(optimizer, "optimizer", None) is not own:
                 raise ArgumentError(f"{where}(optimizer=...): the {wm.backend} model steps its own optimizer; pass "
                                     "None (or that optimizer)")
             self.optimizer: Any = own
+            # The parameters its optimizer does not step (frozen ones) are read from the weights themselves.
+            self.pieces = [p for p in wm.weights.pieces() if p.source is not None and p.values is not None]
         else:
-            self.optimizer = optimizer
+            # A backend that steps its own optimizer (a ZeRO-0 engine's torch optimizer) uses it by default.
+            own = wm.states.own_optimizer() if wm.states is not None else None
+            self.optimizer = optimizer if optimizer is not None else own
             self.pieces = _readable(wm, problems)
 
     def group_names(self) -> list[list[str]]:
@@ -88,9 +92,16 @@ class _Held:
         return _groups(self.optimizer, _param_names(self.wm, self.pieces))
 
     def held(self) -> list[Held]:
-        if self.resume is not None:
-            return self.resume.held()
         out: list[Held] = []
+        if self.resume is not None:
+            out = self.resume.held()
+            stepped = {n for g in self.resume.group_names() for n in g}
+            for piece in self.pieces:  # weights alone, of the parameters the optimizer does not step
+                if piece.name not in stepped:
+                    assert piece.values is not None and piece.source is not None
+                    out.append(Held(piece.name, tuple(piece.full_shape), piece.start, piece.numel,
+                                    piece.values(piece.source), {}, {}, piece.source, piece.box))
+            return out
         for piece in self.pieces:
             src, values = piece.source, piece.values
             assert src is not None and values is not None

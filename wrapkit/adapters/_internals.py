@@ -59,8 +59,7 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     # Read on objects that do not exist when a model is adapted, or outside the backends.
     "DeepSpeed engine config": ("_config", "_param_dict"),
     "DeepSpeed GatheredParameters": ("_param_versions",),
-    "DeepSpeed ZeRO-3 optimizer": ("_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",
-                                   "_get_fp32_opt_state_partition"),
+    "DeepSpeed ZeRO-3 optimizer": ("_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",),
     # How DeepSpeed itself links each parameter to its fragment of new optimizer state (after a load).
     "DeepSpeed ZeRO-1/2 and bf16 optimizer": ("_lazy_init_hp_params_optimizer_state",),
     "FSDP1 ShardingStrategy": ("_HYBRID_SHARD_ZERO2",),

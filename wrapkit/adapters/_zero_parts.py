@@ -19,7 +19,7 @@ from .._agree import settle
 from .._gather import Bypass, submodules
 from .._imports import require
 from .._names import canonical_name
-from ._parts import Parts, Written
+from ._parts import Parts, Written, flat_view
 from ._primitives import Piece
 from ._whole import WholeGatherer, WholePlacement, WholeWeights, move_buffers
 from ._zero_partitions import each_full, full_writer, partition_writer, settle_gathers
@@ -58,6 +58,12 @@ def masters(engine: Any) -> Master | None:
         found: torch.Tensor | None = safe_get_full_fp32_param(p)  # collective under ZeRO 1-3
         return found
     return master
+
+
+def _first(n: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def values(t: torch.Tensor) -> torch.Tensor:
+        return t.detach().view(-1)[:n]
+    return values
 
 
 def _stage3(model: Adapter) -> bool:
@@ -113,15 +119,20 @@ class ZeroWeights(WholeWeights):
         for name, p in self.model.unwrap().named_parameters():
             keep = master if (master is not None and p.requires_grad) else None
             part = getattr(p, "ds_tensor", None)
+            # The read side only where these are the values the optimizer steps, or where nothing steps them (a
+            # frozen parameter); an engine's fp32 masters are read through the Resume part.
+            read = keep is None
             if part is None:
-                out.append(Piece(canonical_name(name), 0, p.numel(), tuple(p.shape), full_writer(p, keep)))
+                out.append(Piece(canonical_name(name), 0, p.numel(), tuple(p.shape), full_writer(p, keep),
+                                 source=p if read else None, values=flat_view if read else None))
                 continue
             size = part.numel()
             start = dist.get_rank(p.ds_process_group) * size  # type: ignore[attr-defined]
             valid = max(0, min(size, int(p.ds_numel) - start))  # type: ignore[attr-defined]
             if valid:
                 shape = tuple(p.ds_shape)  # type: ignore[attr-defined]
-                out.append(Piece(canonical_name(name), start, valid, shape, partition_writer(p, part, valid, keep)))
+                out.append(Piece(canonical_name(name), start, valid, shape, partition_writer(p, part, valid, keep),
+                                 source=part if read else None, values=_first(valid) if read else None))
         return out
 
     def written(self, kind: Written, values: Mapping[str, torch.Tensor] | None = None) -> None:

@@ -6,9 +6,11 @@ its range of every group; the torch optimizer inside steps those flat tensors.
   its fragment (``lp_fragment_address``: where the fragment lies in the flattened parameter;
   ``hp_fragment_address``: where in the flat partition). After a load, ``update_lp_params`` copies the masters
   into the 16-bit weights and all-gathers them.
+- ZeRO-0 with 16-bit weights (the unfused optimizer): one fp32 parameter per 16-bit one, stepped whole; after a
+  load the 16-bit weights take their values.
 - ZeRO-3: each parameter's partition is a range of the padded flattened parameter (rank ``r`` holds
-  ``[r * size, (r + 1) * size)``), and its place in the group's flat partition is what the optimizer's
-  ``_get_fp32_opt_state_partition`` reads. After a load the 16-bit partitions take the masters' values.
+  ``[r * size, (r + 1) * size)``), and its place in the group's flat partition is the optimizer's
+  ``grad_position`` entry for it. After a load the 16-bit partitions take the masters' values.
 """
 
 from __future__ import annotations
@@ -33,11 +35,6 @@ def _per_element(value: Any, flat: torch.Tensor) -> bool:
     return torch.is_tensor(value) and tuple(value.shape) == tuple(flat.shape)
 
 
-def _shares(view: torch.Tensor, base: torch.Tensor) -> bool:
-    start, end = base.untyped_storage().data_ptr(), base.untyped_storage().data_ptr() + base.untyped_storage().nbytes()
-    return start <= view.data_ptr() < end or view.numel() == 0
-
-
 class ZeroResume:
     """ZeRO 1-3's training state (``Resume``)."""
 
@@ -45,6 +42,9 @@ class ZeroResume:
         self.model, self.engine = model, engine
         self.zero = engine.optimizer
         self.stage3 = model.zero_stage == 3
+        # ZeRO-0 with 16-bit weights: one fp32 parameter per 16-bit one, group by group, stepped whole.
+        self.unfused = not self.stage3 and not hasattr(self.zero, "bit16_groups") and \
+            not hasattr(self.zero, "bf16_groups")
         names: dict[int, str] = {}
         for name, p in model.unwrap().named_parameters():
             names.setdefault(id(p), canonical_name(name))
@@ -62,10 +62,28 @@ class ZeroResume:
         return self.zero.optimizer
 
     def group_names(self) -> list[list[str]]:
+        if self.unfused:
+            return [[self.names[id(p)] for p in params] for params in self.zero.fp16_groups]
         return [[self.names[id(p)] for p in params] for params, _ in self._groups()]
 
+    def _pairs(self) -> list[tuple[Any, torch.Tensor]]:
+        """(16-bit parameter, its fp32 master) of the unfused optimizer."""
+        return [(low, high) for lows, highs in zip(self.zero.fp16_groups, self.zero.fp32_groups, strict=True)
+                for low, high in zip(lows, highs, strict=True)]
+
     def held(self) -> list[Held]:
+        if self.stage3 and getattr(self.zero, "swap_optimizer", False):
+            raise UnsupportedModelError(
+                "this ZeRO-3 engine swaps its optimizer state out to NVMe; save_state and load_state read it in "
+                "memory only (offload it to the CPU instead)")
         out: list[Held] = []
+        if self.unfused:
+            for low, high in self._pairs():
+                state = self.zero.optimizer.state.get(high, {})
+                per = {k: v.detach().view(-1) for k, v in state.items() if _per_element(v, high)}
+                out.append(Held(self.names[id(low)], tuple(low.shape), 0, low.numel(), high.detach().view(-1), per,
+                                {k: v for k, v in state.items() if k not in per}, high))
+            return out
         for params, flat in self._groups():
             state = self.zero.optimizer.state.get(flat, {})
             per_element = {k: v for k, v in state.items() if _per_element(v, flat)}
@@ -93,22 +111,25 @@ class ZeroResume:
         return int(lp.start), int(lp.numel), int(hp.start)
 
     def _stage3_range(self, p: Any, flat: torch.Tensor) -> tuple[int, int, int] | None:
-        view, _ = self.zero._get_fp32_opt_state_partition(p, release_swap_buffers=False)
-        if not _shares(view, flat):
-            raise UnsupportedModelError(
-                "the ZeRO-3 engine's fp32 masters are swapped out (offload to NVMe); save_state reads them in "
-                "memory only")
+        # Where the optimizer keeps this parameter's partition in its group's flat one (as its own readers find it).
+        _, at, _ = self.zero.grad_position[self.zero.get_param_id(p)]
         size = int(p.ds_tensor.ds_numel)
         start = dist.get_rank(p.ds_process_group) * size
         valid = max(0, min(size, int(p.ds_numel) - start))
         if not valid:
             return None
-        at = view.data_ptr() - flat.data_ptr()
-        return start, valid, at // flat.element_size()
+        return start, valid, int(at)
 
     def create(self, keys: Mapping[str, Mapping[str, tuple[bool, torch.dtype, tuple[int, ...]]]]) -> None:
         # DeepSpeed's optimizer makes its state at its first step, over each group's flat partition.
         state = self.zero.optimizer.state
+        if self.unfused:
+            for low, high in self._pairs():
+                for key, (per_element, dtype, shape) in keys.get(self.names[id(low)], {}).items():
+                    if key not in state[high]:
+                        state[high][key] = (torch.zeros_like(high, dtype=dtype) if per_element
+                                            else torch.zeros(shape, dtype=dtype))
+            return
         for params, flat in self._groups():
             st = state[flat]
             for p in params:
@@ -123,7 +144,10 @@ class ZeroResume:
 
     def loaded(self) -> None:
         with torch.no_grad():
-            if self.stage3:
+            if self.unfused:
+                for low, high in self._pairs():
+                    low.data.copy_(high.data)
+            elif self.stage3:
                 for low, high in zip(self.zero.fp16_partitioned_groups_flat, self.zero.fp32_partitioned_groups_flat,
                                      strict=True):
                     low.data.copy_(high.data)
@@ -137,6 +161,6 @@ def zero_resume(model: Adapter, engine: Any) -> ZeroResume | None:
     zero = getattr(engine, "optimizer", None)
     if zero is None or not hasattr(zero, "optimizer"):
         return None
-    if model.zero_stage == 3 or hasattr(zero, "bit16_groups") or hasattr(zero, "bf16_groups"):
+    if model.zero_stage == 3 or any(hasattr(zero, f) for f in ("bit16_groups", "bf16_groups", "fp32_groups")):
         return ZeroResume(model, engine)
     return None

@@ -281,10 +281,11 @@ def run_doctor(backends: list[str] | None = None, world_size: int = 2, json_path
     one_time: dict[str, dict[str, Any]] = {}  # the first DeepSpeed backend's library setup, measured apart
     # The workers' own output (torch FutureWarnings, DeepSpeed's notices) is kept out of the report.
     logs = tempfile.TemporaryDirectory(prefix="wrapkit-doctor-")
-    group = WorkerGroup(world_size=world_size, backend="nccl" if use_nccl else "gloo",
-                        preload=tuple(p for p in ("transformers", "peft", "deepspeed") if is_available(p)),
-                        log_dir=logs.name)
     runnable = [b for b in selected if b in known and (not (need := needs(b)) or is_available(need))]
+    # Each worker imports the libraries up front; DeepSpeed (seconds per rank) only where a chosen backend takes it.
+    wanted = ("transformers", "peft", *(["deepspeed"] if any(needs(b) == "deepspeed" for b in runnable) else []))
+    group = WorkerGroup(world_size=world_size, backend="nccl" if use_nccl else "gloo",
+                        preload=tuple(p for p in wanted if is_available(p)), log_dir=logs.name)
     t_start = time.perf_counter()
     try:
         with _progress(len(runnable) * len(columns)) as advance:
