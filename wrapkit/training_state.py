@@ -396,10 +396,6 @@ def _reader_class() -> Any:
     return Reader
 
 
-def _Reader(path: str, metadata: Any) -> Any:  # noqa: N802 - a class made on first use (DCP imported late)
-    return _reader_class()(path, metadata)
-
-
 def _read_manifest(directory: str, problems: list[str]) -> tuple[dict[str, Any] | None, Any]:
     """The manifest and DCP's metadata, each checked; None where unreadable (the problem is listed)."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -563,7 +559,7 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
         if rank_key in saved:
             state[rank_key] = _Object()
         with _quiet():
-            state_dict_loader.load(state, storage_reader=_Reader(directory, metadata), process_group=group,
+            state_dict_loader.load(state, storage_reader=_reader_class()(directory, metadata), process_group=group,
                                    no_dist=no_dist, planner=DefaultLoadPlanner(flatten_state_dict=False,
                                                                                flatten_sharded_tensors=False))
         if optimizer is not None:

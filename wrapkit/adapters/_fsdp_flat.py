@@ -31,15 +31,9 @@ def local_shard(flat: Any) -> torch.Tensor:
 
 def flat_pieces(root: torch.nn.Module, handles: Iterable[Any]) -> list[Piece]:
     """The ranges of original parameters that this rank's shard of each unit holds."""
-    # Canonical name of each original parameter (use_orig_params=True registers them), and the
-    # module path of each registered flat parameter (use_orig_params=False registers those).
-    names: dict[int, str] = {}
-    prefixes: dict[int, str] = {}
-    for name, p in root.named_parameters():
-        if getattr(p, "_fqns", None) is not None and getattr(p, "_params", None) is None:
-            prefixes[id(p)] = name.rpartition(".")[0]
-        else:
-            names.setdefault(id(p), canonical_name(name))
+    # The original parameters' names: each registered one's (use_orig_params=True), or those a registered flat
+    # parameter stands for, in its order (use_orig_params=False).
+    names = flat_parameter_names(root)
     out: list[Piece] = []
     for handle in handles:
         flat = handle.flat_param
@@ -57,11 +51,10 @@ def flat_pieces(root: torch.nn.Module, handles: Iterable[Any]) -> list[Piece]:
             # An optimizer holds the original parameters (use_orig_params=True: each a 1-D view of its
             # range of the shard), or the flat parameter itself.
             if flat._params is not None:
-                name = names[id(flat._params[i])]
+                name = names[id(flat._params[i])][0]
                 source, values = flat._params[i], flat_view
             else:
-                prefix = prefixes[id(flat)]
-                name = canonical_name(f"{prefix}.{flat._fqns[i]}" if prefix else flat._fqns[i])
+                name = names[id(flat)][i]
                 source, values = flat, _range(start, n)
             out.append(Piece(name, int(info.intra_param_start_idx), n, tuple(flat._shapes[i]),
                              copy_into(shard[start:start + n]), source=source, values=values))
