@@ -233,3 +233,43 @@ def sleep_cases(cases: list[dict[str, Any]]) -> dict[str, Any]:
         except wrapkit.WrapkitError as exc:
             out[repr(sorted(c.items()))] = {"error": f"{type(exc).__name__}: {exc}"}
     return out
+
+
+def sleep_leaves_nothing_behind(strategy: str) -> dict[str, Any]:
+    """FSDP1 (use_orig_params) under ``strategy``, after a training step: the tensors that still use a
+    storage the model's training state had before ``sleep()`` (its old storages are held meanwhile, so
+    no new tensor can take one of their addresses), then the losses of two more steps after ``wake()``
+    against a twin that never slept."""
+    import gc
+
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
+
+    from wrapkit.sleeping import training_state
+
+    losses: dict[str, list[float]] = {}
+    stale: list[str] = []
+    for nap in (False, True):
+        fsdp = FullyShardedDataParallel(tiny_llama(seed=3), device_id=torch.device("cpu"), use_orig_params=True,
+                                        sharding_strategy=ShardingStrategy[strategy])
+        wm = wrapkit.adapt(fsdp)
+        opt = torch.optim.AdamW(fsdp.parameters(), lr=1e-2)
+        run = []
+        for step in range(3):
+            loss = fsdp(input_ids=TOKENS, labels=TOKENS).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+            run.append(float(loss))
+            if nap and step == 0:
+                held = [t.untyped_storage() for _, t in training_state(as_adapter(wm), opt) if t.numel()]
+                before = {st.data_ptr() for st in held}
+                wm.sleep(opt)
+                gc.collect()
+                for obj in gc.get_objects():
+                    if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter) \
+                            and obj.numel() and obj.untyped_storage().data_ptr() in before:
+                        stale.append(f"{type(obj).__name__}{tuple(obj.shape)}")
+                wm.wake()
+                del held
+        losses[str(nap)] = run
+    return {"stale": stale, "losses": losses}

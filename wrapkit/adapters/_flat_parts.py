@@ -323,6 +323,19 @@ class FlatGatherer(WholeGatherer):
             yield from batch
 
 
+def _repoint_saved_views(handle: Any) -> None:
+    """Under NO_SHARD, the views of each original parameter that a training forward saved for its
+    backward (``_tensors``) point into the flat parameter's own storage, and FSDP clears them only for
+    sharded strategies: left alone they keep the old storage alive on the device after a move (a
+    sleep freed the model's optimizer state and gradients but not its weights). Pointed at the new one."""
+    saved = getattr(handle.flat_param, "_tensors", None)
+    if not saved:
+        return
+    for tensor, view in zip(saved, handle._get_unflat_views(), strict=True):
+        if tensor is not None:
+            tensor.data = view
+
+
 class FlatPlacement(WholePlacement):
     def move(self, target: torch.device, copy: bool) -> None:
         # Each unit's FlatParameter holds this rank's shard (``_local_shard`` aliases it at
@@ -347,6 +360,8 @@ class FlatPlacement(WholePlacement):
                 handle._use_sharded_views()
                 if flat.grad is not None and had_grads:
                     handle._use_sharded_grad_views()
+                if not handle.uses_sharded_strategy:
+                    _repoint_saved_views(handle)
         move_buffers(self.model.module, target, copy)
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -19,8 +19,8 @@ from typing import Any
 from .._errors import UnsupportedModelError
 from .._imports import version_of
 
-__all__ = ["require_internals", "FSDP1_UNIT", "FSDP1_HANDLE", "FSDP1_FLAT", "FSDP2_STATE", "DTENSOR", "ZERO3_PARAM",
-           "FSDP2_MODULE", "FSDP_MANAGED", "DEVICE_MESH", "PRIVATE_FIELDS"]
+__all__ = ["require_internals", "FSDP1_UNIT", "FSDP1_HANDLE", "FSDP1_FLAT", "FSDP2_STATE", "FSDP2_GROUPS", "DTENSOR",
+           "ZERO3_PARAM", "FSDP2_MODULE", "FSDP_MANAGED", "DEVICE_MESH", "PRIVATE_FIELDS"]
 
 # What each backend's objects must have, by the object that carries it: checked on adapt().
 FSDP1_UNIT = ("_handle", "_fsdp_wrapped_module")
@@ -32,7 +32,9 @@ FSDP2_MODULE = ("_get_fsdp_state",)
 # The flag FSDP1 and FSDP2 leave on the modules they manage; transformers' generate() syncs every rank at
 # every step (synced_gpus) where it sees it, an all-reduce per token that a bypassed, full module does not need.
 FSDP_MANAGED = ("_is_fsdp_managed_module",)
-FSDP2_STATE = ("_mp_policy", "_cast_forward_inputs", "_cast_output_dtype", "_fsdp_param_groups", "_device")
+FSDP2_STATE = ("_mp_policy", "_device")
+# A state's parameter groups: a list in newer torch, one group (or None) in torch 2.11; one of them must be there.
+FSDP2_GROUPS = ("_fsdp_param_groups", "_fsdp_param_group")
 DTENSOR = ("_local_tensor",)
 # A group across several mesh dimensions (FSDP2 beside tensor parallelism: shard x tp) has no public API.
 DEVICE_MESH = ("_flatten",)
@@ -47,6 +49,9 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     "FSDP1 flat parameter": FSDP1_FLAT,
     "FSDP2 module": FSDP2_MODULE,
     "FSDP2 state": FSDP2_STATE,
+    "FSDP2 state (one of)": FSDP2_GROUPS,
+    # Newer torch's own casts of a state's inputs and output; torch 2.11 casts inline (wrapkit then casts alike).
+    "FSDP2 state (optional)": ("_cast_forward_inputs", "_cast_output_dtype"),
     "DTensor": DTENSOR,
     "DeviceMesh (several dimensions split one copy)": DEVICE_MESH,
     # Read where present, with a fallback that is right where they are absent: set only under some
@@ -55,6 +60,9 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     # The mesh a flattened one was cut from, for its context-parallel dimension.
     "DeviceMesh (optional)": ("_get_root_mesh",),
     "FSDP1 flat parameter (sharded strategies)": ("_local_shard", "_full_param_padded"),
+    # The views a forward saved for its backward, re-pointed after a move under NO_SHARD.
+    "FSDP1 flat parameter (optional)": ("_tensors",),
+    "FSDP1 flat-parameter handle (NO_SHARD)": ("_get_unflat_views",),
     "DeepSpeed parameter under a bf16 optimizer": ("_hp_mapping",),
     # Read on objects that do not exist when a model is adapted, or outside the backends.
     "DeepSpeed engine config": ("_config", "_param_dict"),

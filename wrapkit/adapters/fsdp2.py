@@ -30,7 +30,7 @@ from ._dtensor import (
 )
 from ._dtensor_parts import dtensor_parts
 from ._foreign import EXPERT_MESH, TRANSFORMERS_EXPERTS
-from ._internals import DTENSOR, FSDP2_MODULE, FSDP2_STATE, FSDP_MANAGED, require_internals
+from ._internals import DTENSOR, FSDP2_GROUPS, FSDP2_MODULE, FSDP2_STATE, FSDP_MANAGED, require_internals
 from ._kinds import ShardedAdapter
 from ._likeness import ShardedLikeness, block_classes, copy_buffers, distributed_copy, skeleton
 from ._parts import Parts, lacking
@@ -78,7 +78,7 @@ class FSDP2Adapter(ShardedAdapter):
         # FSDP2's own record first: inside gathered() the module holds plain full copies, and
         # a mesh read off the parameters would be gone (and rank/world_size with it).
         for _, state in self._fsdp_states():
-            for group in getattr(state, "_fsdp_param_groups", ()):
+            for group in param_groups(state):
                 mesh = getattr(getattr(group, "mesh_info", None), "mesh", None)
                 if mesh is not None:
                     return mesh
@@ -92,7 +92,7 @@ class FSDP2Adapter(ShardedAdapter):
         """How the parameters lie on the mesh, read off FSDP2's own sharded parameters (inside
         ``gathered()`` the module holds plain full copies)."""
         for _, state in self._fsdp_states():
-            for group in getattr(state, "_fsdp_param_groups", ()):
+            for group in param_groups(state):
                 for fsdp_param in group.fsdp_params:
                     return Layout.of(fsdp_param.sharded_param)
         return next((Layout.of(p) for p in self._innermost.parameters() if is_dtensor(p)), None)
@@ -104,7 +104,7 @@ class FSDP2Adapter(ShardedAdapter):
         parameters and kept: inside ``gathered()`` the module holds plain full copies."""
         own = self._own_mesh()
         meshes = (fsdp_param.sharded_param.device_mesh for _, state in self._fsdp_states()
-                  for group in getattr(state, "_fsdp_param_groups", ()) for fsdp_param in group.fsdp_params)
+                  for group in param_groups(state) for fsdp_param in group.fsdp_params)
         return next((m for m in meshes if own is not None and m.ndim > own.ndim and not _experts_mesh(m)), None)
 
     def topology(self) -> Topology:
@@ -115,7 +115,7 @@ class FSDP2Adapter(ShardedAdapter):
     def _ep_mesh(self) -> Any:
         """The mesh of the experts split over their own ranks ('ep' dimension), else None; kept from adapt()."""
         meshes = (fsdp_param.sharded_param.device_mesh for _, state in self._fsdp_states()
-                  for group in getattr(state, "_fsdp_param_groups", ()) for fsdp_param in group.fsdp_params)
+                  for group in param_groups(state) for fsdp_param in group.fsdp_params)
         return next((m for m in meshes if _experts_mesh(m)), None)
 
     @functools.cached_property
@@ -162,7 +162,11 @@ class FSDP2Adapter(ShardedAdapter):
         fsdp_module = lookup("torch.distributed.fsdp", "FSDPModule")
         modules = [m for m in self.module.modules() if fsdp_module is not None and isinstance(m, fsdp_module)]
         require_internals(modules, FSDP2_MODULE, "fully_shard modules", "torch")
-        require_internals([state for _, state in self._fsdp_states()], FSDP2_STATE, "FSDP states", "torch")
+        states = [state for _, state in self._fsdp_states()]
+        require_internals(states, FSDP2_STATE, "FSDP states", "torch")
+        for state in states:
+            if not any(hasattr(state, n) for n in FSDP2_GROUPS):
+                require_internals([state], FSDP2_GROUPS[:1], "FSDP states", "torch")
         dtensor = lookup("torch.distributed.tensor", "DTensor")
         shards = [p for p in self._innermost.parameters() if dtensor is not None and isinstance(p, dtensor)]
         require_internals(shards, DTENSOR, "DTensor parameters", "torch")
@@ -212,7 +216,7 @@ class FSDP2Adapter(ShardedAdapter):
         that is not its own dtype: what FSDP2 all-gathers it in and computes with."""
         out: dict[int, torch.dtype] = {}
         for _, state in states:
-            for group in getattr(state, "_fsdp_param_groups", ()):
+            for group in param_groups(state):
                 dtype = group.mp_policy.param_dtype
                 for fsdp_param in group.fsdp_params:
                     p = fsdp_param.sharded_param
@@ -368,16 +372,36 @@ def _reshard_root(module: Any, args: Any, output: Any) -> None:
     module.reshard()
 
 
+def param_groups(state: Any) -> list[Any]:
+    """An FSDP2 state's parameter groups: a list in newer torch, one group or None in torch 2.11."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
+
+
+def _cast(dtype: torch.dtype, tree: Any) -> Any:
+    """Every floating-point tensor in ``tree`` (nested containers, dataclasses, model outputs) cast to ``dtype``."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    return _apply_to_tensors(lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree)
+
+
 def _cast_hooks(module: torch.nn.Module, state: Any) -> list[Any]:
     """Hooks casting ``module``'s inputs and outputs as its ``MixedPrecisionPolicy`` says."""
     policy = getattr(state, "_mp_policy", None)
     handles = []
     if policy is not None and policy.cast_forward_inputs and policy.param_dtype is not None:
         def cast_inputs(mod: torch.nn.Module, args: Any, kwargs: Any) -> Any:
-            return state._cast_forward_inputs(args, kwargs)
+            if hasattr(state, "_cast_forward_inputs"):
+                return state._cast_forward_inputs(args, kwargs)
+            return _cast(policy.param_dtype, args), _cast(policy.param_dtype, kwargs)
         handles.append(module.register_forward_pre_hook(cast_inputs, with_kwargs=True))
     if policy is not None and policy.output_dtype is not None:
         def cast_output(mod: torch.nn.Module, args: Any, output: Any) -> Any:
-            return state._cast_output_dtype(output)
+            if hasattr(state, "_cast_output_dtype"):
+                return state._cast_output_dtype(output)
+            return _cast(policy.output_dtype, output)
         handles.append(module.register_forward_hook(cast_output))
     return handles
