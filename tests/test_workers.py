@@ -88,3 +88,59 @@ def test_the_groups_a_scenario_made_are_destroyed_when_it_returns() -> None:
             again = g.run(make_groups, timeout=60)
     assert [groups for groups, _ in again] == [groups for groups, _ in first]
     assert all(threads <= before + 2 for (_, threads), (_, before) in zip(again, first, strict=True))
+
+
+_HELD: list[Any] = []
+
+
+def keep_a_group() -> str:
+    """A scenario that leaves a process group referenced from a module-level list once it returns."""
+    import torch.distributed as dist
+
+    _HELD.append(dist.new_group([0, 1]))
+    return "returned"
+
+
+def test_a_scenario_that_leaves_a_group_referenced_fails_naming_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The group is destroyed when the scenario returns, but its threads live as long as something
+    refers to it: under the guard, the scenario that left the reference fails, and the next one is not
+    blamed."""
+    monkeypatch.setenv("WRAPKIT_WORKER_GUARD", "1")  # the workers inherit it when they start
+    with WorkerGroup(world_size=2) as g:
+        assert g.run(make_groups, timeout=60)
+        with pytest.raises(WorkerError) as info:
+            g.run(keep_a_group, timeout=60)
+        assert g.run(make_groups, timeout=60)
+    message = str(info.value)
+    assert "keep_a_group left 1 process group(s) alive after it returned" in message, message
+    assert "drop the reference" in message
+
+
+def build_zero(stage: int) -> int:
+    """Build a ZeRO engine, take a training step, drop it; this rank's threads afterwards."""
+    import torch
+
+    import wrapkit
+    from wrapkit.cli._models import build
+
+    wm = wrapkit.adapt(build(f"zero{stage}"))
+    tokens = torch.arange(16).reshape(2, 8)
+    wm.module.backward(wm(input_ids=tokens, labels=tokens).loss)
+    wm.module.step()
+    return len(os.listdir("/proc/self/task"))
+
+
+def thread_count() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_dropped_deepspeed_engine_lets_its_groups_go(group: Any, stage: int) -> None:
+    """DeepSpeed keeps an engine alive after its last reference (its gradient hooks, held by autograd in
+    C++, refer back to it) and with it the group it cloned from the world: the worker calls the engine's
+    own destroy(), so four engines in a row leave no threads behind."""
+    before = group.run(thread_count, timeout=30)
+    for _ in range(4):
+        group.run(build_zero, stage, timeout=120)
+    after = group.run(thread_count, timeout=30)
+    assert after == before, (before, after)

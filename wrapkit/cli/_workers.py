@@ -19,6 +19,7 @@ import socket
 import sys
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -48,6 +49,7 @@ def _resolve(target: str) -> Callable[..., Any]:
 
 _started: set[Any] = set()  # the process groups alive once the worker had started
 _kept: set[Any] = set()  # the groups a scenario asked to outlive it (keep_groups)
+_destroyed: list[weakref.ref[Any]] = []  # the groups released after the last scenario, until they are freed
 
 
 def keep_groups() -> None:
@@ -85,6 +87,7 @@ def _release_groups() -> None:
         _started.update(_live_groups())
         return
     gone = [pg for pg in _live_groups() if pg not in _started and pg not in _kept]
+    _destroyed.extend(weakref.ref(pg) for pg in gone)
     for pg in gone:
         try:
             dist.destroy_process_group(pg)
@@ -143,6 +146,58 @@ def _is_gone(value: Any, gone: set[Any]) -> bool:
         return False
 
 
+def _thread_count() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))  # native threads too (gloo's are not Python threads)
+    except OSError:
+        import threading
+
+        return threading.active_count()
+
+
+def _held() -> list[Any]:
+    """The released process groups that something still holds: each keeps its threads (a gloo group's
+    socket loop wakes 100 times a second) until the last reference goes."""
+    _destroyed[:] = [r for r in _destroyed if r() is not None]
+    return [pg for r in _destroyed if (pg := r()) is not None]
+
+
+def _destroy_engines() -> int:
+    """Call ``destroy()`` on the DeepSpeed engines the last scenario left: DeepSpeed keeps an engine alive
+    after its last reference is dropped (its gradient hooks, held by autograd's nodes in C++, refer back to
+    it, a cycle the garbage collector cannot see), and with it the process groups it uses."""
+    engine = sys.modules.get("deepspeed.runtime.engine")
+    cls = getattr(engine, "DeepSpeedEngine", None)
+    if cls is None or _kept:  # a kept group's model (the doctor's) lives on
+        return 0
+    found = [o for o in gc.get_objects() if isinstance(o, cls)]
+    for e in found:
+        try:
+            e.destroy()
+        except Exception:  # a half-built engine: nothing more to release
+            pass
+    return len(found)
+
+
+def _leaked(target: str) -> str | None:
+    """Why the scenario ``target`` should fail for what it left behind (process groups still held once
+    it returned and the worker released what it made), or None. Said once: the groups are then forgotten,
+    so a later scenario is not blamed for them. Where ``WRAPKIT_WORKER_GUARD`` is set the scenario fails
+    with it; elsewhere it goes on. ``WRAPKIT_WORKER_TRACE`` prints one line per scenario to the rank's
+    output: its threads, registered groups and held groups."""
+    held = _held()
+    if os.environ.get("WRAPKIT_WORKER_TRACE"):  # for measuring: one line per scenario
+        print(f"wrapkit-worker threads={_thread_count()} groups={len(_live_groups())} held={len(held)} {target}",
+              file=sys.stderr, flush=True)
+    if not held:
+        return None
+    _destroyed.clear()
+    names = ", ".join(sorted({getattr(pg, "group_name", "?") for pg in held}))
+    return (f"{target} left {len(held)} process group(s) alive after it returned ({names}): it was destroyed, but "
+            "something still refers to it (a module-level cache, a global, a library's registry), so its threads "
+            "run on and slow every later scenario; drop the reference before returning.")
+
+
 def _settle() -> None:
     """Between scenarios: let go of what the last one left behind, and keep what lives on out of the
     garbage collector's full passes.
@@ -159,6 +214,8 @@ def _settle() -> None:
         stack.clear()
     _release_groups()
     gc.collect()
+    if _held() and _destroy_engines():
+        gc.collect()
     # The imported libraries and anything still alive are moved out of the collected generations.
     gc.freeze()
 
@@ -214,6 +271,9 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, preload: S
         except BaseException:
             reply = ("err", traceback.format_exc())
         _settle()
+        leak = _leaked(target)
+        if leak is not None and reply[0] == "ok" and os.environ.get("WRAPKIT_WORKER_GUARD"):
+            reply = ("err", leak)
         conn.send(reply)
     try:
         import torch.distributed as dist
