@@ -32,7 +32,10 @@ def main() -> None:
         with open(out, "w") as f:
             json.dump(result, f)
     else:
-        time.sleep(12)  # alive and in no collective: rank 0 must give up on its own, after the bound
+        # Alive and in no collective until rank 0 has given up on its own and written its report.
+        deadline = time.monotonic() + 60
+        while not os.path.exists(out) and time.monotonic() < deadline:
+            time.sleep(0.1)
     # The group is unusable now (rank 0 left a collective pending): end without one.
     sys.stdout.flush()
     os._exit(0)

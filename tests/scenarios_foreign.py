@@ -108,19 +108,10 @@ PRODUCERS: dict[str, Callable[[str], torch.nn.Module]] = {
 def adapt_each(tmp: str) -> dict[str, Any]:
     """For each producer: its model's class, and what ``adapt()`` raised (or the backend it adapted as)."""
     out: dict[str, Any] = {}
-    try:
-        for name, build in PRODUCERS.items():
-            model = build(tmp)
-            try:
-                out[name] = f"adapted as {wrapkit.adapt(model).backend}"
-            except wrapkit.WrapkitError as exc:
-                out[name] = f"{type(exc).__name__}: {exc}"
-    finally:
-        # Megatron's parallel state holds its groups in module globals: left set, their threads (20 groups,
-        # 60 threads per rank) outlived the scenario and slowed every later one.
-        import sys
-
-        parallel_state = sys.modules.get("megatron.core.parallel_state")
-        if parallel_state is not None:
-            parallel_state.destroy_model_parallel()
+    for name, build in PRODUCERS.items():
+        model = build(tmp)
+        try:
+            out[name] = f"adapted as {wrapkit.adapt(model).backend}"
+        except wrapkit.WrapkitError as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
     return out

@@ -11,7 +11,9 @@ from tests import _matrix as matrix
 from tests import scenarios_families as sc
 from wrapkit.cli._families import FAMILIES
 
-BACKENDS = ("plain", "ddp", "fsdp", "fsdp2", "zero3")
+# DDP holds the same whole module on each rank as the plain model does: its family cases repeated the plain
+# ones (the contract and loop-state matrices cover DDP itself), at 1-2 s each.
+BACKENDS = ("plain", "fsdp", "fsdp2", "zero3")
 CASES = [{"family": f, "spec": b, "precision": "fp32"} for f in FAMILIES if f != "llama" for b in BACKENDS]
 CASES += [{"family": f, "spec": b, "precision": "bf16"} for f in FAMILIES if f != "llama"
           for b in ("fsdp", "fsdp2", "zero3")]
@@ -53,7 +55,7 @@ def test_a_model_from_pretrained_saves_with_the_conversions_it_was_loaded_with(t
 
 
 REFERENCE_CASES = [{"family": f, "spec": b, "precision": p} for f in FAMILIES if f != "llama"
-                   for b, p in [("plain", "fp32"), ("ddp", "fp32"), ("fsdp", "fp32"), ("fsdp2", "fp32"),
+                   for b, p in [("plain", "fp32"), ("fsdp", "fp32"), ("fsdp2", "fp32"),
                                 ("zero3", "fp32"), ("zero3", "bf16")]]
 
 

@@ -98,7 +98,21 @@ def _release_groups() -> None:
     groups = sys.modules.get("deepspeed.utils.groups")
     if groups is not None:
         _forget(groups, set(gone))
+    _reset_megatron(set(gone))
     _clear_torch_caches()
+
+
+def _reset_megatron(gone: set[Any]) -> None:
+    """Megatron-Core keeps its model-parallel groups in module globals until the next
+    ``initialize_model_parallel``: about 20 groups (60 threads) after each of its scenarios. Where they are
+    among the destroyed ones, its state is reset."""
+    state = sys.modules.get("megatron.core.parallel_state")
+    if state is None:
+        return
+    values = [v for name, v in vars(state).items() if name.startswith("_") and not name.startswith("__")]
+    values += [v for v in values if isinstance(v, list) for v in v]  # _global_process_group_list
+    if any(_is_gone(v, gone) for v in values):
+        state.destroy_model_parallel()
 
 
 def _clear_torch_caches() -> None:
