@@ -64,9 +64,12 @@ class Bucket(NamedTuple):
             yield e.name, _view(self.flat, e)
 
 
+def _nbytes(e: BucketEntry) -> int:
+    return math.prod(e.shape) * e.dtype.itemsize
+
+
 def _view(flat: torch.Tensor, e: BucketEntry) -> torch.Tensor:
-    size = math.prod(e.shape) * e.dtype.itemsize
-    return flat[e.offset: e.offset + size].view(e.dtype).view(e.shape)
+    return flat[e.offset: e.offset + _nbytes(e)].view(e.dtype).view(e.shape)
 
 
 def _aligned(n: int) -> int:
@@ -186,10 +189,12 @@ def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES
         with torch.no_grad():
             for name, value in lora_fold_stream(plan, ((n, full) for p, full in values for n in names.get(id(p), ()))):
                 e = slots[name]
-                if e.offset not in filled:
+                # Tied names share one slot, filled once. An empty tensor takes no bytes: its offset is the next
+                # tensor's, which must not be taken for filled.
+                if _nbytes(e) and e.offset not in filled:
                     _view(flat, e).copy_(value)
                     filled.add(e.offset)
-        assert filled == {e.offset for e in entries}, "a planned tensor never came"
+        assert filled == {e.offset for e in entries if _nbytes(e)}, "a planned tensor never came"
         yield Bucket(flat, entries)
         del flat
 

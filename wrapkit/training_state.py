@@ -28,7 +28,7 @@ import random
 import shutil
 import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -73,8 +73,8 @@ class _Held:
         self.pieces: list[Piece] = []
         if self.resume is not None:
             own = self.resume.optimizer()
-            # The engine's optimizer wraps the torch one that steps: either may be passed.
-            if optimizer is not None and optimizer is not own and getattr(optimizer, "optimizer", None) is not own:
+            # The engine's optimizer wraps the torch one that steps: either may be passed, or a wrapper of it.
+            if optimizer is not None and unwrap_optimizer(optimizer, own) is not own:
                 raise ArgumentError(f"{where}(optimizer=...): the {wm.backend} model steps its own optimizer; pass "
                                     "None (or that optimizer)")
             self.optimizer: Any = own
@@ -83,8 +83,17 @@ class _Held:
         else:
             # A backend that steps its own optimizer (a ZeRO-0 engine's torch optimizer) uses it by default.
             own = wm.states.own_optimizer() if wm.states is not None else None
-            self.optimizer = optimizer if optimizer is not None else own
+            self.optimizer = unwrap_optimizer(optimizer, own) if optimizer is not None else own
             self.pieces = _readable(wm, problems)
+            if self.optimizer is not None and self.pieces and not self._covers_any():
+                problems.append(f"the optimizer ({type(optimizer).__name__}) steps none of this model's parameters "
+                                "and holds no state for them: pass the optimizer built over this model's "
+                                "parameters (a container's inner optimizers are read where wrapkit knows it: "
+                                "torchtitan's, accelerate's, DeepSpeed's)")
+
+    def _covers_any(self) -> bool:
+        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]} | {id(p) for p in self.optimizer.state}
+        return any(id(piece.source) in held for piece in self.pieces)
 
     def group_names(self) -> list[list[str]]:
         if self.resume is not None:
@@ -290,6 +299,76 @@ def _versions(wm: Adapter) -> dict[str, str]:
     return out
 
 
+def _is_optimizer(obj: Any) -> bool:
+    return hasattr(obj, "param_groups") and hasattr(obj, "state")
+
+
+def unwrap_optimizer(optimizer: Any, own: Any = None) -> Any:
+    """The optimizer that holds the state, inside the containers trainers hand around: a wrapper's ``.optimizer``
+    (accelerate's ``AcceleratedOptimizer``, DeepSpeed's wrappers), a container's ``.optimizers`` (torchtitan's
+    ``OptimizersContainer``: a torch ``Optimizer`` whose own state stays empty) read as one. ``own``, a backend's
+    own optimizer, ends the search where it is met."""
+    seen: set[int] = set()
+    while id(optimizer) not in seen and optimizer is not own:
+        seen.add(id(optimizer))
+        several = getattr(optimizer, "optimizers", None)
+        if isinstance(several, (list, tuple)) and several and all(_is_optimizer(o) for o in several):
+            inner = [unwrap_optimizer(o, own) for o in several]
+            return inner[0] if len(inner) == 1 else _Several(optimizer, inner)
+        one = getattr(optimizer, "optimizer", None)
+        if not _is_optimizer(one):
+            break
+        optimizer = one
+    return optimizer
+
+
+class _Several:
+    """Several optimizers read and written as one (a container's): their param groups in order, and each
+    parameter's state where the optimizer that steps it keeps it."""
+
+    def __init__(self, outer: Any, inner: list[Any]) -> None:
+        self.outer, self.inner = outer, inner
+        self.state = _RoutedState(inner)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self.inner for g in o.param_groups]
+
+
+class _RoutedState(MutableMapping[Any, Any]):
+    """``state[p]`` of the inner optimizer that steps ``p`` (created there, as torch's ``defaultdict`` does)."""
+
+    def __init__(self, inner: list[Any]) -> None:
+        self.inner = inner
+
+    def _owner(self, p: Any) -> Any:
+        for o in self.inner:
+            if any(q is p for g in o.param_groups for q in g["params"]):
+                return o
+        return next((o for o in self.inner if p in o.state), self.inner[0])
+
+    def __getitem__(self, p: Any) -> Any:
+        return self._owner(p).state[p]
+
+    def __setitem__(self, p: Any, value: Any) -> None:
+        self._owner(p).state[p] = value
+
+    def __delitem__(self, p: Any) -> None:
+        del self._owner(p).state[p]
+
+    def __contains__(self, p: object) -> bool:
+        return any(p in o.state for o in self.inner)
+
+    def get(self, p: Any, default: Any = None) -> Any:
+        return next((o.state[p] for o in self.inner if p in o.state), default)
+
+    def __iter__(self) -> Iterator[Any]:
+        return (p for o in self.inner for p in o.state)
+
+    def __len__(self) -> int:
+        return sum(len(o.state) for o in self.inner)
+
+
 def _check_optimizer(optimizer: Any, where: str) -> None:
     if optimizer is not None and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state")):
         raise ArgumentError(f"{where}(optimizer=...) takes a torch optimizer (with param_groups and state), got "
@@ -303,6 +382,8 @@ def _check_scheduler(scheduler: Any, where: str) -> None:
 
 
 def _class_name(obj: Any) -> str:
+    if isinstance(obj, _Several):
+        return f"{_class_name(obj.outer)}[{', '.join(_class_name(o) for o in obj.inner)}]"
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
@@ -348,7 +429,7 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
         with _quiet():
             state_dict_saver.save(state, checkpoint_id=tmp, process_group=group, no_dist=no_dist,
                                   planner=DefaultSavePlanner(flatten_state_dict=False))
-    except Exception as exc:  # every rank learns of it in commit_directory
+    except (Exception, _checkpoint_exception()) as exc:  # every rank learns of it in commit_directory
         error = exc
     # Which state keys each parameter has, from every rank (a rank holds some parameters only): a load checks and
     # creates them from the manifest alone.
@@ -377,6 +458,15 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
             os.fsync(f.fileno())
 
     commit_directory(wm, "save_state", directory, tmp, error, finish)
+
+
+def _checkpoint_exception() -> type[BaseException]:
+    """torch's distributed checkpoint reports a failure on any rank as ``CheckpointException`` on every rank; it
+    derives from ``BaseException``, so ``except Exception`` (a trainer's included) lets it through."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    exc: type[BaseException] = CheckpointException
+    return exc
 
 
 # -- load ---------------------------------------------------------------------------------------------------
@@ -408,6 +498,13 @@ def _read_manifest(directory: str, problems: list[str]) -> tuple[dict[str, Any] 
         with open(path) as f:
             manifest: dict[str, Any] = json.load(f)
     except (OSError, ValueError) as exc:
+        if not os.path.exists(path) and os.path.isfile(os.path.join(directory, ".metadata")):
+            # Complete, in another format: torch's distributed checkpoint as another tool writes it.
+            problems.append(f"{directory!r} is a torch distributed checkpoint (DCP) that another tool wrote (it has "
+                            f"DCP's .metadata but no {MANIFEST}): load_state reads the directories save_state "
+                            "writes. Read it with what wrote it (torchtitan's CheckpointManager for its step-N "
+                            "directories) or torch.distributed.checkpoint.load with its own keys")
+            return None, None
         problems.append(f"{path!r} cannot be read ({type(exc).__name__}: {exc}); this is not a complete save_state "
                         "directory")
         return None, None
@@ -544,6 +641,8 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
                           if spec[0] == "element" and k not in h.state)
             if lost:
                 absent.append(f"{h.name}'s optimizer state {lost} has no place in this optimizer")
+        if optimizer is not None and "optim/param_groups" not in saved:
+            absent.append("optim/param_groups (saved without an optimizer: pass optimizer=None)")
         # Every rank takes part: one whose layout the checkpoint does not cover raises on all.
         missing = [f"entries missing from the checkpoint ({len(absent)}): {', '.join(absent[:5])}"] if absent else []
         raise_agreed(missing, f"load_state from {directory!r}", _FIX_LOAD, wm)
@@ -558,10 +657,18 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
             state["extra"] = _Object()
         if rank_key in saved:
             state[rank_key] = _Object()
-        with _quiet():
-            state_dict_loader.load(state, storage_reader=_reader_class()(directory, metadata), process_group=group,
-                                   no_dist=no_dist, planner=DefaultLoadPlanner(flatten_state_dict=False,
-                                                                               flatten_sharded_tensors=False))
+        failure: BaseException | None = None
+        try:
+            with _quiet():
+                state_dict_loader.load(state, storage_reader=_reader_class()(directory, metadata), process_group=group,
+                                       no_dist=no_dist, planner=DefaultLoadPlanner(flatten_state_dict=False,
+                                                                                   flatten_sharded_tensors=False))
+        except (Exception, _checkpoint_exception()) as exc:
+            failure = exc
+        if any_over_models(failure is not None, wm):
+            cause = f"{type(failure).__name__}: {failure}" if failure is not None else "see the other ranks' errors"
+            raise StateDictError(f"load_state from {directory!r} failed while reading ({cause}); the weights and the "
+                                 "optimizer state may be partly loaded. " + _FIX_LOAD) from failure
         if optimizer is not None:
             scalars: dict[str, dict[str, Any]] = {}
             for key in scalar_keys:
