@@ -8,7 +8,7 @@ from typing import Any
 
 from tests import scenarios_state_failures as sc
 
-SPECS = ["ddp", "fsdp", "fsdp2", "zero2", "zero3"]
+SPECS = ["ddp", "fsdp", "fsdp2", "tp", "zero1", "zero2", "zero3"]
 
 
 def test_a_failed_save_or_load_raises_a_typed_error_and_leaves_nothing(group: Any, tmp_path: Path) -> None:
