@@ -15,8 +15,10 @@ from wrapkit.cli._families import FAMILIES
 # ones (the contract and loop-state matrices cover DDP itself), at 1-2 s each.
 BACKENDS = ("plain", "fsdp", "fsdp2", "zero3")
 CASES = [{"family": f, "spec": b, "precision": "fp32"} for f in FAMILIES if f != "llama" for b in BACKENDS]
+# bf16 on the sharded backends that cast per family at run time (FSDP1's mixed precision is the loop-state
+# matrix's, on the Llama).
 CASES += [{"family": f, "spec": b, "precision": "bf16"} for f in FAMILIES if f != "llama"
-          for b in ("fsdp", "fsdp2", "zero3")]
+          for b in ("fsdp2", "zero3")]
 
 
 @matrix.cases(CASES)

@@ -22,22 +22,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import math
 import os
 import random
 import shutil
 import sys
 import warnings
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ._agree import Call, any_over_models, enter, models_group, raise_agreed, writes_files
-from ._dcp_chunks import Blocks, boxes
 from ._errors import ArgumentError, StateDictError
-from .adapters._parts import Held, Piece, Written
+from ._held_state import Holding, hyper, scalars, state_tensors
+from ._held_state import specs as held_specs
+from ._optimizers import Several
 from .pretrained import commit_directory, open_directory
 
 if TYPE_CHECKING:
@@ -58,173 +58,6 @@ class StateLoad(NamedTuple):
 
     extra: dict[str, Any]
     skipped: list[str]
-
-
-# -- what this rank holds ---------------------------------------------------------------------------------
-Box = tuple[tuple[int, ...], tuple[int, ...]]
-
-
-class _Held:
-    """What this rank holds of the training state: from the backend's ``Resume`` part where its optimizer keeps
-    the state apart (a DeepSpeed engine's), else from its weights' pieces and the torch optimizer's ``state``."""
-
-    def __init__(self, wm: Adapter, optimizer: Any, where: str, problems: list[str]) -> None:
-        self.wm, self.resume = wm, wm.resume
-        self.pieces: list[Piece] = []
-        if self.resume is not None:
-            own = self.resume.optimizer()
-            # The engine's optimizer wraps the torch one that steps: either may be passed, or a wrapper of it.
-            if optimizer is not None and unwrap_optimizer(optimizer, own) is not own:
-                raise ArgumentError(f"{where}(optimizer=...): the {wm.backend} model steps its own optimizer; pass "
-                                    "None (or that optimizer)")
-            self.optimizer: Any = own
-            # The parameters its optimizer does not step (frozen ones) are read from the weights themselves.
-            self.pieces = [p for p in wm.weights.pieces() if p.source is not None and p.values is not None]
-        else:
-            # A backend that steps its own optimizer (a ZeRO-0 engine's torch optimizer) uses it by default.
-            own = wm.states.own_optimizer() if wm.states is not None else None
-            self.optimizer = unwrap_optimizer(optimizer, own) if optimizer is not None else own
-            self.pieces = _readable(wm, problems)
-            if self.optimizer is not None and self.pieces and not self._covers_any():
-                problems.append(f"the optimizer ({type(optimizer).__name__}) steps none of this model's parameters "
-                                "and holds no state for them: pass the optimizer built over this model's "
-                                "parameters (a container's inner optimizers are read where wrapkit knows it: "
-                                "torchtitan's, accelerate's, DeepSpeed's)")
-
-    def _covers_any(self) -> bool:
-        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]} | {id(p) for p in self.optimizer.state}
-        return any(id(piece.source) in held for piece in self.pieces)
-
-    def group_names(self) -> list[list[str]]:
-        if self.resume is not None:
-            return [sorted(g) for g in self.resume.group_names()]
-        return _groups(self.optimizer, _param_names(self.wm, self.pieces))
-
-    def held(self) -> list[Held]:
-        out: list[Held] = []
-        if self.resume is not None:
-            out = self.resume.held()
-            stepped = {n for g in self.resume.group_names() for n in g}
-            for piece in self.pieces:  # weights alone, of the parameters the optimizer does not step
-                if piece.name not in stepped:
-                    assert piece.values is not None and piece.source is not None
-                    out.append(Held(piece.name, tuple(piece.full_shape), piece.start, piece.numel,
-                                    piece.values(piece.source), {}, {}, piece.source, piece.box))
-            return out
-        for piece in self.pieces:
-            src, values = piece.source, piece.values
-            assert src is not None and values is not None
-            st = self.optimizer.state.get(src, {}) if self.optimizer is not None else {}
-            per = {k: values(v) for k, v in st.items() if torch.is_tensor(v) and tuple(v.shape) == tuple(src.shape)}
-            out.append(Held(piece.name, tuple(piece.full_shape), piece.start, piece.numel, values(src), per,
-                            {k: v for k, v in st.items() if k not in per}, src, piece.box))
-        return out
-
-    def create(self, saved: dict[str, dict[str, list[Any]]]) -> None:
-        """An optimizer that has not stepped gets the state tensors the checkpoint holds (zeros), to load into."""
-        if self.optimizer is None:
-            return
-        keys = {name: {k: (spec[0] == "element", _dtype(spec[1]), tuple(spec[2]) if spec[0] == "tensor" else ())
-                       for k, spec in per.items() if spec[0] != "object"}
-                for name, per in saved.items()}
-        if self.resume is not None:
-            self.resume.create(keys)
-            return
-        trained = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
-        for piece in self.pieces:
-            assert piece.source is not None
-            if id(piece.source) in trained:
-                for key, (per_element, dtype, shape) in keys.get(piece.name, {}).items():
-                    _state_tensor(self.optimizer, piece.source, key, dtype, shape, per_element)
-
-    def loaded(self) -> None:
-        if self.resume is not None:
-            self.resume.loaded()
-        else:
-            self.wm.weights.written(Written.PIECES)
-
-
-def _readable(wm: Adapter, problems: list[str]) -> list[Piece]:
-    pieces = wm.weights.pieces()
-    unreadable = sorted({p.name for p in pieces if p.source is None or p.values is None})
-    if unreadable:
-        problems.append(f"the {wm.backend} backend's part of {len(unreadable)} parameter(s) ({unreadable[0]}, ...) "
-                        "cannot be read as blocks of the full tensor; save_state and load_state do not serve this "
-                        "layout yet")
-    return [p for p in pieces if p.source is not None and p.values is not None]
-
-
-def _boxes(h: Held, tensor: torch.Tensor) -> list[tuple[Box, torch.Tensor]]:
-    """``tensor`` (``h``'s weights or one of its state tensors) as boxes of the full shape, each a view."""
-    if h.box is not None:
-        return [(h.box, tensor)]
-    if tensor.numel() != h.numel:  # never a silent misread: the view must be exactly the held elements
-        raise StateDictError(f"{h.name}: this rank's part has {tensor.numel()} elements where its range holds "
-                             f"{h.numel}; the backend's storage is not in the layout save_state reads")
-    out, at = [], 0
-    for offsets, sizes in boxes(h.full_shape, h.start, h.start + h.numel):
-        n = math.prod(sizes)
-        out.append(((offsets, sizes), tensor[at:at + n].view(sizes)))
-        at += n
-    return out
-
-
-def _tensors(held: list[Held]) -> dict[str, Blocks]:
-    """Every per-element tensor of ``held`` (weights and moments) as ``Blocks`` under its checkpoint key."""
-    parts: dict[str, list[tuple[Box, torch.Tensor]]] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for h in held:
-        for key, t in (("model/" + h.name, h.weights), *((f"optim/{h.name}/{k}", v) for k, v in h.state.items())):
-            parts.setdefault(key, []).extend(_boxes(h, t))
-            shapes[key] = h.full_shape
-    return {key: Blocks(shapes[key], p, p[0][1].dtype) for key, p in parts.items()}
-
-
-def _scalars(held: list[Held]) -> dict[str, dict[str, Any]]:
-    """Name -> the rest of its state (Adam's ``step``): small, so each rank's go in one object."""
-    out: dict[str, dict[str, Any]] = {}
-    for h in held:
-        if h.scalars and h.name not in out:
-            out[h.name] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in h.scalars.items()}
-    return out
-
-
-def _specs(held: list[Held]) -> dict[str, dict[str, list[Any]]]:
-    """Name -> each state key's kind, for the manifest: ``["element", dtype]`` (per element, saved in boxes),
-    ``["tensor", dtype, shape]`` or ``["object"]``."""
-    out: dict[str, dict[str, list[Any]]] = {}
-    for h in held:
-        spec = out.setdefault(h.name, {})
-        for k, v in h.state.items():
-            spec[k] = ["element", str(v.dtype)]
-        for k, v in h.scalars.items():
-            spec[k] = ["tensor", str(v.dtype), list(v.shape)] if torch.is_tensor(v) else ["object"]
-    return {n: spec for n, spec in out.items() if spec}
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name.rpartition(".")[2], None)
-    if not isinstance(dtype, torch.dtype):
-        raise StateDictError(f"the checkpoint names an unknown dtype {name!r}")
-    return dtype
-
-
-def _param_names(wm: Adapter, pieces: list[Piece]) -> dict[int, list[str]]:
-    """id(tensor an optimizer holds) -> the canonical names of the parameters it is, for every parameter of the
-    model, held here or not."""
-    out = wm.parameter_names()
-    for piece in pieces:  # an optimizer over tensors the module does not register as its parameters
-        out.setdefault(id(piece.source), [piece.name])
-    return out
-
-
-def _groups(optimizer: Any, names: dict[int, list[str]]) -> list[list[str]]:
-    return [sorted(n for p in g["params"] for n in names.get(id(p), [f"<unnamed {tuple(p.shape)}>"]))
-            for g in optimizer.param_groups]
-
-
-def _hyper(optimizer: Any) -> list[dict[str, Any]]:
-    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
 class _Object:
@@ -299,76 +132,6 @@ def _versions(wm: Adapter) -> dict[str, str]:
     return out
 
 
-def _is_optimizer(obj: Any) -> bool:
-    return hasattr(obj, "param_groups") and hasattr(obj, "state")
-
-
-def unwrap_optimizer(optimizer: Any, own: Any = None) -> Any:
-    """The optimizer that holds the state, inside the containers trainers hand around: a wrapper's ``.optimizer``
-    (accelerate's ``AcceleratedOptimizer``, DeepSpeed's wrappers), a container's ``.optimizers`` (torchtitan's
-    ``OptimizersContainer``: a torch ``Optimizer`` whose own state stays empty) read as one. ``own``, a backend's
-    own optimizer, ends the search where it is met."""
-    seen: set[int] = set()
-    while id(optimizer) not in seen and optimizer is not own:
-        seen.add(id(optimizer))
-        several = getattr(optimizer, "optimizers", None)
-        if isinstance(several, (list, tuple)) and several and all(_is_optimizer(o) for o in several):
-            inner = [unwrap_optimizer(o, own) for o in several]
-            return inner[0] if len(inner) == 1 else _Several(optimizer, inner)
-        one = getattr(optimizer, "optimizer", None)
-        if not _is_optimizer(one):
-            break
-        optimizer = one
-    return optimizer
-
-
-class _Several:
-    """Several optimizers read and written as one (a container's): their param groups in order, and each
-    parameter's state where the optimizer that steps it keeps it."""
-
-    def __init__(self, outer: Any, inner: list[Any]) -> None:
-        self.outer, self.inner = outer, inner
-        self.state = _RoutedState(inner)
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        return [g for o in self.inner for g in o.param_groups]
-
-
-class _RoutedState(MutableMapping[Any, Any]):
-    """``state[p]`` of the inner optimizer that steps ``p`` (created there, as torch's ``defaultdict`` does)."""
-
-    def __init__(self, inner: list[Any]) -> None:
-        self.inner = inner
-
-    def _owner(self, p: Any) -> Any:
-        for o in self.inner:
-            if any(q is p for g in o.param_groups for q in g["params"]):
-                return o
-        return next((o for o in self.inner if p in o.state), self.inner[0])
-
-    def __getitem__(self, p: Any) -> Any:
-        return self._owner(p).state[p]
-
-    def __setitem__(self, p: Any, value: Any) -> None:
-        self._owner(p).state[p] = value
-
-    def __delitem__(self, p: Any) -> None:
-        del self._owner(p).state[p]
-
-    def __contains__(self, p: object) -> bool:
-        return any(p in o.state for o in self.inner)
-
-    def get(self, p: Any, default: Any = None) -> Any:
-        return next((o.state[p] for o in self.inner if p in o.state), default)
-
-    def __iter__(self) -> Iterator[Any]:
-        return (p for o in self.inner for p in o.state)
-
-    def __len__(self) -> int:
-        return sum(len(o.state) for o in self.inner)
-
-
 def _check_optimizer(optimizer: Any, where: str) -> None:
     if optimizer is not None and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state")):
         raise ArgumentError(f"{where}(optimizer=...) takes a torch optimizer (with param_groups and state), got "
@@ -382,7 +145,7 @@ def _check_scheduler(scheduler: Any, where: str) -> None:
 
 
 def _class_name(obj: Any) -> str:
-    if isinstance(obj, _Several):
+    if isinstance(obj, Several):
         return f"{_class_name(obj.outer)}[{', '.join(_class_name(o) for o in obj.inner)}]"
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
@@ -399,7 +162,7 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
     if extra is not None and not isinstance(extra, Mapping):
         raise ArgumentError(f"save_state(extra=...) takes a dict, got {type(extra).__name__}")
     problems: list[str] = []
-    source = _Held(wm, optimizer, "save_state", problems)
+    source = Holding(wm, optimizer, "save_state", problems)
     optimizer = source.optimizer
     no_dist, group = _dcp_group(wm, problems)
     call = Call.of("save_state", optimizer=type(optimizer).__name__ if optimizer is not None else None,
@@ -413,11 +176,11 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
     writer = writes_files(wm)
     with torch.no_grad():
         held = source.held()
-        state: dict[str, Any] = dict(_tensors(held))
+        state: dict[str, Any] = dict(state_tensors(held))
         if optimizer is not None:
-            state[f"optim/scalars/{_global_rank()}"] = _Object(_scalars(held))
+            state[f"optim/scalars/{_global_rank()}"] = _Object(scalars(held))
         if writer and optimizer is not None:
-            state["optim/param_groups"] = _Object(_hyper(optimizer))
+            state["optim/param_groups"] = _Object(hyper(optimizer))
         if writer and scheduler is not None:
             state["scheduler"] = _Object(scheduler.state_dict())
         if writer and extra is not None:
@@ -433,7 +196,7 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
         error = exc
     # Which state keys each parameter has, from every rank (a rank holds some parameters only): a load checks and
     # creates them from the manifest alone.
-    specs = _specs(held) if optimizer is not None else {}
+    specs = held_specs(held) if optimizer is not None else {}
     if not no_dist and optimizer is not None:
         every: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(every, specs, group=group)
@@ -547,7 +310,7 @@ def _saved_keys(manifest: dict[str, Any]) -> dict[str, dict[str, list[Any]]]:
     return saved
 
 
-def _compare_optimizer(source: _Held, manifest: dict[str, Any], saved_keys: dict[str, dict[str, Any]],
+def _compare_optimizer(source: Holding, manifest: dict[str, Any], saved_keys: dict[str, dict[str, Any]],
                        problems: list[str]) -> None:
     saved, optimizer = manifest.get("optimizer"), source.optimizer
     if saved is None:
@@ -587,21 +350,6 @@ def _compare_others(manifest: dict[str, Any], scheduler: Any, problems: list[str
         problems.append(f"the checkpoint's scheduler is a {saved}, this one a {_class_name(scheduler)}")
 
 
-def _state_tensor(optimizer: Any, p: torch.Tensor, key: str, dtype: torch.dtype, shape: tuple[int, ...],
-                  per_element: bool) -> None:
-    """The optimizer's state tensor ``key`` of ``p``, made (zeros, as the optimizer would) where it has none."""
-    st = optimizer.state[p]
-    if key in st:
-        return
-    if per_element:
-        st[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-        return
-    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-    # torch's optimizers keep a scalar step on the CPU unless they step on the device.
-    device = p.device if (group.get("capturable") or group.get("fused")) else torch.device("cpu")
-    st[key] = torch.zeros(shape, dtype=dtype, device=device)
-
-
 def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: Any = None) -> StateLoad:
     """See ``WrappedModel.load_state``."""
     from torch.distributed.checkpoint import state_dict_loader
@@ -611,7 +359,7 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
     _check_scheduler(scheduler, "load_state")
     directory = os.path.abspath(directory)
     problems: list[str] = []
-    source = _Held(wm, optimizer, "load_state", problems)
+    source = Holding(wm, optimizer, "load_state", problems)
     optimizer = source.optimizer
     no_dist, group = _dcp_group(wm, problems)
     manifest, metadata = _read_manifest(directory, problems)
@@ -633,7 +381,7 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
         if optimizer is not None:
             source.create(saved_keys)
         held = source.held()
-        state: dict[str, Any] = dict(_tensors(held))
+        state: dict[str, Any] = dict(state_tensors(held))
         absent = sorted(k for k in state if k not in saved)
         # Never a silent restart from zero: every per-element state saved for a parameter held here has a place.
         for h in held if optimizer is not None else []:
