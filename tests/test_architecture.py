@@ -18,7 +18,7 @@ PACKAGE = Path(wrapkit.__file__).resolve().parent  # the one imported: a checkou
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"_errors", "_args", "_names", "_imports", "_protocol", "_agree", "_gather",
                      "_memory", "_torch_ops", "_safetensors", "_module_internals", "_hub_layout",
-                     "_megatron_layout", "_dcp_chunks", "_optimizers"}),
+                     "_megatron_layout", "_dcp_chunks", "_optimizers", "_directory"}),
     ("backends", {"adapters", "layers"}),
     ("detection", {"_registry"}),
     ("operations", {"placement", "full_parameters", "state_dict", "checkpoint", "pretrained", "reading",

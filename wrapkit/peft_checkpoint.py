@@ -6,7 +6,7 @@ a subdirectory named after it. ``peft.PeftModel.from_pretrained(base, directory)
 tensors go in and under which keys is read from the installed PEFT (``layers.peft.saved_key_map``).
 
 Saving gathers only the units that hold adapter tensors, a bucket at a time, and rank 0 writes the
-files into a temporary directory swapped in when complete (``pretrained.open_directory``). Loading
+files into a temporary directory swapped in when complete (``_directory.open_directory``). Loading
 maps the file's keys back to the live model's and hands ``reading.load`` a catalog of them: each rank
 reads its slices of the adapters, and the base weights are not touched.
 """
@@ -23,6 +23,7 @@ import torch
 
 from . import _safetensors
 from ._agree import Call, writes_files
+from ._directory import commit_directory, open_directory
 from ._errors import UnsupportedModelError
 from ._safetensors import INDEX_NAME, SINGLE_NAME, outside
 from .adapters._stages import every_stage, is_stage, stage_adapter_keys
@@ -34,7 +35,6 @@ from .layers.peft import (
     saved_key_map,
     write_adapter_config,
 )
-from .pretrained import commit_directory, open_directory
 from .streaming import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:

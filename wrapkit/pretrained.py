@@ -17,9 +17,8 @@ import concurrent.futures
 import json
 import logging
 import os
-import shutil
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,14 +26,11 @@ from . import _safetensors
 from ._agree import (
     Call,
     any_over_models,
-    broadcast_object,
-    enter,
     first_replica,
-    models_group,
-    raise_agreed,
     writes_files,
 )
-from ._errors import ArgumentError, StateDictError, WrapkitError
+from ._directory import commit_directory, open_directory
+from ._errors import ArgumentError, WrapkitError
 from ._memory import parse_size
 from ._safetensors import INDEX_NAME
 from .adapters._stages import layout_of, stage_buffers
@@ -44,7 +40,7 @@ from .state_dict import joined_fold_plan, lora_fold_plan
 if TYPE_CHECKING:
     from .adapters._base import Adapter
 
-__all__ = ["save_pretrained", "INDEX_NAME", "open_directory", "commit_directory"]
+__all__ = ["save_pretrained", "INDEX_NAME"]
 
 _log = logging.getLogger(__name__.rpartition(".")[0] or __name__)
 
@@ -127,17 +123,6 @@ def _config_files(wm: Adapter, tmp: str, base_keys: bool) -> None:
             obj.save_pretrained(tmp)
 
 
-def _share(value: Any, wm: Adapter) -> Any:
-    """``value`` as the first replica's rank 0 has it, on every rank (its shard group, then across
-    the replicas)."""
-    use, group = models_group(wm)
-    if not use:
-        return value
-    for g in [group, *wm.outer_groups()]:
-        value = broadcast_object(value, 0, g)
-    return value
-
-
 def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
                     merge_adapters: bool = False) -> None:
     """Write every parameter and persistent buffer as ``model-0000k-of-0000n.safetensors`` files plus
@@ -216,54 +201,3 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
         _config_files(wm, tmp, base_keys)
 
     commit_directory(wm, "save_pretrained", directory, tmp, error, finish)
-
-
-def open_directory(wm: Adapter, directory: str | os.PathLike[str], call: Call, problems: list[str],
-                   fix: str) -> tuple[str, str]:
-    """The start of a save into a directory, collective: ``directory`` checked, a temporary
-    directory made beside it by the writing rank, ``call`` entered, and every problem (``problems``
-    and those found here) raised alike on every rank. Returns the absolute directory and the
-    temporary one, the same on every rank."""
-    directory = os.path.abspath(os.fspath(directory))
-    parent = os.path.dirname(directory)
-    rank0 = writes_files(wm)
-    if not os.path.isdir(parent):
-        problems.append(f"directory {parent!r} does not exist; create it first")
-    elif os.path.exists(directory) and not os.path.isdir(directory):
-        problems.append(f"{directory!r} is a file; pass a directory path")
-    tmp = ""
-    if rank0 and not problems:
-        try:
-            tmp = _safetensors.temporary_dir(directory)
-        except OSError as exc:
-            problems.append(f"cannot create a temporary directory beside {directory!r}: {exc}")
-    try:
-        [agreed] = enter(call, wm, flags=[bool(problems)], invalid=1)
-        raise_agreed(problems, f"{call.op} to {directory!r}", fix, wm, agreed=agreed)
-    except BaseException:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return directory, _share(tmp, wm)
-
-
-def commit_directory(wm: Adapter, op: str, directory: str, tmp: str, error: BaseException | None,
-                     finish: Callable[[str], None]) -> None:
-    """The end of a save into a directory, collective: unless some rank failed (``error`` on this
-    one), the writing rank completes ``tmp`` with ``finish(tmp)`` and swaps it in. On any failure the
-    temporary directory goes, the previous checkpoint stays, and every rank raises ``StateDictError``."""
-    rank0 = writes_files(wm)
-    if not any_over_models(error is not None, wm) and rank0:
-        try:
-            finish(tmp)
-            _safetensors.commit_dir(tmp, directory)
-        except Exception as exc:
-            error = exc
-    if any_over_models(error is not None, wm):
-        if rank0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        cause = f"{type(error).__name__}: {error}" if error is not None else "see the writing rank's error"
-        raise StateDictError(
-            f"{op} could not write {directory!r} ({cause}); any earlier checkpoint there is untouched and the "
-            "temporary directory was removed. Check the free space and permissions."
-        ) from error

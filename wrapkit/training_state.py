@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 
 from ._agree import Call, any_over_models, enter, models_group, raise_agreed, writes_files
+from ._directory import commit_directory, open_directory
 from ._errors import ArgumentError, StateDictError
 from ._held_state import Holding, hyper, scalars, state_tensors
 from ._held_state import specs as held_specs
 from ._optimizers import Several
-from .pretrained import commit_directory, open_directory
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter
