@@ -49,11 +49,13 @@ class RoutedState(MutableMapping[Any, Any]):
 
     def __init__(self, inner: list[Any]) -> None:
         self.inner = inner
+        # Looked up once per parameter and state key on a save or load: mapped once, not scanned each time.
+        self._owners = {id(q): o for o in reversed(inner) for g in o.param_groups for q in g["params"]}
 
     def _owner(self, p: Any) -> Any:
-        for o in self.inner:
-            if any(q is p for g in o.param_groups for q in g["params"]):
-                return o
+        owner = self._owners.get(id(p))
+        if owner is not None:
+            return owner
         return next((o for o in self.inner if p in o.state), self.inner[0])
 
     def __getitem__(self, p: Any) -> Any:

@@ -110,8 +110,8 @@ def _reset_megatron(gone: set[Any]) -> None:
     if state is None:
         return
     values = [v for name, v in vars(state).items() if name.startswith("_") and not name.startswith("__")]
-    values += [v for v in values if isinstance(v, list) for v in v]  # _global_process_group_list
-    if any(_is_gone(v, gone) for v in values):
+    listed = [item for v in values if isinstance(v, list) for item in v]  # _global_process_group_list
+    if any(_is_gone(v, gone) for v in values + listed):
         state.destroy_model_parallel()
 
 
