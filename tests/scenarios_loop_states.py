@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import wrapkit
 from wrapkit.cli._models import build, tiny_llama
+from wrapkit.cli._workers import next_case
 from wrapkit.integrations.vllm import load_into
 
 TOKENS = torch.arange(16).reshape(2, 8) % 128
@@ -212,4 +213,8 @@ def loop_states(spec: str, precision: str = "fp32", topology: str = "flat") -> d
 
 def loop_state_cases(cases: list[dict[str, Any]]) -> dict[str, Any]:
     """Several ``loop_states`` in one call, keyed by their arguments."""
-    return {repr(sorted(c.items())): loop_states(**c) for c in cases}
+    out = {}
+    for c in cases:
+        out[repr(sorted(c.items()))] = loop_states(**c)
+        next_case()
+    return out
