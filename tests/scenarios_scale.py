@@ -307,7 +307,7 @@ def bad_checkpoints(spec: str, tmpdir: str) -> dict[str, Any]:
 # whose writer dies (SIGKILL, as an OOM kill would) after its first file.
 KILLED_SAVE = """
 import os, signal, sys
-import wrapkit, wrapkit._safetensors as st
+import wrapkit, wrapkit.formats.safetensors as st
 from wrapkit.cli._models import tiny_llama
 path, layers = sys.argv[1], int(sys.argv[2])
 wrapkit.adapt(tiny_llama(1, layers=layers)).save_pretrained(path, max_shard_size="20KB")

@@ -17,8 +17,9 @@ PACKAGE = Path(wrapkit.__file__).resolve().parent  # the one imported: a checkou
 # Lowest first. A module may import its own layer and the ones below it.
 LAYERS: list[tuple[str, set[str]]] = [
     ("foundations", {"_errors", "_args", "_names", "_imports", "_protocol", "_agree", "_gather",
-                     "_memory", "_torch_ops", "_safetensors", "_module_internals", "_hub_layout",
-                     "_megatron_layout", "_dcp_chunks", "_optimizers", "_directory"}),
+                     "_memory", "_torch_ops", "_module_internals", "_optimizers"}),
+    # A format imports no backend and no operation: it lies below both.
+    ("formats", {"formats"}),
     ("backends", {"adapters", "layers"}),
     ("detection", {"_registry"}),
     ("operations", {"placement", "full_parameters", "state_dict", "checkpoint", "pretrained", "reading",
@@ -131,7 +132,7 @@ def test_no_import_runs_up_the_layers() -> None:
 
 # The operations, and the machinery they share, hold no backend knowledge: what differs per backend
 # is an adapter's primitive (adapters/_primitives.py), never a branch on which backend is below.
-BACKEND_FREE = LAYERS[3][1] | {"_gather"}
+BACKEND_FREE = dict(LAYERS)["operations"] | {"_gather"}
 BACKEND_LIBRARIES = ("deepspeed", "torch.distributed.fsdp", "torch.distributed.tensor")
 
 
@@ -146,14 +147,14 @@ def _docstrings(tree: ast.Module) -> set[int]:
 
 
 def backend_knowledge() -> list[str]:
-    """Backend names as strings, imports of a backend's adapter file or library, in ``BACKEND_FREE``."""
+    """Backend names as strings, imports of a backend's adapter file or library, in ``BACKEND_FREE`` and the formats."""
     from wrapkit.adapters import BUILTIN_ADAPTERS
 
     names = {a.name for a in BUILTIN_ADAPTERS}
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         module = _module_name(path)
-        if module.split(".")[0] not in BACKEND_FREE:
+        if module.split(".")[0] not in BACKEND_FREE | {"formats"}:
             continue
         tree = ast.parse(path.read_text())
         docs = _docstrings(tree)

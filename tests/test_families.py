@@ -140,8 +140,8 @@ def test_the_layout_is_looked_up_once_and_keeps_no_model_alive() -> None:
     import gc
     import weakref
 
-    from wrapkit._hub_layout import _DEFAULTS, HubLayout
     from wrapkit.cli._families import family_model
+    from wrapkit.formats.hub import _DEFAULTS, HubLayout
 
     model = family_model("qwen3-moe")
     first = HubLayout.of(model)

@@ -31,7 +31,7 @@ OUTSIDE_ADAPTERS = {
     ("_module_internals.py", "_weight_conversions"),
     ("_torch_ops.py", "_C"),
     ("_torch_ops.py", "_nn"),
-    ("_dcp_chunks.py", "_make_wrapper_subclass"),
+    ("formats/dcp.py", "_make_wrapper_subclass"),
     ("integrations/swift.py", "_class_to_module"),
     ("layers/compile.py", "_orig_mod"),
     ("shutdown.py", "_run_exitfuncs"),

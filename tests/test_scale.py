@@ -171,8 +171,8 @@ def test_a_checkpoint_moved_aside_is_put_back(tmp_path: Path) -> None:
     a kill then leaves it there, and the next save puts it back before anything else."""
     from transformers import AutoModelForCausalLM
 
-    from wrapkit._safetensors import sweep
     from wrapkit.cli._models import tiny_llama
+    from wrapkit.formats.safetensors import sweep
 
     path = tmp_path / "ckpt"
     wrapkit.adapt(tiny_llama(1, layers=ss.LAYERS)).save_pretrained(path, max_shard_size="20KB")

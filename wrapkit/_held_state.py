@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._dcp_chunks import Blocks, boxes
 from ._errors import ArgumentError, StateDictError
 from ._optimizers import unwrap_optimizer
 from .adapters._parts import Held, Piece, Written
+from .formats.dcp import Blocks, boxes
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter

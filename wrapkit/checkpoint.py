@@ -15,7 +15,7 @@ from . import _args
 from ._agree import Call, any_over_models, enter, raise_agreed, writes_files
 from ._errors import StateDictError
 from ._imports import require
-from ._safetensors import write_file_atomic
+from .formats.safetensors import write_file_atomic
 from .state_dict import gather_state_dict
 
 if TYPE_CHECKING:

@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import _safetensors
 from ._agree import Call, writes_files
-from ._directory import commit_directory, open_directory
 from ._errors import UnsupportedModelError
-from ._safetensors import INDEX_NAME, SINGLE_NAME, outside
 from .adapters._stages import every_stage, is_stage, stage_adapter_keys
+from .formats import safetensors as _safetensors
+from .formats.directory import commit_directory, open_directory
+from .formats.safetensors import INDEX_NAME, SINGLE_NAME, outside
 from .layers.peft import (
     ADAPTER_CONFIG,
     ADAPTER_PICKLE,

@@ -22,18 +22,18 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import _safetensors
 from ._agree import (
     Call,
     any_over_models,
     first_replica,
     writes_files,
 )
-from ._directory import commit_directory, open_directory
 from ._errors import ArgumentError, WrapkitError
 from ._memory import parse_size
-from ._safetensors import INDEX_NAME
 from .adapters._stages import layout_of, stage_buffers
+from .formats import safetensors as _safetensors
+from .formats.directory import commit_directory, open_directory
+from .formats.safetensors import INDEX_NAME
 from .layers.peft import lora_fold_stream
 from .state_dict import joined_fold_plan, lora_fold_plan
 
@@ -127,7 +127,7 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
                     merge_adapters: bool = False) -> None:
     """Write every parameter and persistent buffer as ``model-0000k-of-0000n.safetensors`` files plus
     ``model.safetensors.index.json`` (and the model's ``config.json`` and ``generation_config.json``)
-    into ``directory``, atomically, in the Hub's layout (``_hub_layout``: the names, tensors and tied
+    into ``directory``, atomically, in the Hub's layout (``formats.hub``: the names, tensors and tied
     weights transformers' own ``save_pretrained`` writes). Collective; see the module docstring."""
     refused: list[str] = []
     try:

@@ -24,14 +24,14 @@ import torch.distributed as dist
 
 from ._agree import Call, broadcast_object, enter, models_group, raise_agreed
 from ._errors import StateDictError
-from ._hub_layout import Converted, Layout
 from ._imports import require
 from ._module_internals import init_weights, own_buffers
 from ._names import model_class_name
 from ._protocol import LoadResult
-from ._safetensors import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, outside, torch_dtype
 from .adapters import Written
 from .adapters._stages import layout_of
+from .formats.hub import Converted, Layout
+from .formats.safetensors import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, outside, torch_dtype
 from .peft_checkpoint import AdapterCheckpoint, adapter_files, adapter_shapes
 from .state_dict import check_entries, expected_shapes, report_skipped
 

@@ -1,7 +1,7 @@
 """Training state that resumes on any backend and world size: ``save_state`` / ``load_state``.
 
 The format is torch's distributed checkpoint (DCP), written with every tensor under its canonical name and
-its full shape, each rank writing the boxes it holds (``_dcp_chunks.Blocks``: a range of the flattened
+its full shape, each rank writing the boxes it holds (``formats.dcp.Blocks``: a range of the flattened
 tensor, a block of rows or columns, or all of it) and reading on a load only what overlaps its own. So the
 state saved by one layout loads into any other: DCP does the overlap arithmetic, and no rank holds more
 than its share plus one box. The keys:
@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 
 from ._agree import Call, any_over_models, enter, models_group, raise_agreed, writes_files
-from ._directory import commit_directory, open_directory
 from ._errors import ArgumentError, StateDictError
 from ._held_state import Holding, hyper, scalars, state_tensors
 from ._held_state import specs as held_specs
 from ._optimizers import Several
+from .formats.directory import commit_directory, open_directory
 
 if TYPE_CHECKING:
     from .adapters._base import Adapter

@@ -239,7 +239,7 @@ class Adapter:
 
     def hub_layout(self) -> Any:
         """The conversion between this model's names and tensors and the Hub's where its backend defines one
-        (Megatron-Core's fused layers), else None: transformers' own applies (``_hub_layout``)."""
+        (Megatron-Core's fused layers), else None: transformers' own applies (``formats.hub``)."""
         return None
 
     def _check_internals(self) -> None:

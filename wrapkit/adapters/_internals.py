@@ -79,7 +79,7 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     "torch.compile OptimizedModule": ("_orig_mod",),
     # Set by FSDP1 and FSDP2 on the modules they manage; cleared while a module runs bypassed (Bypass).
     "FSDP-managed module flag": FSDP_MANAGED,
-    # _weight_conversions: what from_pretrained converted the checkpoint with (the Hub's layout, _hub_layout.py).
+    # _weight_conversions: what from_pretrained converted the checkpoint with (the Hub's layout, formats/hub.py).
     "transformers PreTrainedModel": ("_init_weights", "_no_split_modules", "_weight_conversions"),
     # Where transformers distributed the model itself (tp_plan, distributed_config): the meshes it made.
     # _tp_size: hidden from PEFT while it selects an adapter's tensors (saved_key_map), where it would gather them.

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 
 from .._agree import settle
-from .._hub_layout import HubLayout
 from .._module_internals import init_weights, live_entries, own_buffers
 from .._names import canonical_name, model_class_name
+from ..formats.hub import HubLayout
 from ._likeness import copy_buffers, skip_init
 from ._parts import Written
 from ._stages import stage_buffers

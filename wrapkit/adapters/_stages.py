@@ -23,8 +23,8 @@ import torch.distributed as dist
 from .._agree import Call, enter
 from .._errors import UnsupportedModelError
 from .._gather import Bypass
-from .._hub_layout import HubLayout, Layout
 from .._imports import lookup
+from ..formats.hub import HubLayout, Layout
 from ..layers.peft import saved_key_map
 from ._foreign import CUT_STAGE, TRANSFORMERS_STAGES
 from ._parts import Gatherer, Parts, Piece, Weights, Written

@@ -7,7 +7,7 @@ The groups are the model's own (``pg_collection``, which Megatron hands every la
 are Megatron's, with each layer under its global number (``layer_number``, which Megatron keeps): a stage's
 ``decoder.layers.0`` is the whole model's ``decoder.layers.{offset}``. Pipeline stages go through the stage
 parts (``_stages.py``), which walk every stage's tensors in one plan; the Hub's layout is
-``_megatron_layout.py``'s.
+``formats/megatron.py``'s.
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from .._errors import UnsupportedModelError
-from .._hub_layout import hub_tensors
 from .._imports import lookup
-from .._megatron_layout import MegatronLayout, megatron_settings
+from ..formats.hub import hub_tensors
+from ..formats.megatron import MegatronLayout, megatron_settings
 from ._foreign import MEGATRON_LAYERS, MEGATRON_STAGES
 from ._kinds import ShardedAdapter
 from ._likeness import ShardedLikeness

@@ -91,7 +91,7 @@ TP_RECIPE = frozenset({"llama", "qwen2-tied", "gemma3", "qwen3-moe", "qwen2-vl",
 # `model.layers` (vision-language models and T5 have none there) and its staged forward serves the language-model
 # head only (a reward model's scores never reach the last stage's caller).
 PIPELINE_RECIPE = frozenset({"llama", "qwen2-tied", "gemma3", "qwen3-moe", "gpt-oss", "deepseek-v3"})
-# The families the Megatron-Core recipe builds the GPTModel of (``_megatron_layout.megatron_settings``): RMSNorm,
+# The families the Megatron-Core recipe builds the GPTModel of (``formats.megatron.megatron_settings``): RMSNorm,
 # rotary positions, SwiGLU, no linear biases but q/k/v's, and Qwen3-MoE's mixture (its experts over two
 # expert-parallel ranks). Gemma's norms and GELU, other mixtures, latent attention and the other heads have no
 # Megatron model named here.

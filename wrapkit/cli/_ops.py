@@ -226,7 +226,7 @@ def _fresh_model(ctx: dict[str, Any], seed: int) -> torch.nn.Module:
 def _expected(ctx: dict[str, Any], seed: int, parameters: bool = False) -> dict[str, torch.Tensor]:
     """The base model's state dict (or its parameters, tied ones under each name) in the backend's runtime
     layout: transformers' own, or the one of a backend that keeps a layout of its own (Megatron-Core)."""
-    from .._hub_layout import hub_tensors
+    from ..formats.hub import hub_tensors
 
     model = _fresh_model(ctx, seed)
     layout = ctx["layout"]

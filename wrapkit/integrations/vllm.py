@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from .._errors import StateDictError, UnsupportedModelError
-from .._hub_layout import HubLayout
+from ..formats.hub import HubLayout
 from ..streaming import Bucket
 
 __all__ = ["load_into"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._errors import StateDictError
+from .._errors import StateDictError
 
 __all__ = ["INDEX_NAME", "SINGLE_NAME", "SAFETENSORS_DTYPES", "outside", "safetensors_name", "torch_dtype",
            "write_file", "write_file_atomic", "fsync_dir", "temporary_dir", "sweep", "commit_dir"]

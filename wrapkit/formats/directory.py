@@ -7,19 +7,16 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from . import _safetensors
-from ._agree import Call, any_over_models, broadcast_object, enter, models_group, raise_agreed, writes_files
-from ._errors import StateDictError
-
-if TYPE_CHECKING:
-    from .adapters._base import Adapter
+from .._agree import Call, Ranks, any_over_models, broadcast_object, enter, models_group, raise_agreed, writes_files
+from .._errors import StateDictError
+from . import safetensors as _safetensors
 
 __all__ = ["open_directory", "commit_directory"]
 
 
-def _share(value: Any, wm: Adapter) -> Any:
+def _share(value: Any, wm: Ranks) -> Any:
     """``value`` as the first replica's rank 0 has it, on every rank (its shard group, then across
     the replicas)."""
     use, group = models_group(wm)
@@ -30,7 +27,7 @@ def _share(value: Any, wm: Adapter) -> Any:
     return value
 
 
-def open_directory(wm: Adapter, directory: str | os.PathLike[str], call: Call, problems: list[str],
+def open_directory(wm: Ranks, directory: str | os.PathLike[str], call: Call, problems: list[str],
                    fix: str) -> tuple[str, str]:
     """The start of a save into a directory, collective: ``directory`` checked, a temporary
     directory made beside it by the writing rank, ``call`` entered, and every problem (``problems``
@@ -59,7 +56,7 @@ def open_directory(wm: Adapter, directory: str | os.PathLike[str], call: Call, p
     return directory, _share(tmp, wm)
 
 
-def commit_directory(wm: Adapter, op: str, directory: str, tmp: str, error: BaseException | None,
+def commit_directory(wm: Ranks, op: str, directory: str, tmp: str, error: BaseException | None,
                      finish: Callable[[str], None]) -> None:
     """The end of a save into a directory, collective: unless some rank failed (``error`` on this
     one), the writing rank completes ``tmp`` with ``finish(tmp)`` and swaps it in. On any failure the

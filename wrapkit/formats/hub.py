@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ._imports import lookup
-from ._module_internals import recorded_conversions
+from .._imports import lookup
+from .._module_internals import recorded_conversions
 
 __all__ = ["HubLayout", "Converted", "Layout", "hub_tensors"]
 
@@ -32,7 +32,7 @@ Reader = Callable[[str], torch.Tensor]
 
 class Layout(Protocol):
     """What exports and loads use of a model's Hub layout: transformers' (``HubLayout``), or one a backend
-    defines for its own fused layers (``_megatron_layout.MegatronLayout``)."""
+    defines for its own fused layers (``formats.megatron.MegatronLayout``)."""
 
     def export(self, entries: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]: ...
 
@@ -202,7 +202,7 @@ class HubLayout:
         under its own name in ``renamed``, for the caller to report."""
         from transformers.core_model_loading import dot_natural_key
 
-        from ._safetensors import torch_dtype
+        from .safetensors import torch_dtype
 
         def meta(key: str) -> torch.Tensor:
             shape, dtype = entries[key]

@@ -154,7 +154,7 @@ class MegatronLayout:
     @staticmethod
     def of(model: Any) -> MegatronLayout:
         """The layout of ``model``; ``UnsupportedModelError`` naming the setting where it has none here."""
-        from ._errors import UnsupportedModelError
+        from .._errors import UnsupportedModelError
 
         why = hub_refusal(model)
         if why is not None:
