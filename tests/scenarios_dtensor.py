@@ -1,5 +1,5 @@
 """DTensors of every ``Shard``/``Replicate`` placement on 1-D and 2-D meshes, uneven sizes included:
-``adapters/_dtensor.py`` gathers, writes back and loads each exactly, batched where it says it does."""
+``adapters/dtensor/layout.py`` gathers, writes back and loads each exactly, batched where it says it does."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from wrapkit.adapters import _dtensor
+from wrapkit.adapters.dtensor import layout as _dtensor
 
 SHAPES = [(5, 3), (3, 7), (1, 4), (6,), (4, 4)]
 

@@ -1,5 +1,5 @@
 """Models another framework partitioned itself, on two gloo ranks: what ``adapt()`` says of each producer of a
-mark (``wrapkit/adapters/_foreign.py``) that runs here. Each is refused on every rank, never taken for plain."""
+mark (``wrapkit/adapters/core/foreign.py``) that runs here. Each is refused on every rank, never taken for plain."""
 
 from __future__ import annotations
 

@@ -130,8 +130,46 @@ def test_no_import_runs_up_the_layers() -> None:
     assert not upward, "imports that run up the layers:\n" + "\n".join(upward)
 
 
+# A storage kind's subpackage holds its backends' adapters and their parts; the machinery they share (core/, and
+# stages/, which composes any kind's parts) is beside them. The adapter files at the top of adapters/ are backends of
+# the whole-tensor kind (and the pipeline around another kind).
+STORAGE_KINDS = ("adapters.flat", "adapters.dtensor", "adapters.zero", "adapters.slices")
+SHARED_ADAPTER_MACHINERY = ("adapters.core", "adapters.stages")
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _is_backend(module: str) -> bool:
+    """A backend's own module: a storage kind's, or an adapter file at the top of adapters/."""
+    if any(_within(module, k) for k in STORAGE_KINDS):
+        return True
+    parts = module.split(".")
+    return len(parts) == 2 and parts[0] == "adapters"
+
+
+def test_operations_import_no_backend_subpackage() -> None:
+    operations = dict(LAYERS)["operations"] | {"_wrapped", ""}
+    found = [f"{module} imports {target}" for module, targets in sorted(import_graph().items())
+             if module.split(".")[0] in operations for target in sorted(targets) if _is_backend(target)]
+    assert not found, "operations reach into a backend (use the adapter's parts or primitives):\n" + "\n".join(found)
+
+
+def test_a_storage_kind_imports_no_other_kind() -> None:
+    found = []
+    for module, targets in sorted(import_graph().items()):
+        own = next((k for k in STORAGE_KINDS if _within(module, k)), None)
+        shared = any(_within(module, s) for s in SHARED_ADAPTER_MACHINERY)
+        if own is None and not shared:
+            continue
+        found += [f"{module} imports {target}" for target in sorted(targets)
+                  if _is_backend(target) and not (own and _within(target, own))]
+    assert not found, "a backend's subpackage (or the shared machinery) imports another backend:\n" + "\n".join(found)
+
+
 # The operations, and the machinery they share, hold no backend knowledge: what differs per backend
-# is an adapter's primitive (adapters/_primitives.py), never a branch on which backend is below.
+# is an adapter's primitive (adapters/core/primitives.py), never a branch on which backend is below.
 BACKEND_FREE = dict(LAYERS)["operations"] | {"_gather"}
 BACKEND_LIBRARIES = ("deepspeed", "torch.distributed.fsdp", "torch.distributed.tensor")
 

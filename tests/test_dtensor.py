@@ -1,4 +1,4 @@
-"""adapters/_dtensor.py: DTensors of any Shard/Replicate placement on any mesh, gathered with one
+"""adapters/dtensor/layout.py: DTensors of any Shard/Replicate placement on any mesh, gathered with one
 all-gather per sharded mesh dimension, written back and loaded exactly (uneven sizes included)."""
 
 from __future__ import annotations

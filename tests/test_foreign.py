@@ -1,6 +1,6 @@
 """Never a silent ``plain``: a model another framework partitioned itself (pipeline stages, experts over
 their own ranks, Megatron-Core's parallel layers) is refused at ``adapt()``, naming the parameter or module,
-the mark and the fix. Each mark with its producer where one runs here (``wrapkit/adapters/_foreign.py``)."""
+the mark and the fix. Each mark with its producer where one runs here (``wrapkit/adapters/core/foreign.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import wrapkit
-from wrapkit.adapters._foreign import foreign_marks
+from wrapkit.adapters.core.foreign import foreign_marks
 
 
 def _refusal(model: torch.nn.Module) -> str:

@@ -102,7 +102,7 @@ def test_lora_on_pipeline_stages_exports_merges_and_saves_every_stages_adapters(
 def test_the_plan_orders_names_as_the_whole_model_does() -> None:
     """Stages append their layers after the earlier stages' (a tied head's copy on the last stage keeps the
     embedding's place); another owner's experts within a layer every owner holds go between that layer's names."""
-    from wrapkit.adapters._stages import _merged
+    from wrapkit.adapters.stages.plan import _merged
 
     stages = [["embed", "l0.a", "l1.a"], ["l2.a", "l3.a", "norm", "embed"]]
     assert _merged(stages) == ["embed", "l0.a", "l1.a", "l2.a", "l3.a", "norm"]

@@ -1,4 +1,4 @@
-"""Every private field of another library that wrapkit touches is listed in ``adapters/_internals.py``,
+"""Every private field of another library that wrapkit touches is listed in ``adapters/core/internals.py``,
 and outside ``adapters/`` no new one appears: the backends' private state belongs to their adapters.
 
 Found statically: ``obj._name`` (read or written) on anything but ``self``/``cls``, for a name wrapkit
@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 import wrapkit
-from wrapkit.adapters._internals import PRIVATE_FIELDS
+from wrapkit.adapters.core.internals import PRIVATE_FIELDS
 
 PACKAGE = Path(wrapkit.__file__).resolve().parent
 
@@ -91,15 +91,15 @@ ACCESSES = private_accesses()
 
 def test_the_scan_sees_private_reads() -> None:
     # Ones known to be there, by each form the scan looks for.
-    assert ("adapters/_zero_states.py", "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition") in ACCESSES
-    assert ("adapters/fsdp.py", "_inter_node_pg") in ACCESSES  # getattr(root, "_inter_node_pg", None)
-    assert ("adapters/_zero_parts.py", "_param_versions") in ACCESSES  # a write
+    assert ("adapters/zero/states.py", "_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition") in ACCESSES
+    assert ("adapters/flat/fsdp.py", "_inter_node_pg") in ACCESSES  # getattr(root, "_inter_node_pg", None)
+    assert ("adapters/zero/parts.py", "_param_versions") in ACCESSES  # a write
 
 
 def test_every_private_field_read_is_listed() -> None:
     listed = {name for names in PRIVATE_FIELDS.values() for name in names}
     unlisted = sorted({f"{name} ({path})" for path, name in ACCESSES if name not in listed})
-    assert not unlisted, ("private fields read but not listed in adapters/_internals.py PRIVATE_FIELDS (say whose "
+    assert not unlisted, ("private fields read but not listed in adapters/core/internals.py PRIVATE_FIELDS (say whose "
                           f"they are, and check them on adapt() where the object exists then): {unlisted}")
 
 

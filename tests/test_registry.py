@@ -165,7 +165,7 @@ def test_data_parallel_wrappers_over_a_tensor_parallel_mesh(group4: Any) -> None
 
 
 def test_a_sharded_adapter_must_give_its_parts() -> None:
-    from wrapkit.adapters._primitives import SHARDED_PRIMITIVES
+    from wrapkit.adapters.core.primitives import SHARDED_PRIMITIVES
 
     with pytest.raises(wrapkit.AdapterRegistrationError) as info:
         class HalfDone(wrapkit.ShardedAdapter):  # its topology, but no parts: it would read shards as whole
@@ -200,8 +200,8 @@ def test_an_adapter_defining_a_primitive_that_moved_to_the_parts_is_refused() ->
 
 def test_built_in_sharded_backends_define_the_sharded_primitives() -> None:
     from wrapkit.adapters import BUILTIN_ADAPTERS
-    from wrapkit.adapters._kinds import defined_by as _defined_by
-    from wrapkit.adapters._primitives import SHARDED_PRIMITIVES, BackendPrimitives
+    from wrapkit.adapters.core.kinds import defined_by as _defined_by
+    from wrapkit.adapters.core.primitives import SHARDED_PRIMITIVES, BackendPrimitives
 
     sharded = {cls.name for cls in BUILTIN_ADAPTERS if issubclass(cls, wrapkit.ShardedAdapter)}
     assert sharded == {"fsdp", "fsdp2", "deepspeed", "megatron"}
@@ -219,7 +219,7 @@ def test_backends_describe_their_groups_once() -> None:
     """``process_group()``, ``replica_groups()`` and ``mesh()`` are parts of ``topology()``: no backend
     defines them beside it, so the three can never disagree."""
     from wrapkit.adapters import BUILTIN_ADAPTERS
-    from wrapkit.adapters._kinds import defined_by as _defined_by
+    from wrapkit.adapters.core.kinds import defined_by as _defined_by
 
     for cls in BUILTIN_ADAPTERS:
         for name in ("process_group", "replica_groups", "mesh"):
@@ -231,7 +231,7 @@ def test_a_backend_without_likeness_or_states_says_so() -> None:
     backend and the fix, before anything is built or moved."""
     from wrapkit._registry import as_adapter
     from wrapkit.adapters import Parts
-    from wrapkit.adapters._whole import whole_parts
+    from wrapkit.adapters.core.whole import whole_parts
     from wrapkit.reference import build_reference
     from wrapkit.sleeping import sleep
     from wrapkit.wrapping import bare_module, wrap_like
@@ -329,13 +329,13 @@ _COMPOSED = {"topology", "parts", "recipe"}
 
 def test_backend_adapters_define_only_their_wrapper_topology_parts_and_recipe() -> None:
     from wrapkit.adapters import BUILTIN_ADAPTERS, CONTENT_ADAPTERS, PlainAdapter
-    from wrapkit.adapters._kinds import ReplicatedAdapter
+    from wrapkit.adapters.core.kinds import ReplicatedAdapter
 
     allowed = _WRAPPER | _COMPOSED
     for cls in (*BUILTIN_ADAPTERS, *CONTENT_ADAPTERS, PlainAdapter, ReplicatedAdapter, wrapkit.ShardedAdapter):
         public = {n for n in vars(cls) if not n.startswith("_")}
         assert public <= allowed, (f"{cls.__name__} defines {sorted(public - allowed)}: a backend says how it "
-                                   "stores, gathers and moves weights through its parts (adapters/_parts.py)")
+                                   "stores, gathers and moves weights through its parts (adapters/core/parts.py)")
     # Every built-in backend has a recipe, and a sharded one gives parts of its own.
     for cls in (*BUILTIN_ADAPTERS, *CONTENT_ADAPTERS, PlainAdapter):
         assert cls.recipe is not None, cls

@@ -10,11 +10,11 @@ import torch
 
 from ._errors import ArgumentError, StateDictError
 from ._optimizers import unwrap_optimizer
-from .adapters._parts import Held, Piece, Written
+from .adapters.core.parts import Held, Piece, Written
 from .formats.dcp import Blocks, boxes
 
 if TYPE_CHECKING:
-    from .adapters._base import Adapter
+    from .adapters.core.base import Adapter
 
 __all__ = ["Holding", "hyper", "scalars", "specs", "state_tensors"]
 

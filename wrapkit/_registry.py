@@ -29,10 +29,10 @@ import torch
 from ._errors import AdapterRegistrationError, UnsupportedModelError
 from ._protocol import Handle
 from .adapters import BUILTIN_ADAPTERS, CONTENT_ADAPTERS, Adapter, PlainAdapter
-from .adapters._base import Entry
-from .adapters._stages import adopt_torch_stage, recorded_stage
-from .adapters.megatron import megatron_module
+from .adapters.core.base import Entry
 from .adapters.pipeline import over_stages
+from .adapters.slices.megatron import megatron_module
+from .adapters.stages.plan import adopt_torch_stage, recorded_stage
 from .layers import LAYERS, Layer
 
 __all__ = ["as_adapter", "copy_target", "register_adapter", "registered_adapters"]

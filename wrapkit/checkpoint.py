@@ -19,7 +19,7 @@ from .formats.safetensors import write_file_atomic
 from .state_dict import gather_state_dict
 
 if TYPE_CHECKING:
-    from .adapters._base import Adapter
+    from .adapters.core.base import Adapter
 
 __all__ = ["save", "read_checkpoint"]
 

@@ -23,10 +23,10 @@ from ._errors import ArgumentError, PlacementError, UnsupportedModelError
 from ._gather import bypassed, generation_modes, restore_modes, shared_rng, synced_generate
 from ._memory import BUDGET_ENV, format_bytes, memory_budget
 from ._torch_ops import torch_ops
-from .adapters._stage_whole import whole_in_hub_layout, whole_of_stages, whole_problem
+from .adapters.stages.whole import whole_in_hub_layout, whole_of_stages, whole_problem
 
 if TYPE_CHECKING:
-    from .adapters._base import Adapter
+    from .adapters.core.base import Adapter
 
 __all__ = ["gathered", "generation", "named_full_parameters", "GATHER_MODES"]
 

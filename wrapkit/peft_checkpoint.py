@@ -23,7 +23,7 @@ import torch
 
 from ._agree import Call, writes_files
 from ._errors import UnsupportedModelError
-from .adapters._stages import every_stage, is_stage, stage_adapter_keys
+from .adapters.stages.plan import every_stage, is_stage, stage_adapter_keys
 from .formats import safetensors as _safetensors
 from .formats.directory import commit_directory, open_directory
 from .formats.safetensors import INDEX_NAME, SINGLE_NAME, outside
@@ -38,7 +38,7 @@ from .layers.peft import (
 from .streaming import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
-    from .adapters._base import Adapter
+    from .adapters.core.base import Adapter
 
 __all__ = ["save_adapters", "adapter_dirs", "adapter_files", "adapter_shapes", "AdapterCheckpoint", "DEFAULT_ADAPTER"]
 

@@ -18,7 +18,7 @@ from ._errors import DistributedStateError, PlacementError
 from ._gather import set_modes
 
 if TYPE_CHECKING:
-    from .adapters._base import Adapter
+    from .adapters.core.base import Adapter
 
 __all__ = ["place", "to_eval_frozen", "move_verified", "resolve_device", "home_device", "remember_home"]
 

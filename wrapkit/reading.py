@@ -29,14 +29,14 @@ from ._module_internals import init_weights, own_buffers
 from ._names import model_class_name
 from ._protocol import LoadResult
 from .adapters import Written
-from .adapters._stages import layout_of
+from .adapters.stages.plan import layout_of
 from .formats.hub import Converted, Layout
 from .formats.safetensors import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, outside, torch_dtype
 from .peft_checkpoint import AdapterCheckpoint, adapter_files, adapter_shapes
 from .state_dict import check_entries, expected_shapes, report_skipped
 
 if TYPE_CHECKING:
-    from .adapters._base import Adapter
+    from .adapters.core.base import Adapter
 
 __all__ = ["load", "Catalog"]
 

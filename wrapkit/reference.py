@@ -26,8 +26,7 @@ from ._errors import ReferenceModelError
 from ._registry import as_adapter
 from ._torch_ops import keep_torch_ops
 from .adapters import Adapter
-from .adapters._dtensor import local_tensor
-from .adapters._parts import lacking
+from .adapters.core.parts import lacking, local_tensor
 from .placement import to_eval_frozen
 from .view import AdaptersOff, view_possible
 from .wrapping import wrap_like

@@ -24,12 +24,12 @@ import torch.distributed as dist
 
 from ._agree import Call, enter
 from ._errors import ArgumentError, WrapkitError
-from .adapters._stages import layout_of
+from .adapters.stages.plan import layout_of
 from .layers.peft import LoraFoldPlan, lora_fold_stream, lora_layer_keys
 from .state_dict import joined_fold_plan, lora_fold_plan
 
 if TYPE_CHECKING:
-    from .adapters._base import Adapter
+    from .adapters.core.base import Adapter
 
 __all__ = ["Bucket", "BucketEntry", "stream_full_parameters", "DEFAULT_BUCKET_BYTES", "LAYOUTS"]
 

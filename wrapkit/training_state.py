@@ -41,7 +41,7 @@ from ._optimizers import Several
 from .formats.directory import commit_directory, open_directory
 
 if TYPE_CHECKING:
-    from .adapters._base import Adapter
+    from .adapters.core.base import Adapter
 
 __all__ = ["StateLoad", "save_state", "load_state", "MANIFEST", "FORMAT"]
 

@@ -25,7 +25,7 @@ from ._agree import Call, enter
 from ._errors import PlacementError, ReferenceModelError, WrapkitError
 from ._gather import Bypass, restore_modes, set_modes
 from .adapters import Adapter, Written
-from .adapters._primitives import Piece
+from .adapters.core.primitives import Piece
 from .layers.peft import adapters_off, base_key_map, merged_layers
 from .placement import resolve_device
 

@@ -12,7 +12,7 @@ import torch
 from ._errors import ReferenceModelError
 from ._registry import as_adapter
 from .adapters import Adapter
-from .adapters._parts import lacking
+from .adapters.core.parts import lacking
 
 __all__ = ["bare_module", "wrap_like"]
 

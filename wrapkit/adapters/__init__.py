@@ -1,19 +1,19 @@
 """One adapter per backend; file name == backend name."""
 
 from .._gather import Bypass
-from ._base import Adapter
-from ._kinds import ShardedAdapter
-from ._parts import Gatherer, Likeness, Parts, Placement, States, Weights, Written
-from ._topology import Role, Topology
+from .core.base import Adapter
+from .core.kinds import ShardedAdapter
+from .core.parts import Gatherer, Likeness, Parts, Placement, States, Weights, Written
+from .core.topology import Role, Topology
 from .ddp import DDPAdapter
-from .deepspeed import DeepSpeedAdapter
 from .dp import DataParallelAdapter
-from .fsdp import FSDPAdapter
-from .fsdp2 import FSDP2Adapter
-from .megatron import MegatronAdapter
+from .dtensor.fsdp2 import FSDP2Adapter
+from .dtensor.tp import TensorParallelAdapter
+from .flat.fsdp import FSDPAdapter
 from .pipeline import PipelineAdapter
 from .plain import PlainAdapter
-from .tp import TensorParallelAdapter
+from .slices.megatron import MegatronAdapter
+from .zero.deepspeed import DeepSpeedAdapter
 
 __all__ = [
     "Adapter",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ._kinds import ReplicatedAdapter
-from ._recipes import Recipe, Setting, whole
+from .core.kinds import ReplicatedAdapter
+from .core.recipes import Recipe, Setting, whole
 
 
 def _build(layer: str, model: torch.nn.Module, setting: Setting) -> torch.nn.Module:

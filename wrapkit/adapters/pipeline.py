@@ -6,7 +6,7 @@ of every other stage's layer and runs its forward on every rank together; ``torc
 (as torchtitan cuts a model: layers in a ``ModuleDict`` under their global numbers, the ends of the other
 stages set to None) runs the stage in a schedule. Nothing changes the model's class, so it is known by its
 stage: the one transformers records on it (``_pp_stage``), or the ``PipelineStage`` passed to ``adapt()``.
-Its parts are those of whole tensors, wrapped by the stage parts (``_stages.py``): exports gather every
+Its parts are those of whole tensors, wrapped by the stage parts (``stages/plan.py``): exports gather every
 stage's tensors, loads fill each stage's own layers.
 """
 
@@ -19,13 +19,13 @@ from typing import Any, ClassVar
 import torch
 
 from .._errors import UnsupportedModelError
-from ._base import Adapter
-from ._foreign import CUT_STAGE, TRANSFORMERS_STAGES
-from ._parts import Parts
-from ._recipes import Recipe, Setting, whole
-from ._stages import Stage, StagePlan, record, recorded_stage, stage_parts
-from ._topology import Topology
-from ._whole import whole_parts
+from .core.base import Adapter
+from .core.foreign import CUT_STAGE, TRANSFORMERS_STAGES
+from .core.parts import Parts
+from .core.recipes import Recipe, Setting, whole
+from .core.topology import Topology
+from .core.whole import whole_parts
+from .stages.plan import Stage, StagePlan, record, recorded_stage, stage_parts
 
 __all__ = ["PipelineAdapter", "over_stages", "STAGED_BACKENDS"]
 
@@ -60,7 +60,7 @@ class PipelineAdapter(Adapter):
     recipe = Recipe(("pipeline",), _build, order=10, needs="transformers.distributed.pipeline_parallel")
     peels = False
     distributed = True
-    # The partitioning this adapter reads; ``adapt()`` refuses any other (``_foreign.py``).
+    # The partitioning this adapter reads; ``adapt()`` refuses any other (``core/foreign.py``).
     reads_marks: ClassVar[tuple[str, ...]] = (TRANSFORMERS_STAGES, CUT_STAGE)
 
     @classmethod

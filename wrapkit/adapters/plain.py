@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ._base import Adapter
-from ._parts import Parts
-from ._recipes import Recipe, Setting, whole
-from ._whole import WholeLikeness, whole_parts
+from .core.base import Adapter
+from .core.parts import Parts
+from .core.recipes import Recipe, Setting, whole
+from .core.whole import WholeLikeness, whole_parts
 
 
 def _build(layer: str, model: torch.nn.Module, setting: Setting) -> torch.nn.Module:

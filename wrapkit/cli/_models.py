@@ -1,6 +1,6 @@
 """Tiny models, and the stacks ``wrapkit doctor``, the benchmarks and the tests build from them.
 
-Each backend's way of wrapping is its adapter's ``recipe`` (``adapters/_recipes.py``), read here from the
+Each backend's way of wrapping is its adapter's ``recipe`` (``adapters/core/recipes.py``), read here from the
 registry: a backend registered with a recipe is built like the built-in ones.
 
 A stack is written outermost first, ``>``-separated: ``"ddp>compile>peft"`` means
@@ -23,8 +23,8 @@ import torch
 
 from .._registry import registered_adapters
 from ..adapters import CONTENT_ADAPTERS
-from ..adapters._likeness import block_classes
-from ..adapters._recipes import TOPOLOGIES, Recipe, Setting, ds_config, tensor_parallel
+from ..adapters.core.likeness import block_classes
+from ..adapters.core.recipes import TOPOLOGIES, Recipe, Setting, ds_config, tensor_parallel
 
 __all__ = ["tiny_llama", "toy_model", "fill_adapters", "build", "parse_stack", "ds_config", "BACKENDS", "block_classes",
            "PRECISIONS", "TOPOLOGIES", "INDEPENDENT", "supports", "recipes", "backend_of", "needs", "tensor_parallel"]

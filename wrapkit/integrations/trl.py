@@ -35,9 +35,9 @@ from .._imports import require
 from .._registry import as_adapter
 from .._wrapped import adapt
 from ..adapters import Adapter
-from ..adapters._zero_reference import config_dtype, inference_ds_config
-from ..adapters.fsdp import wrap_fsdp1
-from ..adapters.fsdp2 import shard_fsdp2
+from ..adapters.dtensor.fsdp2 import shard_fsdp2
+from ..adapters.flat.fsdp import wrap_fsdp1
+from ..adapters.zero.reference import config_dtype, inference_ds_config
 from ..placement import place
 from ..wrapping import bare_module
 from ._patch import Patch, swap
