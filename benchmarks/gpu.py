@@ -219,7 +219,7 @@ def by_hand(wm: Any, opt: Any) -> dict[str, float]:
     """Seconds to copy the tensors ``sleep()`` moves (this rank's parameters, gradients and optimizer
     state) to the CPU and back by hand: one ``.to()`` each into pageable memory, then into pinned memory
     with non-blocking copies. The copies are dropped; the model is untouched."""
-    from wrapkit.sleeping import _states, training_state
+    from wrapkit.sync.sleeping import _states, training_state
 
     adapter = wm._below
     tensors = [t for _, t in training_state(adapter, _states(adapter).own_optimizer() or opt) if t.is_cuda]

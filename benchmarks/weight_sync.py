@@ -45,7 +45,7 @@ def _times(backend: str, hidden: int, reps: int) -> dict[str, Any]:
     from wrapkit._registry import as_adapter
     from wrapkit.cli._models import build, tiny_llama
     from wrapkit.integrations.vllm import load_into
-    from wrapkit.sleeping import training_state
+    from wrapkit.sync.sleeping import training_state
 
     wm = wrapkit.adapt(build(backend, model=tiny_llama(0, layers=8, hidden=hidden, vocab=1024)))
     if wm.zero_stage == 3:

@@ -12,7 +12,7 @@ import wrapkit
 from wrapkit._registry import as_adapter
 from wrapkit._wrapped import AdapterDisabledView
 from wrapkit.cli._models import build, ds_config, parse_stack, tiny_llama
-from wrapkit.placement import move_verified
+from wrapkit.references.placement import move_verified
 
 TOKENS = torch.arange(16).reshape(2, 8) % 128
 

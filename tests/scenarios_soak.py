@@ -16,7 +16,7 @@ import torch.distributed as dist
 import wrapkit
 from wrapkit._registry import as_adapter
 from wrapkit.cli._models import build
-from wrapkit.placement import move_verified
+from wrapkit.references.placement import move_verified
 
 from .scenarios_reference import TOKENS, _Trainer
 

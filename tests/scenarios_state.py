@@ -142,7 +142,7 @@ def copy_pairs(pairs: list[tuple[str, str]], alpha: float, device: str = "cpu") 
             dst.unwrap(keep_peft=False).requires_grad_(False)
         flags = _flags(dst)
         a, b = _plain_sd(1), _plain_sd(2)
-        from wrapkit.sync import _shard_pairs
+        from wrapkit.sync.copy_to import _shard_pairs
 
         shard_to_shard = _shard_pairs(as_adapter(src), as_adapter(dst)) is not None
         src.copy_to(dst, alpha=alpha)
@@ -338,7 +338,7 @@ def variants() -> dict[str, Any]:
 def sync_after_forwards(spec: str) -> dict[str, Any]:
     """copy_to into a reference that has already run forwards: under ZeRO-3 small parameters then
     stay gathered between forwards, and the sync must reach those full copies too."""
-    from wrapkit.sync import _shard_pairs
+    from wrapkit.sync.copy_to import _shard_pairs
 
     policy = wrapkit.adapt(build(spec, seed=1))
     ref = wrapkit.prepare_reference(policy, tiny_llama(2))
@@ -366,7 +366,7 @@ def cached_sync(backend: str) -> dict[str, Any]:
     shards moved to fresh storage, or the target was replaced by another model."""
     import torch.distributed as dist
 
-    from wrapkit.placement import move_verified
+    from wrapkit.references.placement import move_verified
 
     src = wrapkit.adapt(build(backend, seed=1))
     dst = wrapkit.adapt(build(backend, seed=2))

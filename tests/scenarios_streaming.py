@@ -208,7 +208,7 @@ def sleep_case(spec: str, level: int, precision: str = "fp32", topology: str = "
 
 def _nap(wm: Any, opt: Any, level: int, obs: dict[str, Any]) -> None:
     """One sleep/wake cycle, recording what sleep moved."""
-    from wrapkit.sleeping import training_state
+    from wrapkit.sync.sleeping import training_state
 
     below = as_adapter(wm)
     # The old storages are held, so that no new tensor can be put at one of their addresses.
@@ -244,7 +244,7 @@ def sleep_leaves_nothing_behind(strategy: str) -> dict[str, Any]:
 
     from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-    from wrapkit.sleeping import training_state
+    from wrapkit.sync.sleeping import training_state
 
     losses: dict[str, list[float]] = {}
     stale: list[str] = []

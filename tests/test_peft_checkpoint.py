@@ -89,7 +89,7 @@ def test_modules_to_save_copies_go_in_whole(group: Any, spec: str) -> None:
 def test_which_directories_are_adapter_checkpoints(tmp_path: Path) -> None:
     """PEFT's layout is recognised at the top and in adapters' subdirectories, never inside a model
     checkpoint (a trainer's output directory holds its checkpoints as subdirectories)."""
-    from wrapkit.peft_checkpoint import adapter_dirs
+    from wrapkit.exchange.peft import adapter_dirs
 
     def touch(*parts: str) -> None:
         path = tmp_path.joinpath(*parts)

@@ -232,9 +232,9 @@ def test_a_backend_without_likeness_or_states_says_so() -> None:
     from wrapkit._registry import as_adapter
     from wrapkit.adapters import Parts
     from wrapkit.adapters.core.whole import whole_parts
-    from wrapkit.reference import build_reference
-    from wrapkit.sleeping import sleep
-    from wrapkit.wrapping import bare_module, wrap_like
+    from wrapkit.references.build import build_reference
+    from wrapkit.references.wrapping import bare_module, wrap_like
+    from wrapkit.sync.sleeping import sleep
 
     class Bare(wrapkit.ShardedAdapter, abstract=True):  # every other primitive is beside the point here
         name = "bare"

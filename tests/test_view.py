@@ -64,7 +64,7 @@ def test_view_adapter_takes_nothing_from_the_unsharded_defaults() -> None:
     import inspect
 
     from wrapkit.adapters import Adapter
-    from wrapkit.view import AdaptersOff
+    from wrapkit.references.view import AdaptersOff
 
     inherited = [name for name in dir(Adapter) if not name.startswith("_")
                  and not isinstance(inspect.getattr_static(Adapter, name), classmethod)
@@ -88,7 +88,7 @@ def test_the_view_forwards_reads_only_and_refuses_the_rest() -> None:
     from wrapkit import ReferenceModelError
     from wrapkit._registry import as_adapter
     from wrapkit.adapters import Adapter
-    from wrapkit.view import READS, AdaptersOff
+    from wrapkit.references.view import READS, AdaptersOff
 
     assert not READS & WRITES and not OWN & WRITES
     view = AdaptersOff(as_adapter(wrapkit.adapt(lora_model(1))))

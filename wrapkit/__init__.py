@@ -17,11 +17,11 @@ from ._protocol import LoadResult, WrappedModel
 from ._registry import register_adapter, registered_adapters
 from ._wrapped import adapt, prepare_reference
 from .adapters import Adapter, ShardedAdapter
-from .checkpoint import read_checkpoint
+from .exchange.checkpoint import read_checkpoint
 from .shutdown import shutdown
-from .sleeping import SleepReport
-from .streaming import Bucket, BucketEntry
-from .training_state import StateLoad
+from .sync.sleeping import SleepReport
+from .sync.streaming import Bucket, BucketEntry
+from .training.state import StateLoad
 
 __version__ = "0.1.0"
 

@@ -11,9 +11,9 @@ import torch
 
 if TYPE_CHECKING:
     from .adapters.core.base import Adapter
-    from .sleeping import SleepReport
-    from .streaming import Bucket
-    from .training_state import StateLoad
+    from .sync.sleeping import SleepReport
+    from .sync.streaming import Bucket
+    from .training.state import StateLoad
 
 __all__ = ["WrappedModel", "Handle", "LoadResult"]
 

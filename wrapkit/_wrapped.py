@@ -15,27 +15,20 @@ from typing import Any, cast
 
 import torch
 
-from . import (
-    _args,
-    checkpoint,
-    full_parameters,
-    peft_checkpoint,
-    placement,
-    pretrained,
-    reading,
-    reference,
-    sleeping,
-    state_dict,
-    streaming,
-    sync,
-    training_state,
-    view,
-)
+from . import _args
 from ._agree import Call
 from ._errors import ArgumentError
 from ._protocol import Handle, LoadResult, WrappedModel
 from ._registry import as_adapter, copy_target
 from .adapters import Adapter
+from .exchange import checkpoint, pretrained, reading, state_dict
+from .exchange import peft as peft_checkpoint
+from .references import build as reference
+from .references import placement, view
+from .sync import copy_to as sync
+from .sync import gathering as full_parameters
+from .sync import sleeping, streaming
+from .training import state as training_state
 
 __all__ = ["Wrapped", "AdapterDisabledView", "adapt", "prepare_reference"]
 
@@ -108,7 +101,7 @@ class Wrapped(Handle):
         """A human-readable multi-line summary."""
         return self._below.describe()
 
-    # -- placement and freezing (placement.py) -------------------------------------------
+    # -- placement and freezing (references/placement.py) -------------------------------------------
     def place(self, device: torch.device | str | int | None = None) -> Wrapped:
         """Move this rank's parameters and shards to ``device`` (``None``: the compute device), keeping
         the sharding; then verify every one of them. Call it on every rank of the group together.
@@ -137,7 +130,7 @@ class Wrapped(Handle):
         frozen = placement.to_eval_frozen(self._below)
         return self if frozen is self._below else Wrapped(frozen)
 
-    # -- full parameters (full_parameters.py) --------------------------------------------
+    # -- full parameters (sync/gathering.py) --------------------------------------------
     def gathered(self, modifier_rank: int | None = None) -> AbstractContextManager[torch.nn.Module]:
         """Yield ``unwrap()`` holding the full parameters on every rank. Collective.
 
@@ -200,7 +193,7 @@ class Wrapped(Handle):
         return streaming.stream_full_parameters(self._below, bucket_bytes, dtype, merge_adapters,
                                                 keep_dtype=keep_dtype, dst_rank=dst_rank, layout=layout)
 
-    # -- weights in and out (state_dict.py, checkpoint.py, sync.py) ----------------
+    # -- weights in and out (exchange/state_dict.py, exchange/checkpoint.py, sync/copy_to.py) ----------------
     def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:
         """Every parameter and persistent buffer under canonical names, as CPU tensors.
 

@@ -274,7 +274,7 @@ def _shared_tmpdir(wm: Any) -> Iterator[str]:
 def _save_load(wm: Any, ctx: dict[str, Any]) -> None:
     import os
 
-    from ..checkpoint import read_checkpoint
+    from ..exchange.checkpoint import read_checkpoint
 
     original = wm.full_state_dict(rank0_only=False)
     with _shared_tmpdir(wm) as directory:
@@ -405,7 +405,7 @@ def _sleep_wake(wm: Any, ctx: dict[str, Any]) -> None:
     """The training state off the device and back: all of it on the CPU while asleep, the same values
     and modes after ``wake()``. (An engine brings its own optimizer; other backends sleep without one.)"""
     from .._errors import UnsupportedModelError
-    from ..sleeping import training_state
+    from ..sync.sleeping import training_state
 
     original = wm.full_state_dict(rank0_only=False)
     modes = _modes(wm)

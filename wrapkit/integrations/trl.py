@@ -38,8 +38,8 @@ from ..adapters import Adapter
 from ..adapters.dtensor.fsdp2 import shard_fsdp2
 from ..adapters.flat.fsdp import wrap_fsdp1
 from ..adapters.zero.reference import config_dtype, inference_ds_config
-from ..placement import place
-from ..wrapping import bare_module
+from ..references.placement import place
+from ..references.wrapping import bare_module
 from ._patch import Patch, swap
 
 __all__ = [

@@ -17,7 +17,7 @@ import torch
 
 from .._errors import StateDictError, UnsupportedModelError
 from ..formats.hub import HubLayout
-from ..streaming import Bucket
+from ..sync.streaming import Bucket
 
 __all__ = ["load_into"]
 

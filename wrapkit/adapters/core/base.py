@@ -259,7 +259,7 @@ class Adapter:
                 seen.add(id(p))
                 yield p
 
-    # -- placement primitives (used by placement.py) ------------------------------------
+    # -- placement primitives (used by references/placement.py) ------------------------------------
     def frozen_form(self) -> Adapter:
         """The adapter a frozen copy of this model keeps: itself, or for a wrapper that only exists
         for training (DDP, DataParallel) the module inside it."""

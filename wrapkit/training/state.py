@@ -33,15 +33,15 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ._agree import Call, any_over_models, enter, models_group, raise_agreed, writes_files
-from ._errors import ArgumentError, StateDictError
-from ._held_state import Holding, hyper, scalars, state_tensors
-from ._held_state import specs as held_specs
-from ._optimizers import Several
-from .formats.directory import commit_directory, open_directory
+from .._agree import Call, any_over_models, enter, models_group, raise_agreed, writes_files
+from .._errors import ArgumentError, StateDictError
+from ..formats.directory import commit_directory, open_directory
+from .held import Holding, hyper, scalars, state_tensors
+from .held import specs as held_specs
+from .optimizers import Several
 
 if TYPE_CHECKING:
-    from .adapters.core.base import Adapter
+    from ..adapters.core.base import Adapter
 
 __all__ = ["StateLoad", "save_state", "load_state", "MANIFEST", "FORMAT"]
 
@@ -122,7 +122,7 @@ def _quiet() -> Iterator[None]:
 
 def _versions(wm: Adapter) -> dict[str, str]:
     """wrapkit's, torch's, and those of the libraries the model's layers come from (its wrapper's, its own)."""
-    from . import __version__
+    from .. import __version__
 
     out = {"wrapkit": __version__, "torch": torch.__version__}
     for obj in (wm.module, wm.backend_object, wm.unwrap(keep_peft=True), wm.unwrap(keep_peft=False)):

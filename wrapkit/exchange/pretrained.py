@@ -22,23 +22,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._agree import (
+from .._agree import (
     Call,
     any_over_models,
     first_replica,
     writes_files,
 )
-from ._errors import ArgumentError, WrapkitError
-from ._memory import parse_size
-from .adapters.stages.plan import layout_of, stage_buffers
-from .formats import safetensors as _safetensors
-from .formats.directory import commit_directory, open_directory
-from .formats.safetensors import INDEX_NAME
-from .layers.peft import lora_fold_stream
+from .._errors import ArgumentError, WrapkitError
+from .._memory import parse_size
+from ..adapters.stages.plan import layout_of, stage_buffers
+from ..formats import safetensors as _safetensors
+from ..formats.directory import commit_directory, open_directory
+from ..formats.safetensors import INDEX_NAME
+from ..layers.peft import lora_fold_stream
 from .state_dict import joined_fold_plan, lora_fold_plan
 
 if TYPE_CHECKING:
-    from .adapters.core.base import Adapter
+    from ..adapters.core.base import Adapter
 
 __all__ = ["save_pretrained", "INDEX_NAME"]
 

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._errors import ArgumentError, StateDictError
-from ._optimizers import unwrap_optimizer
-from .adapters.core.parts import Held, Piece, Written
-from .formats.dcp import Blocks, boxes
+from .._errors import ArgumentError, StateDictError
+from ..adapters.core.parts import Held, Piece, Written
+from ..formats.dcp import Blocks, boxes
+from .optimizers import unwrap_optimizer
 
 if TYPE_CHECKING:
-    from .adapters.core.base import Adapter
+    from ..adapters.core.base import Adapter
 
 __all__ = ["Holding", "hyper", "scalars", "specs", "state_tensors"]
 

@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ._agree import Call, enter
-from ._errors import ArgumentError, WrapkitError
-from .adapters.stages.plan import layout_of
-from .layers.peft import LoraFoldPlan, lora_fold_stream, lora_layer_keys
-from .state_dict import joined_fold_plan, lora_fold_plan
+from .._agree import Call, enter
+from .._errors import ArgumentError, WrapkitError
+from ..adapters.stages.plan import layout_of
+from ..exchange.state_dict import joined_fold_plan, lora_fold_plan
+from ..layers.peft import LoraFoldPlan, lora_fold_stream, lora_layer_keys
 
 if TYPE_CHECKING:
-    from .adapters.core.base import Adapter
+    from ..adapters.core.base import Adapter
 
 __all__ = ["Bucket", "BucketEntry", "stream_full_parameters", "DEFAULT_BUCKET_BYTES", "LAYOUTS"]
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from ._agree import Call, enter
-from ._errors import ReferenceModelError
-from ._registry import as_adapter
-from ._torch_ops import keep_torch_ops
-from .adapters import Adapter
-from .adapters.core.parts import lacking, local_tensor
+from .._agree import Call, enter
+from .._errors import ReferenceModelError
+from .._registry import as_adapter
+from .._torch_ops import keep_torch_ops
+from ..adapters import Adapter
+from ..adapters.core.parts import lacking, local_tensor
 from .placement import to_eval_frozen
 from .view import AdaptersOff, view_possible
 from .wrapping import wrap_like

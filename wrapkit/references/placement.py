@@ -13,12 +13,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._agree import Call, any_over_models, enter
-from ._errors import DistributedStateError, PlacementError
-from ._gather import set_modes
+from .._agree import Call, any_over_models, enter
+from .._errors import DistributedStateError, PlacementError
+from .._gather import set_modes
 
 if TYPE_CHECKING:
-    from .adapters.core.base import Adapter
+    from ..adapters.core.base import Adapter
 
 __all__ = ["place", "to_eval_frozen", "move_verified", "resolve_device", "home_device", "remember_home"]
 

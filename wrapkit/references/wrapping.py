@@ -9,10 +9,10 @@ from typing import Any
 
 import torch
 
-from ._errors import ReferenceModelError
-from ._registry import as_adapter
-from .adapters import Adapter
-from .adapters.core.parts import lacking
+from .._errors import ReferenceModelError
+from .._registry import as_adapter
+from ..adapters import Adapter
+from ..adapters.core.parts import lacking
 
 __all__ = ["bare_module", "wrap_like"]
 

@@ -19,18 +19,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._agree import Call, enter, raise_agreed, writes_files
-from ._errors import UnsupportedModelError, WrapkitError
-from ._module_internals import assign, assign_named, live_entries
-from ._names import canonical_name
-from ._protocol import LoadResult
-from .adapters import Written
-from .adapters.stages.plan import buffer_shapes, every_stage, stage_buffers, state_keys
-from .full_parameters import gathered
-from .layers.peft import LoraFoldPlan, fold_plan, fold_state_dict
+from .._agree import Call, enter, raise_agreed, writes_files
+from .._errors import UnsupportedModelError, WrapkitError
+from .._module_internals import assign, assign_named, live_entries
+from .._names import canonical_name
+from .._protocol import LoadResult
+from ..adapters import Written
+from ..adapters.stages.plan import buffer_shapes, every_stage, stage_buffers, state_keys
+from ..layers.peft import LoraFoldPlan, fold_plan, fold_state_dict
+from ..sync.gathering import gathered
 
 if TYPE_CHECKING:
-    from .adapters.core.base import Adapter
+    from ..adapters.core.base import Adapter
 
 __all__ = ["full_state_dict", "gather_state_dict", "load_full_state_dict", "expected_shapes", "check_entries",
            "write", "assign", "Shape", "lora_fold_plan", "joined_fold_plan", "report_skipped"]

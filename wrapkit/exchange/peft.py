@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._agree import Call, writes_files
-from ._errors import UnsupportedModelError
-from .adapters.stages.plan import every_stage, is_stage, stage_adapter_keys
-from .formats import safetensors as _safetensors
-from .formats.directory import commit_directory, open_directory
-from .formats.safetensors import INDEX_NAME, SINGLE_NAME, outside
-from .layers.peft import (
+from .._agree import Call, writes_files
+from .._errors import UnsupportedModelError
+from ..adapters.stages.plan import every_stage, is_stage, stage_adapter_keys
+from ..formats import safetensors as _safetensors
+from ..formats.directory import commit_directory, open_directory
+from ..formats.safetensors import INDEX_NAME, SINGLE_NAME, outside
+from ..layers.peft import (
     ADAPTER_CONFIG,
     ADAPTER_PICKLE,
     ADAPTER_WEIGHTS,
@@ -35,10 +35,10 @@ from .layers.peft import (
     saved_key_map,
     write_adapter_config,
 )
-from .streaming import DEFAULT_BUCKET_BYTES
+from ..sync.streaming import DEFAULT_BUCKET_BYTES
 
 if TYPE_CHECKING:
-    from .adapters.core.base import Adapter
+    from ..adapters.core.base import Adapter
 
 __all__ = ["save_adapters", "adapter_dirs", "adapter_files", "adapter_shapes", "AdapterCheckpoint", "DEFAULT_ADAPTER"]
 

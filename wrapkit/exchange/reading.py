@@ -22,21 +22,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ._agree import Call, broadcast_object, enter, models_group, raise_agreed
-from ._errors import StateDictError
-from ._imports import require
-from ._module_internals import init_weights, own_buffers
-from ._names import model_class_name
-from ._protocol import LoadResult
-from .adapters import Written
-from .adapters.stages.plan import layout_of
-from .formats.hub import Converted, Layout
-from .formats.safetensors import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, outside, torch_dtype
-from .peft_checkpoint import AdapterCheckpoint, adapter_files, adapter_shapes
+from .._agree import Call, broadcast_object, enter, models_group, raise_agreed
+from .._errors import StateDictError
+from .._imports import require
+from .._module_internals import init_weights, own_buffers
+from .._names import model_class_name
+from .._protocol import LoadResult
+from ..adapters import Written
+from ..adapters.stages.plan import layout_of
+from ..formats.hub import Converted, Layout
+from ..formats.safetensors import INDEX_NAME, SAFETENSORS_DTYPES, SINGLE_NAME, outside, torch_dtype
+from .peft import AdapterCheckpoint, adapter_files, adapter_shapes
 from .state_dict import check_entries, expected_shapes, report_skipped
 
 if TYPE_CHECKING:
-    from .adapters.core.base import Adapter
+    from ..adapters.core.base import Adapter
 
 __all__ = ["load", "Catalog"]
 

@@ -19,14 +19,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from ._agree import Call, any_over_models, enter
-from ._errors import ArgumentError, DistributedStateError, PlacementError, UnsupportedModelError
-from ._memory import format_bytes
-from .adapters.core.parts import States, lacking, local_tensor
-from .placement import home_device, move_verified, remember_home
+from .._agree import Call, any_over_models, enter
+from .._errors import ArgumentError, DistributedStateError, PlacementError, UnsupportedModelError
+from .._memory import format_bytes
+from ..adapters.core.parts import States, lacking, local_tensor
+from ..references.placement import home_device, move_verified, remember_home
 
 if TYPE_CHECKING:
-    from .adapters.core.base import Adapter
+    from ..adapters.core.base import Adapter
 
 __all__ = ["SleepReport", "sleep", "wake", "training_state"]
 

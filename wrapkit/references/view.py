@@ -21,12 +21,12 @@ from typing import Any, ClassVar, NoReturn
 
 import torch
 
-from ._agree import Call, enter
-from ._errors import PlacementError, ReferenceModelError, WrapkitError
-from ._gather import Bypass, restore_modes, set_modes
-from .adapters import Adapter, Written
-from .adapters.core.primitives import Piece
-from .layers.peft import adapters_off, base_key_map, merged_layers
+from .._agree import Call, enter
+from .._errors import PlacementError, ReferenceModelError, WrapkitError
+from .._gather import Bypass, restore_modes, set_modes
+from ..adapters import Adapter, Written
+from ..adapters.core.primitives import Piece
+from ..layers.peft import adapters_off, base_key_map, merged_layers
 from .placement import resolve_device
 
 __all__ = ["AdaptersOff", "ViewModule", "view_possible", "verify_place", "refuse", "refusal", "ITSELF", "READS"]

@@ -17,15 +17,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._agree import Call, checking, enter, raise_agreed
-from ._errors import ArgumentError
-from ._module_internals import lerp_all_
-from .adapters import Written
-from .adapters.stages.plan import stage_buffers
-from .state_dict import Shape, assign, check_entries, expected_shapes, write
+from .._agree import Call, checking, enter, raise_agreed
+from .._errors import ArgumentError
+from .._module_internals import lerp_all_
+from ..adapters import Written
+from ..adapters.stages.plan import stage_buffers
+from ..exchange.state_dict import Shape, assign, check_entries, expected_shapes, write
 
 if TYPE_CHECKING:
-    from .adapters.core.base import Adapter
+    from ..adapters.core.base import Adapter
 
 __all__ = ["copy_to"]
 
