@@ -43,7 +43,7 @@ def _peak_during_forward(per_block: bool) -> dict[str, int]:
     from torch.distributed.fsdp import fully_shard
 
     import wrapkit
-    from wrapkit.adapters.dtensor.fsdp2 import shard_fsdp2
+    from wrapkit.adapters.dtensor.sharding import shard_fsdp2
     from wrapkit.cli._models import tiny_llama
 
     model = tiny_llama(0, layers=8, hidden=256, vocab=1024).eval()

@@ -260,7 +260,7 @@ def topologies() -> dict[str, Any]:
     # layout does not).
     from torch.distributed.device_mesh import init_device_mesh
 
-    from wrapkit.adapters.dtensor.fsdp2 import fully_shard_per_block
+    from wrapkit.adapters.dtensor.sharding import fully_shard_per_block
     from wrapkit.cli._models import tiny_llama
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "cp"))

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from wrapkit.adapters.dtensor import layout as _dtensor
+from wrapkit.adapters.dtensor import local as _local
 
 SHAPES = [(5, 3), (3, 7), (1, 4), (6,), (4, 4)]
 
@@ -88,7 +89,7 @@ def layouts(mesh_shape: list[int], placements: list[str], dtype: str = "float32"
 
     # Loaded piece by piece: each rank writes its slice from the full value.
     for full, d in pairs:
-        piece = _dtensor.load_piece("w", d)
+        piece = _local.load_piece("w", d)
         if piece is not None:
             piece.write(full.reshape(-1)[piece.start: piece.start + piece.numel] if piece.numel != full.numel()
                         else full.reshape(-1))

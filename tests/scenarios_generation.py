@@ -355,7 +355,7 @@ def torch_ops(spec: str) -> dict[str, Any]:
 
     wm = wrapkit.adapt(build(spec))
     obs: dict[str, Any] = {"replaced": replaced is not torch_linear,
-                           "reported": sorted(wrapkit._torch_ops.replaced_ops())}
+                           "reported": sorted(wrapkit.base.torch_ops.replaced_ops())}
     with wm.generation() as m:
         handle = probe(m)
         _generate(m)

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 import wrapkit
+from wrapkit._adapt import AdapterDisabledView
 from wrapkit._registry import as_adapter
-from wrapkit._wrapped import AdapterDisabledView
 from wrapkit.cli._models import build, ds_config, parse_stack, tiny_llama
 from wrapkit.references.placement import move_verified
 

@@ -326,7 +326,7 @@ def meta_load(kind: str, path: str) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from transformers import LlamaForCausalLM
 
-    from wrapkit.adapters.dtensor.fsdp2 import fully_shard_per_block
+    from wrapkit.adapters.dtensor.sharding import fully_shard_per_block
 
     plain = tiny_llama(11, layers=LAYERS)
     if dist.get_rank() == 0:

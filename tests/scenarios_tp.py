@@ -63,11 +63,11 @@ def _parallelized(seed: int, dtype: torch.dtype = torch.float32, producer: str =
     for layer in model.model.layers:
         parallelize_module(layer, mesh, plan)
     if producer == "fsdp2":
-        from wrapkit.adapters.dtensor.fsdp2 import fully_shard_per_block
+        from wrapkit.adapters.dtensor.sharding import fully_shard_per_block
 
         fully_shard_per_block(model, root["dp"])
     elif producer == "hsdp":
-        from wrapkit.adapters.dtensor.fsdp2 import fully_shard_per_block
+        from wrapkit.adapters.dtensor.sharding import fully_shard_per_block
 
         fully_shard_per_block(model, root["replicate", "shard"])
     return model

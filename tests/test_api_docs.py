@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import wrapkit
-from wrapkit._wrapped import AdapterDisabledView
+from wrapkit._adapt import AdapterDisabledView
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 # `wm.name(args)` or `wrapkit.name(args)` in the first column of a table row.

@@ -16,14 +16,13 @@ PACKAGE = Path(wrapkit.__file__).resolve().parent  # the one imported: a checkou
 
 # Lowest first. A module may import its own layer and the ones below it.
 LAYERS: list[tuple[str, set[str]]] = [
-    ("foundations", {"_errors", "_args", "_names", "_imports", "_protocol", "_agree", "_gather",
-                     "_memory", "_torch_ops", "_module_internals"}),
+    ("foundations", {"_errors", "base", "_names", "_imports", "_results", "_protocol", "_agree", "_gather"}),
     # A format imports no backend and no operation: it lies below both.
     ("formats", {"formats"}),
     ("backends", {"adapters", "layers"}),
     ("detection", {"_registry"}),
     ("operations", {"exchange", "references", "sync", "training", "shutdown"}),
-    ("public API", {"", "_wrapped"}),
+    ("public API", {"", "_wrapped", "_adapt"}),
     ("integrations and cli", {"integrations", "cli", "__main__"}),
 ]
 
@@ -43,14 +42,15 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module (relative to the package) -> the package modules it imports."""
+def import_graph(types: bool = False) -> dict[str, set[str]]:
+    """Module (relative to the package) -> the package modules it imports (with ``types``, those imported for
+    type checking only too)."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
         type_only = {id(n) for node in ast.walk(tree)
-                     if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                     if not types and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
                      for n in ast.walk(node)}
         package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         package = [p for p in package if p]
@@ -113,6 +113,23 @@ def test_no_cycle() -> None:
     assert not found, f"import cycles: {[sorted(c) for c in found]}"
 
 
+# Cycles through imports made for type checking only. The adapter base runs the checks of adapt(), describe() and
+# the whole-tensor parts, which take an adapter; the stage parts, which describe() reads, take one too. The list only
+# shrinks: a cycle resolved is taken off it, a new one fails.
+KNOWN_TYPE_CYCLES = [
+    {"adapters.core.base", "adapters.core.checks", "adapters.core.describe", "adapters.core.likeness",
+     "adapters.core.whole", "adapters.stages.parts", "adapters.stages.plan"},
+]
+
+
+def test_no_new_cycle_through_type_imports() -> None:
+    found = cycles(import_graph(types=True))
+    new = [sorted(c) for c in found if c not in KNOWN_TYPE_CYCLES]
+    assert not new, f"import cycles through TYPE_CHECKING imports (take a protocol of the lower module): {new}"
+    gone = [sorted(c) for c in KNOWN_TYPE_CYCLES if c not in found]
+    assert not gone, f"no longer a cycle: take it off KNOWN_TYPE_CYCLES: {gone}"
+
+
 def test_every_module_has_a_layer() -> None:
     for module in import_graph():
         layer_of(module)
@@ -148,7 +165,7 @@ def _is_backend(module: str) -> bool:
 
 
 def test_operations_import_no_backend_subpackage() -> None:
-    operations = dict(LAYERS)["operations"] | {"_wrapped", ""}
+    operations = dict(LAYERS)["operations"] | dict(LAYERS)["public API"]
     found = [f"{module} imports {target}" for module, targets in sorted(import_graph().items())
              if module.split(".")[0] in operations for target in sorted(targets) if _is_backend(target)]
     assert not found, "operations reach into a backend (use the adapter's parts or primitives):\n" + "\n".join(found)
@@ -164,6 +181,16 @@ def test_a_storage_kind_imports_no_other_kind() -> None:
         found += [f"{module} imports {target}" for target in sorted(targets)
                   if _is_backend(target) and not (own and _within(target, own))]
     assert not found, "a backend's subpackage (or the shared machinery) imports another backend:\n" + "\n".join(found)
+
+
+def test_the_folders_stay_small() -> None:
+    """No folder of the package holds more than 12 modules, and no module is over 400 lines."""
+    crowded = {str(d.relative_to(PACKAGE)): n for d in [PACKAGE, *PACKAGE.rglob("*/")] if d.name != "__pycache__"
+               if (n := len([p for p in d.glob("*.py") if p.name != "__init__.py"])) > 12}
+    assert not crowded, f"folders over 12 modules (give them a subpackage): {crowded}"
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert not long, f"modules over 400 lines (split them): {long}"
 
 
 # The operations, and the machinery they share, hold no backend knowledge: what differs per backend

@@ -19,26 +19,26 @@ PACKAGE = Path(wrapkit.__file__).resolve().parent
 OUTSIDE_ADAPTERS = {
     # torch.nn.Module's own dicts, torch's fused foreach and transformers' initialiser: where no public
     # API does the same, in one place that the operations call.
-    ("_module_internals.py", "_buffers"),
-    ("_module_internals.py", "_foreach_add_"),
-    ("_module_internals.py", "_foreach_mul_"),
-    ("_module_internals.py", "_forward_hooks"),
-    ("_module_internals.py", "_forward_pre_hooks"),
-    ("_module_internals.py", "_init_weights"),
-    ("_module_internals.py", "_modules"),
-    ("_module_internals.py", "_non_persistent_buffers_set"),
-    ("_module_internals.py", "_parameters"),
-    ("_module_internals.py", "_weight_conversions"),
-    ("_torch_ops.py", "_C"),
-    ("_torch_ops.py", "_nn"),
+    ("base/module_internals.py", "_buffers"),
+    ("base/module_internals.py", "_foreach_add_"),
+    ("base/module_internals.py", "_foreach_mul_"),
+    ("base/module_internals.py", "_forward_hooks"),
+    ("base/module_internals.py", "_forward_pre_hooks"),
+    ("base/module_internals.py", "_init_weights"),
+    ("base/module_internals.py", "_modules"),
+    ("base/module_internals.py", "_non_persistent_buffers_set"),
+    ("base/module_internals.py", "_parameters"),
+    ("base/module_internals.py", "_weight_conversions"),
+    ("base/torch_ops.py", "_C"),
+    ("base/torch_ops.py", "_nn"),
     ("formats/dcp.py", "_make_wrapper_subclass"),
     ("integrations/swift.py", "_class_to_module"),
     ("layers/compile.py", "_orig_mod"),
     ("shutdown.py", "_run_exitfuncs"),
     # Not an operation: the worker group destroys the groups a scenario made, and empties the caches
     # that would hand a later scenario their meshes.
-    ("cli/_workers.py", "_world"),
-    ("cli/_workers.py", "_clear_sharding_prop_cache"),
+    ("cli/_worker_cleanup.py", "_world"),
+    ("cli/_worker_cleanup.py", "_clear_sharding_prop_cache"),
 }
 
 
@@ -114,7 +114,7 @@ def test_no_new_private_read_outside_the_adapters() -> None:
 def test_operations_read_no_private_field() -> None:
     """The operation modules and the gathering machinery under them read no other library's private
     field: what a backend keeps privately is its adapter's, torch's module internals are behind
-    ``_module_internals.py``."""
+    ``base/module_internals.py``."""
     from tests.test_architecture import BACKEND_FREE
 
     # shutdown() runs Python's own atexit handlers before it ends the process without finalization.

@@ -1,5 +1,6 @@
 """One protocol for a model in training, whatever distributed wrapper holds it."""
 
+from ._adapt import adapt, prepare_reference
 from ._errors import (
     AdapterRegistrationError,
     ArgumentError,
@@ -13,15 +14,12 @@ from ._errors import (
     WrapkitError,
 )
 from ._names import canonical_name
-from ._protocol import LoadResult, WrappedModel
+from ._protocol import WrappedModel
 from ._registry import register_adapter, registered_adapters
-from ._wrapped import adapt, prepare_reference
+from ._results import Bucket, BucketEntry, LoadResult, SleepReport, StateLoad
 from .adapters import Adapter, ShardedAdapter
 from .exchange.checkpoint import read_checkpoint
 from .shutdown import shutdown
-from .sync.sleeping import SleepReport
-from .sync.streaming import Bucket, BucketEntry
-from .training.state import StateLoad
 
 __version__ = "0.1.0"
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ._agree import is_distributed
-from ._module_internals import child_slots, forward_hook_dicts, parameter_slots, swap_parameter_slots
+from .base.module_internals import child_slots, forward_hook_dicts, parameter_slots, swap_parameter_slots
 
 __all__ = [
     "all_gather_into",

@@ -3,34 +3,18 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+from ._results import Bucket, LoadResult, SleepReport, StateLoad
+
 if TYPE_CHECKING:
     from .adapters.core.base import Adapter
-    from .sync.sleeping import SleepReport
-    from .sync.streaming import Bucket
-    from .training.state import StateLoad
 
 __all__ = ["WrappedModel", "Handle", "LoadResult"]
-
-
-class LoadResult(NamedTuple):
-    """What a load left out, as torch's ``load_state_dict`` reports it: the model's keys the source did
-    not hold (they keep their values), and the source's keys the model has no place for (not read).
-    Both are empty after a ``strict`` load, which refuses either."""
-
-    missing_keys: list[str]
-    unexpected_keys: list[str]
-
-    @staticmethod
-    def of(given: Iterable[str], expected: Iterable[str]) -> LoadResult:
-        given, expected = list(given), list(expected)
-        have, want = set(given), set(expected)
-        return LoadResult([k for k in expected if k not in have], [k for k in given if k not in want])
 
 
 class Handle:

@@ -25,7 +25,8 @@ from .core.parts import Parts
 from .core.recipes import Recipe, Setting, whole
 from .core.topology import Topology
 from .core.whole import whole_parts
-from .stages.plan import Stage, StagePlan, record, recorded_stage, stage_parts
+from .stages.parts import stage_parts
+from .stages.plan import Stage, StagePlan, record, recorded_stage
 
 __all__ = ["PipelineAdapter", "over_stages", "STAGED_BACKENDS"]
 

@@ -11,20 +11,20 @@ group, which is restarted on the next call: a bug fails instead of hanging.
 from __future__ import annotations
 
 import faulthandler
-import gc
 import importlib
 import os
 import signal
 import socket
-import sys
 import time
 import traceback
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+# What a scenario leaves behind is the cleanup module's; the scenarios and the doctor import its names from here.
+from ._worker_cleanup import keep_groups, leaked, next_case, release_kept_groups, settle
 
 __all__ = ["WorkerGroup", "WorkerError", "free_port", "keep_groups", "next_case", "release_kept_groups"]
 
@@ -45,210 +45,6 @@ def _resolve(target: str) -> Callable[..., Any]:
     for part in qualname.split("."):
         obj = getattr(obj, part)
     return obj  # type: ignore[no-any-return]
-
-
-_started: set[Any] = set()  # the process groups alive once the worker had started
-_kept: set[Any] = set()  # the groups a scenario asked to outlive it (keep_groups)
-_destroyed: list[weakref.ref[Any]] = []  # the groups released after the last scenario, until they are freed
-
-
-def keep_groups() -> None:
-    """Inside a scenario whose model lives on into later calls (the doctor keeps one per backend):
-    the process groups made so far are not destroyed when the scenario returns."""
-    _kept.update(_live_groups())
-
-
-def release_kept_groups() -> None:
-    """The kept groups are destroyed when the current scenario returns."""
-    _kept.clear()
-
-
-def _live_groups() -> list[Any]:
-    # torch lists its groups only in this private registry; without it nothing is released.
-    from torch.distributed import distributed_c10d
-
-    world = getattr(distributed_c10d, "_world", None)
-    return list(getattr(world, "pg_map", {}))
-
-
-def _release_groups() -> None:
-    """Destroy the process groups the last scenario made (device meshes, ``new_group``) and forget
-    DeepSpeed's module-level references to them.
-
-    Each gloo group keeps a socket loop thread that wakes every 10 ms, and two worker threads: a
-    worker that had run the test suite held 300 groups, 975 threads, and spent a fifth of a core
-    idle, which slowed every later scenario on this machine several times over.
-    """
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        return
-    if not _started:
-        _started.update(_live_groups())
-        return
-    gone = [pg for pg in _live_groups() if pg not in _started and pg not in _kept]
-    _destroyed.extend(weakref.ref(pg) for pg in gone)
-    for pg in gone:
-        try:
-            dist.destroy_process_group(pg)
-        except Exception:  # already shut down by its owner: nothing left to release
-            pass
-    if not gone:
-        return
-    groups = sys.modules.get("deepspeed.utils.groups")
-    if groups is not None:
-        _forget(groups, set(gone))
-    _reset_megatron(set(gone))
-    _clear_torch_caches()
-
-
-def _reset_megatron(gone: set[Any]) -> None:
-    """Megatron-Core keeps its model-parallel groups in module globals until the next
-    ``initialize_model_parallel``: about 20 groups (60 threads) after each of its scenarios. Where they are
-    among the destroyed ones, its state is reset."""
-    state = sys.modules.get("megatron.core.parallel_state")
-    if state is None:
-        return
-    values = [v for name, v in vars(state).items() if name.startswith("_") and not name.startswith("__")]
-    listed = [item for v in values if isinstance(v, list) for item in v]  # _global_process_group_list
-    if any(_is_gone(v, gone) for v in values + listed):
-        state.destroy_model_parallel()
-
-
-def _clear_torch_caches() -> None:
-    """Empty torch.distributed's memoised lookups. DTensor's sharding propagation (in Python and in C++)
-    and redistribution plans key on device meshes, which compare by their ranks and names: a later
-    scenario's mesh equal to a destroyed one would be handed results holding the old mesh, and with it
-    its destroyed groups."""
-    if "torch.distributed.tensor" not in sys.modules:
-        return
-    debug = importlib.import_module("torch.distributed.tensor.debug")
-    redistribute = importlib.import_module("torch.distributed.tensor._redistribute")
-    for clear in (getattr(debug, "_clear_sharding_prop_cache", None),
-                  getattr(redistribute, "clear_redistribute_planner_cache", None)):
-        if callable(clear):
-            clear()
-    # Module-level functions memoised with lru_cache (redistribution's transform plans among them).
-    for name, module in list(sys.modules.items()):
-        if name.startswith("torch.distributed") and module is not None:
-            for value in list(vars(module).values()):
-                # By type name: reading attributes off every module global would trip deprecation warnings.
-                if type(value).__name__ == "_lru_cache_wrapper":
-                    value.cache_clear()
-
-
-def _forget(module: Any, gone: set[Any]) -> None:
-    """Reset a library's cached groups that were destroyed, so that it makes new ones when asked."""
-    for name, value in list(vars(module).items()):
-        if not name.startswith("_") or name.startswith("__"):
-            continue
-        if isinstance(value, dict):
-            stale = [k for k, v in value.items() if _is_gone(v, gone)]
-            for k in stale:
-                del value[k]
-                ranks = getattr(module, name + "_RANKS", None)
-                if isinstance(ranks, dict):
-                    ranks.pop(k, None)
-        elif _is_gone(value, gone):
-            setattr(module, name, None)
-
-
-def _is_gone(value: Any, gone: set[Any]) -> bool:
-    try:
-        return value in gone
-    except TypeError:  # unhashable values are not groups
-        return False
-
-
-def _thread_count() -> int:
-    try:
-        return len(os.listdir("/proc/self/task"))  # native threads too (gloo's are not Python threads)
-    except OSError:
-        import threading
-
-        return threading.active_count()
-
-
-def _held() -> list[Any]:
-    """The released process groups that something still holds: each keeps its threads (a gloo group's
-    socket loop wakes 100 times a second) until the last reference goes."""
-    _destroyed[:] = [r for r in _destroyed if r() is not None]
-    return [pg for r in _destroyed if (pg := r()) is not None]
-
-
-def _destroy_engines() -> int:
-    """Call ``destroy()`` on the DeepSpeed engines the last scenario left: DeepSpeed keeps an engine alive
-    after its last reference is dropped (its gradient hooks, held by autograd's nodes in C++, refer back to
-    it, a cycle the garbage collector cannot see), and with it the process groups it uses."""
-    engine = sys.modules.get("deepspeed.runtime.engine")
-    cls = getattr(engine, "DeepSpeedEngine", None)
-    if cls is None or _kept:  # a kept group's model (the doctor's) lives on
-        return 0
-    found = [o for o in gc.get_objects() if isinstance(o, cls)]
-    for e in found:
-        try:
-            e.destroy()
-        except Exception:  # a half-built engine: nothing more to release
-            pass
-    return len(found)
-
-
-def _leaked(target: str) -> str | None:
-    """Why the scenario ``target`` should fail for what it left behind (process groups still held once
-    it returned and the worker released what it made), or None. Said once: the groups are then forgotten,
-    so a later scenario is not blamed for them. Where ``WRAPKIT_WORKER_GUARD`` is set the scenario fails
-    with it; elsewhere it goes on. ``WRAPKIT_WORKER_TRACE`` prints one line per scenario to the rank's
-    output: its threads, registered groups and held groups."""
-    held = _held()
-    if os.environ.get("WRAPKIT_WORKER_TRACE"):  # for measuring: one line per scenario
-        print(f"wrapkit-worker threads={_thread_count()} groups={len(_live_groups())} held={len(held)} {target}",
-              file=sys.stderr, flush=True)
-    if not held:
-        return None
-    _destroyed.clear()
-    names = ", ".join(sorted({getattr(pg, "group_name", "?") for pg in held}))
-    return (f"{target} left {len(held)} process group(s) alive after it returned ({names}): it was destroyed, but "
-            "something still refers to it (a module-level cache, a global, a library's registry), so its threads "
-            "run on and slow every later scenario; drop the reference before returning.")
-
-
-def _forget_engine_modules() -> None:
-    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
-    stack = getattr(offload, "FWD_MODULE_STACK", None)
-    if isinstance(stack, list):
-        stack.clear()
-
-
-def next_case() -> None:
-    """Between the cases of one scenario: let the last case's models go before the next is built.
-
-    DeepSpeed keeps each engine alive (``FWD_MODULE_STACK``, and the cycle through its gradient hooks), and each
-    ZeRO-3 engine that is built runs a full collection (its parameter defragmenting), which then walks every
-    model the earlier cases left: in the family matrix's ZeRO-3 cases that collection took 0.12 s per engine.
-    """
-    _forget_engine_modules()
-    gc.collect()
-    if _destroy_engines():
-        gc.collect()
-
-
-def _settle() -> None:
-    """Between scenarios: let go of what the last one left behind, and keep what lives on out of the
-    garbage collector's full passes.
-
-    DeepSpeed's ZeRO-3 keeps every engine's module in a module-level list (``FWD_MODULE_STACK``) for
-    good; nothing runs a forward between scenarios, so the list holds only those. What still lives on
-    after a collection (the libraries, and models the libraries hold on to by other ways) is frozen:
-    in a worker that had run the test suite, each full collection walked 1.5 million objects, and
-    later scenarios ran up to 3.5x slower than alone.
-    """
-    _forget_engine_modules()
-    _release_groups()
-    gc.collect()
-    if _held() and _destroy_engines():
-        gc.collect()
-    # The imported libraries and anything still alive are moved out of the collected generations.
-    gc.freeze()
 
 
 def _worker_main(rank: int, world_size: int, port: int, backend: str, preload: Sequence[str], conn: Any,
@@ -283,7 +79,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, preload: S
                 importlib.import_module(name)
             except ImportError:
                 pass
-        _settle()
+        settle()
         conn.send(("ready", None))
     except BaseException:
         conn.send(("err", traceback.format_exc()))
@@ -301,8 +97,8 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, preload: S
             reply = ("ok", result)
         except BaseException:
             reply = ("err", traceback.format_exc())
-        _settle()
-        leak = _leaked(target)
+        settle()
+        leak = leaked(target)
         if leak is not None and reply[0] == "ok" and os.environ.get("WRAPKIT_WORKER_GUARD"):
             reply = ("err", leak)
         conn.send(reply)

@@ -73,8 +73,8 @@ def deepspeed_setup() -> dict[str, Any]:
 def setup_backend(backend: str, model: str, device: str = "cpu", dtype: str = "fp32",
                   topology: str = "flat") -> dict[str, Any]:
     """Worker side: wrap the model with ``backend``; the adapt row's cell."""
+    from .._adapt import adapt
     from .._registry import as_adapter
-    from .._wrapped import adapt
 
     if device == "cuda":
         # Each rank computes on its own GPU (the worker made it current).
@@ -134,7 +134,7 @@ def run_op(backend: str, name: str) -> dict[str, Any]:
 def process_wide(model_name: str) -> dict[str, Any]:
     """Worker side: the operators DeepSpeed replaced for the whole process (``_torch_ops``), and
     what the replacement costs a plain model's no-grad forward here (its time over torch's own)."""
-    from .._torch_ops import replaced_ops, torch_ops
+    from ..base.torch_ops import replaced_ops, torch_ops
 
     replaced = replaced_ops()
     if not replaced:

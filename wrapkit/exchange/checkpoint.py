@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .. import _args
 from .._agree import Call, any_over_models, enter, raise_agreed, writes_files
 from .._errors import StateDictError
 from .._imports import require
+from ..base import args as _args
 from ..formats.safetensors import write_file_atomic
 from .state_dict import gather_state_dict
 

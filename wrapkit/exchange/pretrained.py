@@ -29,12 +29,13 @@ from .._agree import (
     writes_files,
 )
 from .._errors import ArgumentError, WrapkitError
-from .._memory import parse_size
-from ..adapters.stages.plan import layout_of, stage_buffers
+from ..adapters.stages.parts import stage_buffers
+from ..adapters.stages.plan import layout_of
+from ..base.memory import parse_size
 from ..formats import safetensors as _safetensors
 from ..formats.directory import commit_directory, open_directory
 from ..formats.safetensors import INDEX_NAME
-from ..layers.peft import lora_fold_stream
+from ..layers.lora_fold import lora_fold_stream
 from .state_dict import joined_fold_plan, lora_fold_plan
 
 if TYPE_CHECKING:

@@ -21,12 +21,13 @@ import torch
 
 from .._agree import Call, enter, raise_agreed, writes_files
 from .._errors import UnsupportedModelError, WrapkitError
-from .._module_internals import assign, assign_named, live_entries
 from .._names import canonical_name
-from .._protocol import LoadResult
+from .._results import LoadResult
 from ..adapters import Written
-from ..adapters.stages.plan import buffer_shapes, every_stage, stage_buffers, state_keys
-from ..layers.peft import LoraFoldPlan, fold_plan, fold_state_dict
+from ..adapters.stages.parts import stage_buffers
+from ..adapters.stages.plan import buffer_shapes, every_stage, state_keys
+from ..base.module_internals import assign, assign_named, live_entries
+from ..layers.lora_fold import LoraFoldPlan, fold_plan, fold_state_dict
 from ..sync.gathering import gathered
 
 if TYPE_CHECKING:

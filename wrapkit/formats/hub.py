@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from .._imports import lookup
-from .._module_internals import recorded_conversions
+from ..base.module_internals import recorded_conversions
 
 __all__ = ["HubLayout", "Converted", "Layout", "hub_tensors"]
 

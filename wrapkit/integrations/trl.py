@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
+from .._adapt import adapt
 from .._errors import ReferenceModelError
 from .._gather import generation_modes, set_modes
 from .._imports import require
 from .._registry import as_adapter
-from .._wrapped import adapt
 from ..adapters import Adapter
-from ..adapters.dtensor.fsdp2 import shard_fsdp2
+from ..adapters.dtensor.sharding import shard_fsdp2
 from ..adapters.flat.fsdp import wrap_fsdp1
 from ..adapters.zero.reference import config_dtype, inference_ds_config
 from ..references.placement import place

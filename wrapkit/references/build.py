@@ -24,9 +24,9 @@ import torch
 from .._agree import Call, enter
 from .._errors import ReferenceModelError
 from .._registry import as_adapter
-from .._torch_ops import keep_torch_ops
 from ..adapters import Adapter
 from ..adapters.core.parts import lacking, local_tensor
+from ..base.torch_ops import keep_torch_ops
 from .placement import to_eval_frozen
 from .view import AdaptersOff, view_possible
 from .wrapping import wrap_like
@@ -65,7 +65,7 @@ def build_reference(policy: Any, ref_model: Any = None, *,
 
 def _torch_forward(ref: Adapter) -> Adapter:
     """A reference outside DeepSpeed runs its forward with torch's own operators, even in a process
-    where a ZeRO-3 engine has replaced them (``_torch_ops``); a DeepSpeed one keeps its engine's."""
+    where a ZeRO-3 engine has replaced them (``base/torch_ops.py``); a DeepSpeed one keeps its engine's."""
     if ref.likeness is None or not ref.likeness.own_ops:
         keep_torch_ops(ref.module)
     return ref

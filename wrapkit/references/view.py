@@ -264,7 +264,7 @@ for _name in dir(Adapter):
     setattr(AdaptersOff, _name, _forwarded(_name, _member) if _name in READS else _refused(_name, _member))
 
 
-# -- the public view's own calls (``AdapterDisabledView`` in ``_wrapped.py``) ------------------
+# -- the public view's own calls (``AdapterDisabledView`` in ``_adapt.py``) --------------------
 def verify_place(view: AdaptersOff, device: torch.device | str | int | None, op: str) -> None:
     """Verify that the policy's weights are on ``device`` (default: where the policy computes);
     a view cannot move them: ``ReferenceModelError`` where they are elsewhere."""

@@ -19,9 +19,9 @@ import torch
 
 from .._agree import Call, checking, enter, raise_agreed
 from .._errors import ArgumentError
-from .._module_internals import lerp_all_
 from ..adapters import Written
-from ..adapters.stages.plan import stage_buffers
+from ..adapters.stages.parts import stage_buffers
+from ..base.module_internals import lerp_all_
 from ..exchange.state_dict import Shape, assign, check_entries, expected_shapes, write
 
 if TYPE_CHECKING:

@@ -21,9 +21,9 @@ import torch
 from .._agree import Call, check_modifier_rank, enter
 from .._errors import ArgumentError, PlacementError, UnsupportedModelError
 from .._gather import bypassed, generation_modes, restore_modes, shared_rng, synced_generate
-from .._memory import BUDGET_ENV, format_bytes, memory_budget
-from .._torch_ops import torch_ops
 from ..adapters.stages.whole import whole_in_hub_layout, whole_of_stages, whole_problem
+from ..base.memory import BUDGET_ENV, format_bytes, memory_budget
+from ..base.torch_ops import torch_ops
 
 if TYPE_CHECKING:
     from ..adapters.core.base import Adapter

@@ -15,44 +15,26 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._agree import Call, any_over_models, enter
 from .._errors import ArgumentError, DistributedStateError, PlacementError, UnsupportedModelError
-from .._memory import format_bytes
 from ..adapters.core.parts import States, lacking, local_tensor
 from ..references.placement import home_device, move_verified, remember_home
 
 if TYPE_CHECKING:
     from ..adapters.core.base import Adapter
 
+from .._results import SleepReport
+
 __all__ = ["SleepReport", "sleep", "wake", "training_state"]
 
 _CPU = torch.device("cpu")
 
 
-class SleepReport(NamedTuple):
-    """What ``sleep()`` did on this rank. ``state_bytes``: its parameters, gradients and optimizer
-    state on the compute device before; ``freed_bytes``: how much of that left the device (on a
-    CPU-only machine the device is the CPU, so nothing can leave it); ``dropped_bytes``: the
-    gradients level 2 let go."""
 
-    device: str
-    state_bytes: int
-    freed_bytes: int
-    dropped_bytes: int
-
-    def __str__(self) -> str:
-        """One sentence: what was moved, from where to where, and what could not be measured."""
-        state, dropped = format_bytes(self.state_bytes), format_bytes(self.dropped_bytes)
-        grads = f"; {dropped} of gradients dropped (level 2)" if self.dropped_bytes else ""
-        if self.device == "cpu":
-            return (f"asleep: {state} of parameters, gradients and optimizer state, already on the CPU, so nothing "
-                    f"left the device and the freed memory cannot be measured here{grads}")
-        return (f"asleep: {format_bytes(self.freed_bytes)} of the {state} of parameters, gradients and optimizer "
-                f"state on {self.device} moved to the CPU{grads}")
 
 
 @dataclass

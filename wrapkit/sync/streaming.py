@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -26,10 +26,12 @@ from .._agree import Call, enter
 from .._errors import ArgumentError, WrapkitError
 from ..adapters.stages.plan import layout_of
 from ..exchange.state_dict import joined_fold_plan, lora_fold_plan
-from ..layers.peft import LoraFoldPlan, lora_fold_stream, lora_layer_keys
+from ..layers.lora_fold import LoraFoldPlan, lora_fold_stream, lora_layer_keys
 
 if TYPE_CHECKING:
     from ..adapters.core.base import Adapter
+
+from .._results import Bucket, BucketEntry, entry_bytes, entry_view
 
 __all__ = ["Bucket", "BucketEntry", "stream_full_parameters", "DEFAULT_BUCKET_BYTES", "LAYOUTS"]
 
@@ -40,36 +42,6 @@ LAYOUTS = ("hub", "runtime")
 # Every tensor starts on a 64-byte boundary of the bucket: any dtype can be viewed there, and
 # device copies out of it are aligned.
 _ALIGN = 64
-
-
-class BucketEntry(NamedTuple):
-    """One tensor of a bucket: its canonical name, full shape, dtype, and byte offset in ``flat``."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-    offset: int
-
-
-class Bucket(NamedTuple):
-    """One flat ``uint8`` tensor and the tensors packed in it. Tied parameters are packed once,
-    with one entry per name at the same offset."""
-
-    flat: torch.Tensor
-    entries: list[BucketEntry]
-
-    def named_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` for every entry: views into ``flat``, no copies."""
-        for e in self.entries:
-            yield e.name, _view(self.flat, e)
-
-
-def _nbytes(e: BucketEntry) -> int:
-    return math.prod(e.shape) * e.dtype.itemsize
-
-
-def _view(flat: torch.Tensor, e: BucketEntry) -> torch.Tensor:
-    return flat[e.offset: e.offset + _nbytes(e)].view(e.dtype).view(e.shape)
 
 
 def _aligned(n: int) -> int:
@@ -96,7 +68,7 @@ def _pack(pending: list[tuple[str, torch.Tensor]], out_dtype: Callable[[str, tor
     flat = torch.empty(total, dtype=torch.uint8, device=device)
     with torch.no_grad():
         for (_, t), e in zip(pending, entries, strict=True):
-            _view(flat, e).copy_(t)
+            entry_view(flat, e).copy_(t)
     return Bucket(flat, entries)
 
 
@@ -191,10 +163,10 @@ def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES
                 e = slots[name]
                 # Tied names share one slot, filled once. An empty tensor takes no bytes: its offset is the next
                 # tensor's, which must not be taken for filled.
-                if _nbytes(e) and e.offset not in filled:
-                    _view(flat, e).copy_(value)
+                if entry_bytes(e) and e.offset not in filled:
+                    entry_view(flat, e).copy_(value)
                     filled.add(e.offset)
-        assert filled == {e.offset for e in entries if _nbytes(e)}, "a planned tensor never came"
+        assert filled == {e.offset for e in entries if entry_bytes(e)}, "a planned tensor never came"
         yield Bucket(flat, entries)
         del flat
 

@@ -20,7 +20,6 @@ every file's size, so that a load checks all of it before anything changes.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import random
@@ -28,36 +27,38 @@ import shutil
 import sys
 import warnings
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from .._agree import Call, any_over_models, enter, models_group, raise_agreed, writes_files
 from .._errors import ArgumentError, StateDictError
+from .._results import StateLoad
 from ..formats.directory import commit_directory, open_directory
 from .held import Holding, hyper, scalars, state_tensors
 from .held import specs as held_specs
-from .optimizers import Several
+from .manifest import (
+    FORMAT,
+    MANIFEST,
+    class_name,
+    compare_optimizer,
+    compare_others,
+    compare_parameters,
+    read_manifest,
+    reader_class,
+    saved_keys,
+    versions,
+)
 
 if TYPE_CHECKING:
     from ..adapters.core.base import Adapter
 
 __all__ = ["StateLoad", "save_state", "load_state", "MANIFEST", "FORMAT"]
 
-MANIFEST = "wrapkit_state.json"
-FORMAT = 1
 _FIX_SAVE = "Pass a directory whose parent exists and is writable, and the optimizer the model trains with."
 _FIX_LOAD = ("Pass the directory save_state wrote, with an optimizer (and scheduler) built as when it was saved, "
              "over this model.")
-
-
-class StateLoad(NamedTuple):
-    """What ``load_state`` returns: the ``extra`` dict given to ``save_state``, and what it did not restore
-    (``skipped``: each item says what and why, e.g. a rank the saving job did not have has no RNG state)."""
-
-    extra: dict[str, Any]
-    skipped: list[str]
 
 
 class _Object:
@@ -120,16 +121,6 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-def _versions(wm: Adapter) -> dict[str, str]:
-    """wrapkit's, torch's, and those of the libraries the model's layers come from (its wrapper's, its own)."""
-    from .. import __version__
-
-    out = {"wrapkit": __version__, "torch": torch.__version__}
-    for obj in (wm.module, wm.backend_object, wm.unwrap(keep_peft=True), wm.unwrap(keep_peft=False)):
-        top = type(obj).__module__.split(".")[0]
-        if obj is not None and top not in out and top in sys.modules:
-            out[top] = str(getattr(sys.modules[top], "__version__", "?"))
-    return out
 
 
 def _check_optimizer(optimizer: Any, where: str) -> None:
@@ -144,10 +135,6 @@ def _check_scheduler(scheduler: Any, where: str) -> None:
                             f"torch LR scheduler), got {type(scheduler).__name__}")
 
 
-def _class_name(obj: Any) -> str:
-    if isinstance(obj, Several):
-        return f"{_class_name(obj.outer)}[{', '.join(_class_name(o) for o in obj.inner)}]"
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 # -- save ---------------------------------------------------------------------------------------------------
@@ -206,10 +193,10 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
     manifest = {
         "format": FORMAT, "backend": wm.backend, "stack": list(wm.stack), "world_size": wm.world_size,
         "ranks": dist.get_world_size() if not no_dist else 1, "topology": wm.describe(),
-        "versions": _versions(wm), "parameters": {n: list(s) for n, s in wm.weights.param_shapes().items()},
+        "versions": versions(wm), "parameters": {n: list(s) for n, s in wm.weights.param_shapes().items()},
         "optimizer": None if optimizer is None else {
-            "class": _class_name(optimizer), "param_groups": source.group_names(), "state": specs},
-        "scheduler": None if scheduler is None else _class_name(scheduler), "extra": extra is not None,
+            "class": class_name(optimizer), "param_groups": source.group_names(), "state": specs},
+        "scheduler": None if scheduler is None else class_name(scheduler), "extra": extra is not None,
     }
 
     def finish(tmp: str) -> None:
@@ -232,122 +219,16 @@ def _checkpoint_exception() -> type[BaseException]:
     return exc
 
 
-# -- load ---------------------------------------------------------------------------------------------------
-@functools.cache
-def _reader_class() -> Any:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    class Reader(FileSystemReader):  # type: ignore[misc]
-        """DCP's file reader, given the metadata already read (and checked) once."""
-
-        def __init__(self, path: str, metadata: Any) -> None:
-            super().__init__(path)
-            self._known = metadata
-
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            return self._known
-    return Reader
 
 
-def _read_manifest(directory: str, problems: list[str]) -> tuple[dict[str, Any] | None, Any]:
-    """The manifest and DCP's metadata, each checked; None where unreadable (the problem is listed)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    path = os.path.join(directory, MANIFEST)
-    if not os.path.isdir(directory):
-        problems.append(f"{directory!r} is not a directory")
-        return None, None
-    try:
-        with open(path) as f:
-            manifest: dict[str, Any] = json.load(f)
-    except (OSError, ValueError) as exc:
-        if not os.path.exists(path) and os.path.isfile(os.path.join(directory, ".metadata")):
-            # Complete, in another format: torch's distributed checkpoint as another tool writes it.
-            problems.append(f"{directory!r} is a torch distributed checkpoint (DCP) that another tool wrote (it has "
-                            f"DCP's .metadata but no {MANIFEST}): load_state reads the directories save_state "
-                            "writes. Read it with what wrote it (torchtitan's CheckpointManager for its step-N "
-                            "directories) or torch.distributed.checkpoint.load with its own keys")
-            return None, None
-        problems.append(f"{path!r} cannot be read ({type(exc).__name__}: {exc}); this is not a complete save_state "
-                        "directory")
-        return None, None
-    if manifest.get("format") != FORMAT:
-        problems.append(f"{path!r} is format {manifest.get('format')!r}; this release reads format {FORMAT}")
-        return None, None
-    for name, size in manifest.get("files", {}).items():
-        try:
-            have = os.path.getsize(os.path.join(directory, name))
-        except OSError:
-            problems.append(f"file {name!r} is missing (the directory is incomplete)")
-            continue
-        if have != size:
-            problems.append(f"file {name!r} has {have} bytes where {size} were written (truncated or changed)")
-    if problems:
-        return manifest, None
-    try:
-        return manifest, FileSystemReader(directory).read_metadata()
-    except Exception as exc:
-        problems.append(f"the checkpoint's metadata cannot be read ({type(exc).__name__}: {exc})")
-        return manifest, None
 
 
-def _compare_parameters(wm: Adapter, manifest: dict[str, Any], problems: list[str]) -> None:
-    saved = {n: tuple(s) for n, s in manifest["parameters"].items()}
-    have = {n: tuple(s) for n, s in wm.weights.param_shapes().items()}
-    missing = [n for n in have if n not in saved]
-    unexpected = [n for n in saved if n not in have]
-    shaped = [f"{n}: {saved[n]} saved, {have[n]} here" for n in have if n in saved and saved[n] != have[n]]
-    for what, items in (("parameters the checkpoint lacks", missing), ("parameters this model lacks", unexpected),
-                        ("shapes differ", shaped)):
-        if items:
-            problems.append(f"{what} ({len(items)}): {', '.join(items[:5])}{', ...' if len(items) > 5 else ''}"
-                            f" (saved from {manifest.get('stack', ['?'])[-1]}; another model's checkpoint?)")
 
 
-def _saved_keys(manifest: dict[str, Any]) -> dict[str, dict[str, list[Any]]]:
-    """Name -> {optimizer state key: its kind} (``_specs``), as saved."""
-    saved: dict[str, dict[str, list[Any]]] = (manifest.get("optimizer") or {}).get("state", {})
-    return saved
 
 
-def _compare_optimizer(source: Holding, manifest: dict[str, Any], saved_keys: dict[str, dict[str, Any]],
-                       problems: list[str]) -> None:
-    saved, optimizer = manifest.get("optimizer"), source.optimizer
-    if saved is None:
-        if optimizer is not None:
-            problems.append("the checkpoint holds no optimizer state; pass optimizer=None, or resume from a "
-                            "save_state given the optimizer")
-        return
-    if optimizer is None:
-        problems.append(f"the checkpoint holds the state of a {saved['class']}; pass the optimizer to restore it")
-        return
-    if saved["class"] != _class_name(optimizer):
-        problems.append(f"the checkpoint's optimizer is a {saved['class']}, this one a {_class_name(optimizer)}")
-        return
-    groups = source.group_names()
-    if sorted(map(tuple, groups)) != sorted(map(tuple, saved["param_groups"])):
-        sizes = [len(g) for g in saved["param_groups"]], [len(g) for g in groups]
-        problems.append(f"the param groups differ: {len(sizes[0])} group(s) of {sizes[0]} parameters saved, "
-                        f"{len(sizes[1])} of {sizes[1]} here, or other parameters in them; build the optimizer's "
-                        "groups as when it was saved")
-    # State that exists already (an optimizer that has stepped, a DeepSpeed engine's) must have the saved keys.
-    wrong: list[str] = []
-    for h in source.held():
-        have, want = {*h.state, *h.scalars}, set(saved_keys.get(h.name, {}))
-        if have and want and have != want:
-            wrong.append(f"{h.name}: {sorted(have)} here, {sorted(want)} saved")
-    if wrong:
-        problems.append(f"optimizer state keys differ ({len(wrong)}): {'; '.join(dict.fromkeys(wrong[:3]))}")
 
 
-def _compare_others(manifest: dict[str, Any], scheduler: Any, problems: list[str]) -> None:
-    saved = manifest.get("scheduler")
-    if saved is None and scheduler is not None:
-        problems.append("the checkpoint holds no scheduler state; pass scheduler=None")
-    elif saved is not None and scheduler is None:
-        problems.append(f"the checkpoint holds a {saved}'s state; pass the scheduler to restore it")
-    elif saved is not None and saved != _class_name(scheduler):
-        problems.append(f"the checkpoint's scheduler is a {saved}, this one a {_class_name(scheduler)}")
 
 
 def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: Any = None) -> StateLoad:
@@ -362,13 +243,13 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
     source = Holding(wm, optimizer, "load_state", problems)
     optimizer = source.optimizer
     no_dist, group = _dcp_group(wm, problems)
-    manifest, metadata = _read_manifest(directory, problems)
-    saved_keys: dict[str, dict[str, list[Any]]] = {}
+    manifest, metadata = read_manifest(directory, problems)
+    keys: dict[str, dict[str, list[Any]]] = {}
     if manifest is not None and metadata is not None:
-        saved_keys = _saved_keys(manifest)
-        _compare_parameters(wm, manifest, problems)
-        _compare_optimizer(source, manifest, saved_keys, problems)
-        _compare_others(manifest, scheduler, problems)
+        keys = saved_keys(manifest)
+        compare_parameters(wm, manifest, problems)
+        compare_optimizer(source, manifest, keys, problems)
+        compare_others(manifest, scheduler, problems)
     call = Call.of("load_state", optimizer=type(optimizer).__name__ if optimizer is not None else None,
                    scheduler=scheduler is not None)
     [agreed] = enter(call, wm, flags=[bool(problems)], invalid=1)
@@ -379,13 +260,13 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
     rank_key = f"rng/{_global_rank()}"
     with torch.no_grad():
         if optimizer is not None:
-            source.create(saved_keys)
+            source.create(keys)
         held = source.held()
         state: dict[str, Any] = dict(state_tensors(held))
         absent = sorted(k for k in state if k not in saved)
         # Never a silent restart from zero: every per-element state saved for a parameter held here has a place.
         for h in held if optimizer is not None else []:
-            lost = sorted(k for k, spec in saved_keys.get(h.name, {}).items()
+            lost = sorted(k for k, spec in keys.get(h.name, {}).items()
                           if spec[0] == "element" and k not in h.state)
             if lost:
                 absent.append(f"{h.name}'s optimizer state {lost} has no place in this optimizer")
@@ -408,7 +289,7 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
         failure: BaseException | None = None
         try:
             with _quiet():
-                state_dict_loader.load(state, storage_reader=_reader_class()(directory, metadata), process_group=group,
+                state_dict_loader.load(state, storage_reader=reader_class()(directory, metadata), process_group=group,
                                        no_dist=no_dist, planner=DefaultLoadPlanner(flatten_state_dict=False,
                                                                                    flatten_sharded_tensors=False))
         except (Exception, _checkpoint_exception()) as exc:

@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..._errors import MissingConfigError
-from ..._module_internals import live_entries
 from ..._names import canonical_name, model_class_name
+from ...base.module_internals import live_entries
 from .checks import check_group, check_layout, check_moved
 from .describe import describe
 from .parts import Gatherer, Likeness, Parts, Placement, Resume, States, Weights, local_tensor

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from ..stages.plan import StageWeights
+from ..stages.parts import StageWeights
 
 if TYPE_CHECKING:
     from .base import Adapter

@@ -21,7 +21,7 @@ from ..._imports import is_instance, lookup
 from ..core.foreign import EXPERT_MESH, TRANSFORMERS_EXPERTS
 from ..core.internals import DTENSOR, FSDP2_GROUPS, FSDP2_MODULE, FSDP2_STATE, FSDP_MANAGED, require_internals
 from ..core.kinds import ShardedAdapter
-from ..core.likeness import ShardedLikeness, block_classes, copy_buffers, distributed_copy, skeleton
+from ..core.likeness import ShardedLikeness, copy_buffers, distributed_copy, skeleton
 from ..core.parts import Parts, lacking
 from ..core.recipes import Recipe, Setting, dp_tp_mesh, tensor_parallel, two_d_mesh
 from ..core.topology import Role, Topology
@@ -36,6 +36,7 @@ from .layout import (
     refuse_tp_adapters,
 )
 from .parts import dtensor_parts
+from .sharding import _beside, _cast_hooks, fully_shard_per_block, param_groups, shard_fsdp2
 
 
 def _build(layer: str, model: torch.nn.Module, setting: Setting) -> torch.nn.Module:
@@ -333,75 +334,15 @@ class _Fsdp2Likeness(ShardedLikeness["FSDP2Adapter"]):
         return ref
 
 
-def _beside(mesh: Any, tp_mesh: Any) -> str | None:
-    """Why ``tp_mesh`` is not fully_shard's ``mesh`` with one tensor-parallel dimension after it (None: it is)."""
-    names = getattr(mesh, "mesh_dim_names", None) or ()
-    if tp_mesh.ndim != mesh.ndim + 1:
-        return (f"tensor parallelism beside fully_shard over {tp_mesh.ndim - mesh.ndim} mesh dimensions, a layout "
-                "the fsdp2 adapter cannot read (one tensor-parallel dimension after fully_shard's)")
-    full_names = getattr(tp_mesh, "mesh_dim_names", None) or ()
-    if not names or tuple(full_names[: mesh.ndim]) != tuple(names) or mesh_key(tp_mesh[names]) != mesh_key(mesh):
-        return ("the tensor-parallel mesh does not begin with fully_shard's mesh, a layout the fsdp2 adapter "
-                "cannot read (slice both from one named mesh: mesh['dp'] for fully_shard, mesh['tp'] for "
-                "parallelize_module)")
-    return None
 
 
-def fully_shard_per_block(module: torch.nn.Module, mesh: Any, **kwargs: Any) -> torch.nn.Module:
-    """FSDP2 the usual way: ``fully_shard`` each transformer block, then the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    block_types = tuple(block_classes(module))
-    for m in list(module.modules()):
-        if block_types and isinstance(m, block_types):
-            fully_shard(m, mesh=mesh, **kwargs)
-    fully_shard(module, mesh=mesh, **kwargs)
-    return module
 
 
-def shard_fsdp2(module: torch.nn.Module, mesh: Any, **kwargs: Any) -> torch.nn.Module:
-    """FSDP2 for a frozen model: ``fully_shard`` per block, then the root, resharded after every forward."""
-    fully_shard_per_block(module, mesh, **kwargs)
-    # FSDP2 keeps the root's parameters gathered after forward, for the backward that a
-    # frozen reference never runs: give that memory back after every forward.
-    module.register_forward_hook(_reshard_root)
-    return module
 
 
-def _reshard_root(module: Any, args: Any, output: Any) -> None:
-    module.reshard()
 
 
-def param_groups(state: Any) -> list[Any]:
-    """An FSDP2 state's parameter groups: a list in newer torch, one group or None in torch 2.11."""
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is not None:
-        return list(groups)
-    group = getattr(state, "_fsdp_param_group", None)
-    return [] if group is None else [group]
 
 
-def _cast(dtype: torch.dtype, tree: Any) -> Any:
-    """Every floating-point tensor in ``tree`` (nested containers, dataclasses, model outputs) cast to ``dtype``."""
-    from torch.distributed.utils import _apply_to_tensors
-
-    return _apply_to_tensors(lambda t: t.to(dtype) if torch.is_floating_point(t) else t, tree)
 
 
-def _cast_hooks(module: torch.nn.Module, state: Any) -> list[Any]:
-    """Hooks casting ``module``'s inputs and outputs as its ``MixedPrecisionPolicy`` says."""
-    policy = getattr(state, "_mp_policy", None)
-    handles = []
-    if policy is not None and policy.cast_forward_inputs and policy.param_dtype is not None:
-        def cast_inputs(mod: torch.nn.Module, args: Any, kwargs: Any) -> Any:
-            if hasattr(state, "_cast_forward_inputs"):
-                return state._cast_forward_inputs(args, kwargs)
-            return _cast(policy.param_dtype, args), _cast(policy.param_dtype, kwargs)
-        handles.append(module.register_forward_pre_hook(cast_inputs, with_kwargs=True))
-    if policy is not None and policy.output_dtype is not None:
-        def cast_output(mod: torch.nn.Module, args: Any, output: Any) -> Any:
-            if hasattr(state, "_cast_output_dtype"):
-                return state._cast_output_dtype(output)
-            return _cast(policy.output_dtype, output)
-        handles.append(module.register_forward_hook(cast_output))
-    return handles

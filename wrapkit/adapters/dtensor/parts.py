@@ -21,17 +21,8 @@ from ..._names import canonical_name
 from ..core.parts import Parts, Written
 from ..core.primitives import Piece
 from ..core.whole import TorchStates, WholeGatherer, WholePlacement, WholeWeights
-from .layout import (
-    full_copies,
-    full_value,
-    gather_many,
-    is_dtensor,
-    local_bytes,
-    local_layout,
-    local_placement,
-    pieces,
-    shard_map,
-)
+from .layout import full_copies, full_value, gather_many, is_dtensor
+from .local import local_bytes, local_layout, local_placement, pieces, shard_map
 
 if TYPE_CHECKING:
     from ..core.base import Adapter

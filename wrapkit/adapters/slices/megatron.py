@@ -33,7 +33,8 @@ from ..core.likeness import ShardedLikeness
 from ..core.parts import Parts, lacking
 from ..core.recipes import Recipe, Setting
 from ..core.topology import Topology
-from ..stages.plan import Stage, StagePlan, stage_parts
+from ..stages.parts import stage_parts
+from ..stages.plan import Stage, StagePlan
 from .parts import megatron_parts, own_slice
 
 __all__ = ["MegatronAdapter", "megatron_module"]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..._errors import UnsupportedModelError
 from ..._gather import Bypass
-from ..._module_internals import assign_named
+from ...base.module_internals import assign_named
 from ..core.parts import Parts, Piece, Written, copy_into
 from ..core.whole import TorchStates, WholePlacement
 

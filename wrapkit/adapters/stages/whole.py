@@ -19,12 +19,12 @@ import torch
 import torch.distributed as dist
 
 from ..._agree import settle
-from ..._module_internals import init_weights, live_entries, own_buffers
 from ..._names import canonical_name, model_class_name
+from ...base.module_internals import init_weights, live_entries, own_buffers
 from ...formats.hub import HubLayout
 from ..core.likeness import copy_buffers, skip_init
 from ..core.parts import Written
-from .plan import stage_buffers
+from .parts import stage_buffers
 
 if TYPE_CHECKING:
     from ..core.base import Adapter

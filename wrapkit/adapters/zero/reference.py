@@ -16,7 +16,7 @@ from ..core.likeness import copy_buffers, skeleton
 from .partitions import settle_gathers
 
 if TYPE_CHECKING:
-    from .deepspeed import DeepSpeedAdapter
+    from ..core.base import Adapter
 
 __all__ = ["inference_ds_config", "config_dtype", "reference_config", "engine_dtype", "zero3_copy"]
 
@@ -70,7 +70,7 @@ def engine_dtype(engine: Any, overrides: dict[str, Any] | None) -> torch.dtype:
     return torch.float32
 
 
-def reference_engine(adapter: DeepSpeedAdapter, module: torch.nn.Module, cfg: dict[str, Any]) -> torch.nn.Module:
+def reference_engine(adapter: Adapter, module: torch.nn.Module, cfg: dict[str, Any]) -> torch.nn.Module:
     """A ZeRO-3 inference engine of ``module`` over the policy engine's groups (its ``mpu`` too: the
     data-parallel group is a sub-group then)."""
     deepspeed = require("deepspeed", feature="a ZeRO-3 reference model", extra="deepspeed")
@@ -79,7 +79,7 @@ def reference_engine(adapter: DeepSpeedAdapter, module: torch.nn.Module, cfg: di
     return engine
 
 
-def zero3_copy(adapter: DeepSpeedAdapter, ds_config: dict[str, Any] | None) -> torch.nn.Module:
+def zero3_copy(adapter: Adapter, ds_config: dict[str, Any] | None) -> torch.nn.Module:
     """A frozen ZeRO-3 engine with the policy's weights, built inside ``zero.Init`` (never whole)."""
     deepspeed = require("deepspeed", feature="a ZeRO-3 reference model", extra="deepspeed")
     cfg = reference_config(adapter.backend_object, ds_config)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._names import canonical_name
+from .._names import canonical_name
 
 __all__ = ["assign", "assign_named", "child_slots", "parameter_slots", "swap_parameter_slots", "forward_hook_dicts",
            "own_parameters", "own_buffers", "is_persistent", "live_entries", "init_weights", "lerp_all_"]

@@ -11,7 +11,7 @@ import re
 
 import torch
 
-from ._errors import ArgumentError
+from .._errors import ArgumentError
 
 __all__ = ["parse_size", "memory_budget", "BUDGET_ENV", "format_bytes"]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ._errors import ArgumentError
+from .._errors import ArgumentError
 
 __all__ = ["flag", "path", "names"]
 
