@@ -15,7 +15,7 @@ from .foreign import refuse_foreign
 from .parts import MOVED_TO_PARTS
 
 if TYPE_CHECKING:
-    from .base import Adapter
+    from .primitives import AdapterView
 
 __all__ = ["check_group", "check_layout", "check_moved"]
 
@@ -33,7 +33,7 @@ def check_moved(cls: type) -> None:
         )
 
 
-def check_group(adapter: Adapter) -> None:
+def check_group(adapter: AdapterView) -> None:
     """Refuse a distributed wrapper whose process group is missing or destroyed."""
     if not adapter.distributed:
         return
@@ -54,7 +54,7 @@ def check_group(adapter: Adapter) -> None:
         ) from exc
 
 
-def check_layout(adapter: Adapter) -> None:
+def check_layout(adapter: AdapterView) -> None:
     """Refuse a model partitioned by another framework (``core/foreign.py``), and one whose DTensor parameters
     this adapter cannot read or write: taken for unsharded, every operation after ``adapt()`` would hand
     out shards as full values."""

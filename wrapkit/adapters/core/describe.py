@@ -9,12 +9,12 @@ import torch.distributed as dist
 from ..stages.parts import StageWeights
 
 if TYPE_CHECKING:
-    from .base import Adapter
+    from .primitives import AdapterView
 
 __all__ = ["describe"]
 
 
-def describe(adapter: Adapter) -> str:
+def describe(adapter: AdapterView) -> str:
     """``adapter.describe()``: a human-readable multi-line summary."""
     mods = list(adapter._innermost.modules())
     training = sum(1 for m in mods if m.training)
@@ -45,7 +45,7 @@ def describe(adapter: Adapter) -> str:
     ]
     return "\n".join(lines)
 
-def _mesh_lines(adapter: Adapter) -> list[str]:
+def _mesh_lines(adapter: AdapterView) -> list[str]:
     """The mesh, each dimension's size and role, and the batches, where the model lies on a mesh (or is split
     over tensor-parallel groups without one)."""
     topology = adapter.topology()
@@ -61,7 +61,7 @@ def _mesh_lines(adapter: Adapter) -> list[str]:
     size, rank = adapter.data_parallel_size, adapter.data_parallel_rank
     return [f"mesh:         {dims}", f"batches:      data-parallel rank {rank} of {size}"]
 
-def _replicas_text(adapter: Adapter) -> str:
+def _replicas_text(adapter: AdapterView) -> str:
     """Where the model is replicated across groups (HSDP): which copy this rank is in, of how many."""
     groups = adapter.replica_groups()
     if not groups:

@@ -15,12 +15,12 @@ from ..._names import canonical_name, model_class_name
 from .parts import local_tensor
 
 if TYPE_CHECKING:
-    from .base import Adapter
+    from .primitives import AdapterView
 
 __all__ = ["block_classes", "skeleton", "copy_buffers", "distributed_copy", "replicated_copy", "ShardedLikeness",
            "skip_init"]
 
-A = TypeVar("A", bound="Adapter")
+A = TypeVar("A", bound="AdapterView")
 
 
 class ShardedLikeness(Generic[A]):
@@ -46,7 +46,7 @@ def block_classes(model: torch.nn.Module) -> set[type[torch.nn.Module]]:
     return {type(m) for m in model.modules() if type(m).__name__ in names}
 
 
-def skeleton(adapter: Adapter, initialise: bool = True) -> torch.nn.Module:
+def skeleton(adapter: AdapterView, initialise: bool = True) -> torch.nn.Module:
     """A model of ``adapter``'s class, built from its config (weights come later) in its parameters'
     dtype; built under whatever device or ``zero.Init`` context is active. ``initialise=False`` skips
     transformers' weight initialisation (its ties are still made): under ``zero.Init`` the parameters
@@ -99,7 +99,7 @@ def copy_buffers(src: torch.nn.Module, dst: torch.nn.Module) -> None:
                     module._buffers[key] = other.to(buf.device, copy=True)
 
 
-def distributed_copy(adapter: Adapter) -> torch.nn.Module | None:
+def distributed_copy(adapter: AdapterView) -> torch.nn.Module | None:
     """A copy of ``adapter``'s weights laid out as transformers laid the model out, where it recorded how
     (``from_pretrained(..., tp_plan=...)`` or ``distributed_config=``): its ``DistributedConfig`` and
     device mesh applied again by ``maybe_distribute_model`` to an empty skeleton, then each rank's shards
@@ -124,7 +124,7 @@ def distributed_copy(adapter: Adapter) -> torch.nn.Module | None:
     return model
 
 
-def replicated_copy(adapter: Adapter, wrap: Callable[[torch.nn.Module, dict[str, Any] | None], torch.nn.Module],
+def replicated_copy(adapter: AdapterView, wrap: Callable[[torch.nn.Module, dict[str, Any] | None], torch.nn.Module],
                     ds_config: dict[str, Any] | None) -> torch.nn.Module:
     """A frozen copy of a model whose every rank holds the full weights, wrapped like it (``wrap``)."""
     source = adapter.unwrap(keep_peft=True)

@@ -18,10 +18,11 @@ from typing import Any, Protocol
 
 import torch
 
+from ..._agree import Ranks
 from .parts import Gatherer, Likeness, Piece, Placement, States, Weights, copy_into
 from .topology import Topology
 
-__all__ = ["BackendPrimitives", "Piece", "Topology", "SHARDED_PRIMITIVES", "copy_into"]
+__all__ = ["AdapterView", "BackendPrimitives", "Piece", "Topology", "SHARDED_PRIMITIVES", "copy_into"]
 
 Shape = tuple[int, ...]
 
@@ -71,3 +72,65 @@ class BackendPrimitives(Protocol):
     def frozen_form(self) -> Any:
         """The adapter a frozen model keeps: itself, or the module inside a training-only wrapper."""
         ...
+
+
+# What the modules the adapter base is built from (the checks of adapt(), describe(), the whole-tensor parts,
+# likeness, the stage plan and parts) read of an adapter. ``Adapter`` implements it; they annotate with it rather
+# than with ``Adapter``, so that none of them imports the base class that imports them.
+class AdapterView(BackendPrimitives, Ranks, Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def backend(self) -> str: ...
+
+    @property
+    def stack(self) -> tuple[str, ...]: ...
+
+    @property
+    def module(self) -> torch.nn.Module: ...
+
+    @property
+    def _module(self) -> torch.nn.Module: ...
+
+    @property
+    def _innermost(self) -> torch.nn.Module: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def zero_stage(self) -> int | None: ...
+
+    @property
+    def is_sharded(self) -> bool: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def data_parallel_size(self) -> int: ...
+
+    @property
+    def data_parallel_rank(self) -> int: ...
+
+    def unwrap(self, keep_peft: bool = True, keep_compile: bool = False) -> torch.nn.Module: ...
+
+    def num_parameters(self, trainable_only: bool = False) -> int: ...
+
+    def describe(self) -> str: ...
+
+    def resident_parameter_bytes(self) -> int: ...
+
+    def process_group(self) -> Any: ...
+
+    def replica_groups(self) -> list[Any]: ...
+
+    def hub_layout(self) -> Any: ...
+
+    def unsupported_dtensor(self, p: Any) -> str | None: ...
+
+    def _unique_parameters(self) -> Iterator[torch.nn.Parameter]: ...

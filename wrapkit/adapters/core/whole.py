@@ -18,7 +18,7 @@ from .parts import Parts, Written, flat_view, local_tensor
 from .primitives import Piece, copy_into
 
 if TYPE_CHECKING:
-    from .base import Adapter
+    from .primitives import AdapterView
 
 __all__ = ["WholeWeights", "WholeGatherer", "WholePlacement", "WholeLikeness", "TorchStates", "whole_parts",
            "move_buffers"]
@@ -32,13 +32,13 @@ def move_buffers(root: torch.nn.Module, target: torch.device, copy: bool) -> Non
                 module._buffers[key] = buf.to(target, copy=copy)
 
 
-def whole_parts(model: Adapter) -> Parts:
+def whole_parts(model: AdapterView) -> Parts:
     return Parts(WholeWeights(model), WholeGatherer(model), WholePlacement(model), WholeLikeness(model),
                  TorchStates())
 
 
 class WholeWeights:
-    def __init__(self, model: Adapter) -> None:
+    def __init__(self, model: AdapterView) -> None:
         self.model = model
 
     def global_numel(self, p: torch.Tensor) -> int:
@@ -81,7 +81,7 @@ class WholeWeights:
 
 
 class WholeGatherer:
-    def __init__(self, model: Adapter) -> None:
+    def __init__(self, model: AdapterView) -> None:
         self.model = model
 
     def one(self, p: torch.Tensor) -> torch.Tensor:
@@ -138,7 +138,7 @@ class WholeGatherer:
 
 
 class WholePlacement:
-    def __init__(self, model: Adapter) -> None:
+    def __init__(self, model: AdapterView) -> None:
         self.model = model
 
     def move(self, target: torch.device, copy: bool) -> None:
@@ -162,7 +162,7 @@ class WholeLikeness:
     takes_config = False
     own_ops = False
 
-    def __init__(self, model: Adapter, start: Callable[[], torch.nn.Module] | None = None) -> None:
+    def __init__(self, model: AdapterView, start: Callable[[], torch.nn.Module] | None = None) -> None:
         self.model = model
         # A replicated wrapper adds nothing to a frozen model: copies start from the module inside it
         # (PEFT kept); a plain model gives its own (``start``).

@@ -19,14 +19,14 @@ from ..core.parts import Gatherer, Parts, Piece, Weights, Written
 from .plan import StagePlan, plan_of
 
 if TYPE_CHECKING:
-    from ..core.base import Adapter
+    from ..core.primitives import AdapterView
 
 __all__ = ["stage_parts", "stage_buffers", "StageWeights", "StageGatherer"]
 
 Shape = tuple[int, ...]
 
 
-def stage_parts(model: Adapter, parts: Parts, plan: StagePlan) -> Parts:
+def stage_parts(model: AdapterView, parts: Parts, plan: StagePlan) -> Parts:
     """``parts`` of a stage's own layers, with the whole model's names, counts and exports. The inner likeness
     is dropped: a copy of a stage is split the way its producer splits one, which the adapter says."""
     weights = StageWeights(parts.weights, plan, model)
@@ -35,7 +35,7 @@ def stage_parts(model: Adapter, parts: Parts, plan: StagePlan) -> Parts:
 
 
 class StageWeights:
-    def __init__(self, inner: Weights, plan: StagePlan, model: Adapter) -> None:
+    def __init__(self, inner: Weights, plan: StagePlan, model: AdapterView) -> None:
         self.inner, self.plan, self.model = inner, plan, model
         # A write of full values straight into the slices, where the stage's storage kind has one (Megatron's):
         # each stage takes its own layers' values.
@@ -85,7 +85,7 @@ class StageWeights:
 class StageGatherer:
     """Exports walk the plan on every stage alike: the owner of each tensor broadcasts it."""
 
-    def __init__(self, inner: Gatherer, weights: Weights, plan: StagePlan, model: Adapter) -> None:
+    def __init__(self, inner: Gatherer, weights: Weights, plan: StagePlan, model: AdapterView) -> None:
         self.inner, self.weights, self.plan, self.model = inner, weights, plan, model
 
     def one(self, p: torch.Tensor) -> torch.Tensor:
@@ -144,7 +144,7 @@ class StageGatherer:
         return size * self.weights.count(False)
 
 
-def stage_buffers(model: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
+def stage_buffers(model: AdapterView) -> Iterator[tuple[str, torch.Tensor]]:
     """Every persistent buffer of the whole model (``model.named_live(parameters=False)`` where it is not a
     pipeline stage). Collective on a stage: each buffer comes from the first stage that holds it."""
     plan = plan_of(model)

@@ -26,7 +26,7 @@ from ..core.foreign import CUT_STAGE, TRANSFORMERS_STAGES
 from ..core.parts import Weights
 
 if TYPE_CHECKING:
-    from ..core.base import Adapter
+    from ..core.primitives import AdapterView
 
 __all__ = ["Stage", "StagePlan", "plan_of", "recorded_stage", "adopt_torch_stage", "record", "buffer_shapes",
            "state_keys", "is_stage", "transformers_stage", "layout_of", "every_stage", "stage_adapter_keys"]
@@ -221,7 +221,7 @@ class StagePlan:
                 yield t, self.owner[t]
 
 
-def plan_of(model: Adapter) -> StagePlan | None:
+def plan_of(model: AdapterView) -> StagePlan | None:
     """The plan of ``model``'s stages, or None where it is no pipeline stage."""
     # A stage's weights part carries its plan (parts.py's StageWeights); read by duck type, so that the plan
     # does not import the parts built on it.
@@ -229,7 +229,7 @@ def plan_of(model: Adapter) -> StagePlan | None:
     return plan if isinstance(plan, StagePlan) else None
 
 
-def layout_of(model: Adapter, strict: bool = True) -> Layout | None:
+def layout_of(model: AdapterView, strict: bool = True) -> Layout | None:
     """The Hub layout of ``model``: its backend's own (``Adapter.hub_layout``), else ``HubLayout.of`` its
     innermost model, with the whole model's tie map where it is a pipeline stage (transformers keeps that map
     on the last stage only). ``strict=False``: None where the backend's own layout refuses the model (a load
@@ -246,19 +246,19 @@ def layout_of(model: Adapter, strict: bool = True) -> Layout | None:
     return HubLayout.of(model.unwrap(keep_peft=False), plan.tied_keys if plan is not None else None)
 
 
-def stage_adapter_keys(model: Adapter, adapter: str) -> dict[str, str]:
+def stage_adapter_keys(model: AdapterView, adapter: str) -> dict[str, str]:
     """Canonical key -> saved key of PEFT adapter ``adapter`` on every stage, as they were when the model was
     adapted; empty where ``model`` is no pipeline stage."""
     plan = plan_of(model)
     return dict(plan.adapter_keys.get(adapter, {})) if plan is not None else {}
 
 
-def is_stage(model: Adapter) -> bool:
+def is_stage(model: AdapterView) -> bool:
     """Whether ``model`` is one stage of a pipeline (its exports walk every stage's tensors)."""
     return plan_of(model) is not None
 
 
-def every_stage(model: Adapter, mine: Any) -> list[Any] | None:
+def every_stage(model: AdapterView, mine: Any) -> list[Any] | None:
     """Every stage's ``mine`` (a picklable value), in stage order: a collective over the pipeline group, entered
     by every rank of a stage alike. None where ``model`` is no pipeline stage (nothing exchanged)."""
     plan = plan_of(model)
@@ -269,13 +269,13 @@ def every_stage(model: Adapter, mine: Any) -> list[Any] | None:
     return every
 
 
-def state_keys(model: Adapter) -> list[str]:
+def state_keys(model: AdapterView) -> list[str]:
     """The keys of the whole model's state dict, in its order; nothing gathered."""
     plan = plan_of(model)
     return list(plan.keys) if plan is not None else [name for name, _ in model.named_live()]
 
 
-def buffer_shapes(model: Adapter) -> dict[str, Shape]:
+def buffer_shapes(model: AdapterView) -> dict[str, Shape]:
     """Name -> shape of every persistent buffer of the whole model; nothing gathered."""
     plan = plan_of(model)
     if plan is not None:

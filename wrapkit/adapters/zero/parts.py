@@ -26,6 +26,7 @@ from .partitions import each_full, full_writer, partition_writer, settle_gathers
 
 if TYPE_CHECKING:
     from ..core.base import Adapter
+    from ..core.primitives import AdapterView
 
 __all__ = ["zero_parts"]
 
@@ -66,7 +67,7 @@ def _first(n: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return values
 
 
-def _stage3(model: Adapter) -> bool:
+def _stage3(model: AdapterView) -> bool:
     return model.zero_stage == 3
 
 
