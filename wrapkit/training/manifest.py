@@ -22,8 +22,6 @@ __all__ = ["FORMAT", "MANIFEST", "class_name", "compare_optimizer", "compare_oth
 
 
 MANIFEST = "wrapkit_state.json"
-
-
 FORMAT = 1
 
 

@@ -76,7 +76,8 @@ class BackendPrimitives(Protocol):
 
 # What the modules the adapter base is built from (the checks of adapt(), describe(), the whole-tensor parts,
 # likeness, the stage plan and parts) read of an adapter. ``Adapter`` implements it; they annotate with it rather
-# than with ``Adapter``, so that none of them imports the base class that imports them.
+# than with ``Adapter``, so that none of them imports the base class that imports them. The group and this rank's
+# place in it are the agreement's ``Ranks``.
 class AdapterView(BackendPrimitives, Ranks, Protocol):
     @property
     def name(self) -> str: ...
@@ -106,12 +107,6 @@ class AdapterView(BackendPrimitives, Ranks, Protocol):
     def is_sharded(self) -> bool: ...
 
     @property
-    def world_size(self) -> int: ...
-
-    @property
-    def rank(self) -> int: ...
-
-    @property
     def data_parallel_size(self) -> int: ...
 
     @property
@@ -124,8 +119,6 @@ class AdapterView(BackendPrimitives, Ranks, Protocol):
     def describe(self) -> str: ...
 
     def resident_parameter_bytes(self) -> int: ...
-
-    def process_group(self) -> Any: ...
 
     def replica_groups(self) -> list[Any]: ...
 
