@@ -29,9 +29,12 @@ def _id(case: Case) -> str:
     return "-".join([str(case["spec"]), *(f"{k}={v}" for k, v in case.items() if k != "spec")])
 
 
-def cases(matrix: list[Case]) -> Any:
-    """``@cases(CASES)``: the test takes ``case``, one id per case."""
-    return pytest.mark.parametrize("case", matrix, ids=[_id(c) for c in matrix])
+def cases(matrix: list[Case], long: list[Case] | None = None) -> Any:
+    """``@cases(CASES, long=MORE)``: the test takes ``case``, one id per case; the cases in ``long`` are marked
+    ``long`` (left out of the default selection, run by ``--run-long``)."""
+    params = [pytest.param(c, id=_id(c)) for c in matrix]
+    params += [pytest.param(c, id=_id(c), marks=pytest.mark.long) for c in long or []]
+    return pytest.mark.parametrize("case", params)
 
 
 def run(request: pytest.FixtureRequest, group: Any, scenario: Callable[[list[Case]], dict[str, Any]],

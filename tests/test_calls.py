@@ -46,8 +46,11 @@ def test_mismatched_calls_are_caught_in_bf16(group: Any, spec: str, tmp_path: Pa
     _check(group.run(scenarios_calls.mismatched_calls, spec, str(tmp_path), "bf16", timeout=240), spec)
 
 
-@pytest.mark.parametrize("spec, topology", [("fsdp2", "hsdp"), ("fsdp", "hybrid-groups"), ("fsdp2", "submesh"),
-                                            ("ddp", "subgroup"), ("zero3", "subgroup"), ("fsdp2", "tp")])
+# HSDP and ZeRO-3's sub-groups by default; the other four-rank layouts are long.
+@pytest.mark.parametrize("spec, topology", [
+    ("fsdp2", "hsdp"), ("zero3", "subgroup"),
+    *(pytest.param(s, t, marks=pytest.mark.long)
+      for s, t in [("fsdp", "hybrid-groups"), ("fsdp2", "submesh"), ("ddp", "subgroup"), ("fsdp2", "tp")])])
 def test_mismatched_calls_are_caught_on_four_ranks(group4: Any, spec: str, topology: str, tmp_path: Path) -> None:
     _check(group4.run(scenarios_calls.mismatched_calls, spec, str(tmp_path), "fp32", topology, timeout=300),
            f"{spec} {topology}")

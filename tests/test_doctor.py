@@ -108,6 +108,7 @@ def test_doctor_hsdp_needs_four_ranks(tmp_path: Path) -> None:
     assert out.returncode == 2 and "--world-size 4" in out.stdout
 
 
+@pytest.mark.long
 def test_doctor_on_a_chosen_family(tmp_path: Path) -> None:
     """`--model qwen3-moe`: every operation on the MoE (LoRA on its experts in the adapters column), and a
     family the tensor-parallel recipe does not fit shown as unsupported with the reason."""
@@ -126,6 +127,7 @@ def test_doctor_on_a_chosen_family(tmp_path: Path) -> None:
     assert out.returncode == 2 and "qwen3-moe" in out.stdout
 
 
+@pytest.mark.long
 def test_doctor_subset_and_exit_code(tmp_path: Path) -> None:
     """A subset with an unknown backend fails (exit 1) and says which; a family a layout does not fit is shown
     as unsupported with the reason, not failed; -v shows what the workers printed. One run for the three: each

@@ -15,12 +15,16 @@ from wrapkit.cli._models import BACKENDS
 # DataParallel runs in one process (below). transformers' pipeline stages compute the loss on the last stage only and
 # leave the backward across stages to a schedule: tests/test_pipeline.py trains stages with torch's (GPipe).
 # Megatron-Core's forward needs CUDA; tests/test_megatron.py runs it with the CPU stand-ins of tests/megatron_cpu.py.
-FLAT_CASES = [{"spec": b} for b in BACKENDS if b not in ("dp", "pipeline", "megatron")] + [
-    {"spec": b, "precision": "bf16"} for b in ("fsdp", "fsdp2", "zero3")
-] + [{"spec": "fsdp2>peft"}, {"spec": "fsdp>peft", "precision": "bf16"}, {"spec": "zero3>peft", "precision": "bf16"}]
-TOPOLOGY_CASES = [
-    {"spec": "fsdp2", "topology": "hsdp"}, {"spec": "fsdp", "topology": "hybrid-groups"},
-    {"spec": "zero3", "topology": "subgroup"}, {"spec": "fsdp2", "topology": "submesh", "precision": "bf16"},
+# The default selection has bf16 through the PEFT cases; the bf16 repeats of the bare backends are long.
+# ZeRO-0 and ZeRO-1 (whole parameters, like DDP and ZeRO-2) are long too.
+FLAT_CASES = [{"spec": b} for b in BACKENDS if b not in ("dp", "pipeline", "megatron", "zero0", "zero1")] + [
+    {"spec": "fsdp2>peft"}, {"spec": "fsdp>peft", "precision": "bf16"}, {"spec": "zero3>peft", "precision": "bf16"}]
+LONG_FLAT_CASES = [{"spec": "zero0"}, {"spec": "zero1"}] + [
+    {"spec": b, "precision": "bf16"} for b in ("fsdp", "fsdp2", "zero3")]
+# Four ranks on two cores cost the most: HSDP and ZeRO-3's sub-groups by default, the other layouts long.
+TOPOLOGY_CASES = [{"spec": "fsdp2", "topology": "hsdp"}, {"spec": "zero3", "topology": "subgroup"}]
+LONG_TOPOLOGY_CASES = [
+    {"spec": "fsdp", "topology": "hybrid-groups"}, {"spec": "fsdp2", "topology": "submesh", "precision": "bf16"},
     {"spec": "fsdp2", "topology": "tp"}, {"spec": "fsdp2", "topology": "hsdp-tp", "precision": "bf16"},
 ]
 
@@ -41,13 +45,13 @@ def check(per_rank: list[dict[str, Any]], case: dict[str, Any]) -> None:
         assert obs["empty_tensors"] == empty, obs["empty_tensors"]
 
 
-@matrix.cases(FLAT_CASES)
+@matrix.cases(FLAT_CASES, long=LONG_FLAT_CASES)
 def test_operations_from_loop_states(request: pytest.FixtureRequest, group: Any, case: dict[str, Any]) -> None:
     pytest.importorskip("deepspeed")
     check(matrix.run(request, group, sl.loop_state_cases, timeout=400), case)
 
 
-@matrix.cases(TOPOLOGY_CASES)
+@matrix.cases(TOPOLOGY_CASES, long=LONG_TOPOLOGY_CASES)
 def test_operations_from_loop_states_on_multi_node_layouts(request: pytest.FixtureRequest, group4: Any,
                                                            case: dict[str, Any]) -> None:
     check(matrix.run(request, group4, sl.loop_state_cases, timeout=300), case)

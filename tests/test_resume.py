@@ -92,8 +92,9 @@ def test_resume_with_lora(group: Any, tmp_path: Path, saved: str, resumed: str, 
         check(obs, follow)
 
 
-@pytest.mark.parametrize("saved,resumed", [("fsdp2", "fsdp2-hsdp"), ("fsdp", "fsdp2"), ("ddp", "fsdp"),
-                                           ("zero3", "zero3")])
+@pytest.mark.parametrize("saved,resumed", [
+    ("fsdp2", "fsdp2-hsdp"), ("zero3", "zero3"),
+    *(pytest.param(s, r, marks=pytest.mark.long) for s, r in [("fsdp", "fsdp2"), ("ddp", "fsdp")])])
 def test_resume_from_two_ranks_on_four(group: Any, group4: Any, tmp_path: Path, saved: str, resumed: str) -> None:
     """Another world size (and topology): the state arrives exact; ranks the saving job lacked say so."""
     groups = _groups(saved, resumed)
@@ -107,7 +108,7 @@ def test_resume_from_two_ranks_on_four(group: Any, group4: Any, tmp_path: Path, 
             assert obs["rng"] is None and "rank" in obs["skipped"][0], obs
 
 
-@pytest.mark.parametrize("resumed", ["ddp", "zero2"])
+@pytest.mark.parametrize("resumed", ["ddp", pytest.param("zero2", marks=pytest.mark.long)])
 def test_resume_from_four_ranks_on_two(group: Any, group4: Any, tmp_path: Path, resumed: str) -> None:
     group4.run(sc.trained, str(tmp_path), "fsdp2", "fp32", "hsdp", groups=_groups(resumed), timeout=120)
     for obs in group.run(sc.resumed, str(tmp_path), resumed, follow=False, groups=_groups(resumed), timeout=120):

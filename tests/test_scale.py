@@ -40,7 +40,9 @@ def test_layerwise_equals_full_within_two_units(group: Any, spec: str, precision
         _check_layerwise(obs, f"{spec} {precision}", precision)
 
 
-@pytest.mark.parametrize(("spec", "topology"), [("fsdp", "hsdp"), ("fsdp2", "hsdp"), ("fsdp2", "submesh")])
+@pytest.mark.parametrize(("spec", "topology"), [
+    ("fsdp2", "hsdp"),
+    *(pytest.param(s, t, marks=pytest.mark.long) for s, t in [("fsdp", "hsdp"), ("fsdp2", "submesh")])])
 def test_layerwise_on_multi_node_layouts(group4: Any, spec: str, topology: str) -> None:
     for obs in group4.run(ss.layerwise, spec, "fp32", topology, timeout=180):
         _check_layerwise(obs, f"{spec} {topology}", "fp32")

@@ -22,6 +22,7 @@ def die_on_rank_1(sig: int) -> int:
     return dist.get_rank()
 
 
+@pytest.mark.long  # each case starts and kills a group of its own
 @pytest.mark.parametrize("sig, hint", [(signal.SIGSEGV, "native code"), (signal.SIGKILL, "out-of-memory")])
 def test_a_rank_killed_by_a_signal_is_named_with_its_stack(tmp_path: Path, sig: int, hint: str) -> None:
     with WorkerGroup(world_size=2, log_dir=str(tmp_path)) as g:
