@@ -57,7 +57,7 @@ def gpu_group() -> Iterator[WorkerGroup]:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--run-long", action="store_true",
-                     help="also run the tests marked long (the trainers, the example, the soak, ...): CI runs all")
+                     help="also run the tests marked long (trainers, examples, soak, the repeats of a matrix)")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
