@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-__all__ = ["cases", "key", "run"]
+__all__ = ["cases", "key", "long", "run"]
 
 Case = dict[str, Any]
 _RESULTS = pytest.StashKey[dict[Any, Any]]()
@@ -29,11 +29,14 @@ def _id(case: Case) -> str:
     return "-".join([str(case["spec"]), *(f"{k}={v}" for k, v in case.items() if k != "spec")])
 
 
-def cases(matrix: list[Case], long: list[Case] | None = None) -> Any:
-    """``@cases(CASES, long=MORE)``: the test takes ``case``, one id per case; the cases in ``long`` are marked
-    ``long`` (left out of the default selection, run by ``--run-long``)."""
-    params = [pytest.param(c, id=_id(c)) for c in matrix]
-    params += [pytest.param(c, id=_id(c), marks=pytest.mark.long) for c in long or []]
+def long(*values: Any, id: str | None = None) -> Any:  # noqa: A002 (pytest.param's own name)
+    """One parameter set marked ``long``: left out of the default selection, run by ``--run-long``."""
+    return pytest.param(*values, id=id, marks=pytest.mark.long)
+
+
+def cases(matrix: list[Case], long_cases: list[Case] | None = None) -> Any:
+    """``@cases(CASES, MORE)``: the test takes ``case``, one id per case; the cases in ``MORE`` are ``long``."""
+    params = [pytest.param(c, id=_id(c)) for c in matrix] + [long(c, id=_id(c)) for c in long_cases or []]
     return pytest.mark.parametrize("case", params)
 
 

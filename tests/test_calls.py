@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from tests import scenarios_calls
+from tests._matrix import long
 
 SPECS = ["ddp", "fsdp", "fsdp2", "zero3", "tp"]
 
@@ -49,8 +50,7 @@ def test_mismatched_calls_are_caught_in_bf16(group: Any, spec: str, tmp_path: Pa
 # HSDP and ZeRO-3's sub-groups by default; the other four-rank layouts are long.
 @pytest.mark.parametrize("spec, topology", [
     ("fsdp2", "hsdp"), ("zero3", "subgroup"),
-    *(pytest.param(s, t, marks=pytest.mark.long)
-      for s, t in [("fsdp", "hybrid-groups"), ("fsdp2", "submesh"), ("ddp", "subgroup"), ("fsdp2", "tp")])])
+    *(long(s, t) for s, t in [("fsdp", "hybrid-groups"), ("fsdp2", "submesh"), ("ddp", "subgroup"), ("fsdp2", "tp")])])
 def test_mismatched_calls_are_caught_on_four_ranks(group4: Any, spec: str, topology: str, tmp_path: Path) -> None:
     _check(group4.run(scenarios_calls.mismatched_calls, spec, str(tmp_path), "fp32", topology, timeout=300),
            f"{spec} {topology}")

@@ -7,14 +7,15 @@ from typing import Any
 
 import pytest
 
+from tests._matrix import long
+
 # The three mixture layouts (Qwen3-MoE's, gpt-oss's with expert biases, DeepSeek-V3's with a dense first layer and
 # a router bias buffer), one in bf16, and one on four ranks where each expert is sharded too (efsdp=2, ep=2).
 # And on four ranks with tensor parallelism beside them (fsdp=2, tp=2, ep=2).
 # The bf16 repeat and four ranks without tensor parallelism are long.
 CASES = [("qwen3-moe", "float32", 2, 1), ("gpt-oss", "float32", 2, 1), ("deepseek-v3", "float32", 2, 1),
          ("qwen3-moe", "float32", 4, 2),
-         *(pytest.param(*c, marks=pytest.mark.long) for c in [("qwen3-moe", "bfloat16", 2, 1),
-                                                               ("qwen3-moe", "float32", 4, 1)])]
+         long("qwen3-moe", "bfloat16", 2, 1), long("qwen3-moe", "float32", 4, 1)]
 
 
 @pytest.mark.parametrize("name, dtype, ranks, tp", CASES)

@@ -13,11 +13,10 @@ from wrapkit.cli._families import FAMILIES
 
 # DDP holds the same whole module on each rank as the plain model does: its family cases repeated the plain
 # ones (the contract and loop-state matrices cover DDP itself), at 1-2 s each.
-BACKENDS = ("plain", "fsdp", "fsdp2", "zero3")
 # The default selection: every family whole (plain), under DTensor shards (FSDP2) and under ZeRO-3's partitions;
 # FSDP1's flat parameters (whose layout the loop-state and contract matrices cover) and the bf16 repeats are long.
-CASES = [{"family": f, "spec": b, "precision": "fp32"} for f in FAMILIES if f != "llama" for b in BACKENDS
-         if b != "fsdp"]
+BACKENDS = ("plain", "fsdp2", "zero3")
+CASES = [{"family": f, "spec": b, "precision": "fp32"} for f in FAMILIES if f != "llama" for b in BACKENDS]
 LONG_CASES = [{"family": f, "spec": "fsdp", "precision": "fp32"} for f in FAMILIES if f != "llama"]
 # bf16 on the sharded backends that cast per family at run time (FSDP1's mixed precision is the loop-state
 # matrix's, on the Llama).
@@ -25,7 +24,7 @@ LONG_CASES += [{"family": f, "spec": b, "precision": "bf16"} for f in FAMILIES i
                for b in ("fsdp2", "zero3")]
 
 
-@matrix.cases(CASES, long=LONG_CASES)
+@matrix.cases(CASES, LONG_CASES)
 def test_family_exchanges_in_the_hub_layout(request: pytest.FixtureRequest, group: Any, case: dict[str, Any]) -> None:
     for obs in matrix.run(request, group, sc.family_exchange, timeout=900):
         rank = obs["rank"]
@@ -66,7 +65,7 @@ LONG_REFERENCE_CASES = [{"family": f, "spec": b, "precision": p} for f in FAMILI
                         for b, p in [("fsdp", "fp32"), ("zero3", "bf16")]]
 
 
-@matrix.cases(REFERENCE_CASES, long=LONG_REFERENCE_CASES)
+@matrix.cases(REFERENCE_CASES, LONG_REFERENCE_CASES)
 def test_family_references(request: pytest.FixtureRequest, group: Any, case: dict[str, Any]) -> None:
     """A reference (or reward model) prepared from the policy computes the policy's logits, on every family
     and backend: under ZeRO-3 a Gemma 3 or sequence-classification reference had failed its first forward."""
@@ -78,11 +77,11 @@ def test_family_references(request: pytest.FixtureRequest, group: Any, case: dic
 
 
 MIXTURES = ("qwen3-moe", "gpt-oss", "deepseek-v3")
-EXPERT_CASES = [{"family": f, "spec": b, "precision": "fp32"} for f in MIXTURES for b in BACKENDS if b != "fsdp"]
+EXPERT_CASES = [{"family": f, "spec": b, "precision": "fp32"} for f in MIXTURES for b in BACKENDS]
 LONG_EXPERT_CASES = [{"family": f, "spec": "fsdp", "precision": "fp32"} for f in MIXTURES]
 
 
-@matrix.cases(EXPERT_CASES, long=LONG_EXPERT_CASES)
+@matrix.cases(EXPERT_CASES, LONG_EXPERT_CASES)
 def test_lora_on_experts(request: pytest.FixtureRequest, group: Any, case: dict[str, Any]) -> None:
     """PEFT's target_parameters on the fused experts: every merged export equals PEFT's merge_and_unload (in
     the Hub's layout where transformers' save writes it), and the adapters alone PEFT's own save, both ways."""

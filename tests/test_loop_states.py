@@ -45,13 +45,13 @@ def check(per_rank: list[dict[str, Any]], case: dict[str, Any]) -> None:
         assert obs["empty_tensors"] == empty, obs["empty_tensors"]
 
 
-@matrix.cases(FLAT_CASES, long=LONG_FLAT_CASES)
+@matrix.cases(FLAT_CASES, LONG_FLAT_CASES)
 def test_operations_from_loop_states(request: pytest.FixtureRequest, group: Any, case: dict[str, Any]) -> None:
     pytest.importorskip("deepspeed")
     check(matrix.run(request, group, sl.loop_state_cases, timeout=400), case)
 
 
-@matrix.cases(TOPOLOGY_CASES, long=LONG_TOPOLOGY_CASES)
+@matrix.cases(TOPOLOGY_CASES, LONG_TOPOLOGY_CASES)
 def test_operations_from_loop_states_on_multi_node_layouts(request: pytest.FixtureRequest, group4: Any,
                                                            case: dict[str, Any]) -> None:
     check(matrix.run(request, group4, sl.loop_state_cases, timeout=300), case)

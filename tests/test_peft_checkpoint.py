@@ -44,14 +44,14 @@ def check(obs: dict[str, Any], case: dict[str, Any]) -> None:
     assert obs["policy_diff"] < tol, f"PEFT's model and the wrapped policy differ by {obs['policy_diff']}"
 
 
-@matrix.cases(CASES, long=LONG_CASES)
+@matrix.cases(CASES, LONG_CASES)
 def test_adapters_saved_in_peft_layout_and_resumed(request: pytest.FixtureRequest, group: Any,
                                                     case: dict[str, Any]) -> None:
     for obs in matrix.run(request, group, sc.adapter_checkpoints, timeout=150):
         check(obs, case)
 
 
-@matrix.cases(CASES4, long=LONG_CASES4)
+@matrix.cases(CASES4, LONG_CASES4)
 def test_adapters_saved_and_resumed_on_four_rank_layouts(request: pytest.FixtureRequest, group4: Any,
                                                          case: dict[str, Any]) -> None:
     for obs in matrix.run(request, group4, sc.adapter_checkpoints, timeout=150):

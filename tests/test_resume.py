@@ -13,6 +13,7 @@ import torch
 
 import wrapkit
 from tests import scenarios_resume as sc
+from tests._matrix import long
 from wrapkit import StateDictError
 from wrapkit.cli._models import tiny_llama
 
@@ -94,7 +95,7 @@ def test_resume_with_lora(group: Any, tmp_path: Path, saved: str, resumed: str, 
 
 @pytest.mark.parametrize("saved,resumed", [
     ("fsdp2", "fsdp2-hsdp"), ("zero3", "zero3"),
-    *(pytest.param(s, r, marks=pytest.mark.long) for s, r in [("fsdp", "fsdp2"), ("ddp", "fsdp")])])
+    long("fsdp", "fsdp2"), long("ddp", "fsdp")])
 def test_resume_from_two_ranks_on_four(group: Any, group4: Any, tmp_path: Path, saved: str, resumed: str) -> None:
     """Another world size (and topology): the state arrives exact; ranks the saving job lacked say so."""
     groups = _groups(saved, resumed)
@@ -108,7 +109,7 @@ def test_resume_from_two_ranks_on_four(group: Any, group4: Any, tmp_path: Path, 
             assert obs["rng"] is None and "rank" in obs["skipped"][0], obs
 
 
-@pytest.mark.parametrize("resumed", ["ddp", pytest.param("zero2", marks=pytest.mark.long)])
+@pytest.mark.parametrize("resumed", ["ddp", long("zero2")])
 def test_resume_from_four_ranks_on_two(group: Any, group4: Any, tmp_path: Path, resumed: str) -> None:
     group4.run(sc.trained, str(tmp_path), "fsdp2", "fp32", "hsdp", groups=_groups(resumed), timeout=120)
     for obs in group.run(sc.resumed, str(tmp_path), resumed, follow=False, groups=_groups(resumed), timeout=120):

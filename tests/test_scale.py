@@ -14,6 +14,7 @@ import torch
 
 import wrapkit
 from tests import scenarios_scale as ss
+from tests._matrix import long
 
 LAYERWISE_CASES = [("fsdp", "fp32"), ("fsdp", "bf16"), ("fsdp2", "fp32"), ("fsdp2", "bf16"),
                    ("zero3", "fp32"), ("zero3", "bf16"), ("fsdp2>peft", "bf16")]
@@ -42,7 +43,7 @@ def test_layerwise_equals_full_within_two_units(group: Any, spec: str, precision
 
 @pytest.mark.parametrize(("spec", "topology"), [
     ("fsdp2", "hsdp"),
-    *(pytest.param(s, t, marks=pytest.mark.long) for s, t in [("fsdp", "hsdp"), ("fsdp2", "submesh")])])
+    long("fsdp", "hsdp"), long("fsdp2", "submesh")])
 def test_layerwise_on_multi_node_layouts(group4: Any, spec: str, topology: str) -> None:
     for obs in group4.run(ss.layerwise, spec, "fp32", topology, timeout=180):
         _check_layerwise(obs, f"{spec} {topology}", "fp32")

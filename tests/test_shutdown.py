@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 import wrapkit
+from tests._matrix import long
 from tests.launch import ROOT, torchrun
 
 SCRIPT = ROOT / "tests" / "shutdown_run.py"
@@ -15,7 +16,7 @@ SCRIPT = ROOT / "tests" / "shutdown_run.py"
 
 @pytest.mark.timeout(120)
 # DDP, whose group outlives destroy_process_group(), by default; plain collectives long.
-@pytest.mark.parametrize("kind", ["ddp", pytest.param("collectives", marks=pytest.mark.long)])
+@pytest.mark.parametrize("kind", ["ddp", long("collectives")])
 def test_shutdown_exits_cleanly(kind: str, tmp_path: Path) -> None:
     torchrun(SCRIPT, str(tmp_path), kind, timeout=100)  # fails on a non-zero exit of either rank
     for rank in (0, 1):

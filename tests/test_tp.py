@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from tests import scenarios_tp as sc
+from tests._matrix import long
 from tests.scenarios_tp import TP_SIZE
 from wrapkit.cli._workers import WorkerGroup
 
@@ -51,7 +52,7 @@ def check(results: list[dict[str, Any]], dtype: str, backend: str = "tp", produc
             assert refusal in obs["fresh_reference"], obs["fresh_reference"]
 
 # The bf16 repeats on a mesh are long; the tensor-parallel model alone keeps bf16 in the default selection.
-BF16_LONG = pytest.param("bfloat16", marks=pytest.mark.long)
+BF16_LONG = long("bfloat16")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
