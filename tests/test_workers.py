@@ -115,6 +115,8 @@ def test_a_scenario_that_leaves_a_group_referenced_fails_naming_itself(monkeypat
     message = str(info.value)
     assert "keep_a_group left 1 process group(s) alive after it returned" in message, message
     assert "drop the reference" in message
+    # The chain from the module global that holds it.
+    assert f"Held through: {__name__}._HELD -> list -> ProcessGroup" in message, message
 
 
 def build_zero(stage: int) -> int:

@@ -8,6 +8,7 @@ import gc
 import importlib
 import os
 import sys
+import types
 import weakref
 from typing import Any
 
@@ -17,6 +18,7 @@ __all__ = ["keep_groups", "release_kept_groups", "next_case", "settle", "leaked"
 _started: set[Any] = set()  # the process groups alive once the worker had started
 _kept: set[Any] = set()  # the groups a scenario asked to outlive it (keep_groups)
 _destroyed: list[weakref.ref[Any]] = []  # the groups released after the last scenario, until they are freed
+_thaw: list[bool] = []  # set where a kept scenario's objects, frozen since, are let go
 
 
 def keep_groups() -> None:
@@ -28,6 +30,7 @@ def keep_groups() -> None:
 def release_kept_groups() -> None:
     """The kept groups are destroyed when the current scenario returns."""
     _kept.clear()
+    _thaw.append(True)
 
 
 def live_groups() -> list[Any]:
@@ -65,8 +68,13 @@ def _release_groups() -> None:
     groups = sys.modules.get("deepspeed.utils.groups")
     if groups is not None:
         _forget(groups, set(gone))
+        # The model-parallel unit a scenario handed DeepSpeed (kept in a public global) holds its groups too.
+        if any(_is_gone(v, set(gone)) for v in getattr(getattr(groups, "mpu", None), "__dict__", {}).values()):
+            setattr(groups, "mpu", None)  # noqa: B010 (a module attribute mypy cannot see)
     _reset_megatron(set(gone))
     _clear_torch_caches()
+    for library in ("deepspeed", "megatron"):
+        _clear_lru_caches(library)
 
 
 def _reset_megatron(gone: set[Any]) -> None:
@@ -80,6 +88,7 @@ def _reset_megatron(gone: set[Any]) -> None:
     listed = [item for v in values if isinstance(v, list) for item in v]  # _global_process_group_list
     if any(_is_gone(v, gone) for v in values + listed):
         state.destroy_model_parallel()
+        _forget(state, gone)  # the ones its reset forgets (_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP in 0.16)
 
 
 def _clear_torch_caches() -> None:
@@ -95,13 +104,37 @@ def _clear_torch_caches() -> None:
                   getattr(redistribute, "clear_redistribute_planner_cache", None)):
         if callable(clear):
             clear()
-    # Module-level functions memoised with lru_cache (redistribution's transform plans among them).
+    _clear_lru_caches("torch.distributed")
+
+
+def _clear_lru_caches(prefix: str) -> None:
+    """Empty the functions memoised with lru_cache in the modules under ``prefix``: module-level ones
+    (redistribution's transform plans among them) and methods of their classes, wrapped or not. DeepSpeed
+    memoises a method of ZeRO-3's parameter coordinator with no bound (keyed by the coordinator and a
+    module), which keeps every ZeRO-3 engine a process built alive, with its model and groups; Megatron-Core
+    memoises its rotary embeddings' forward the same way, keyed by the module that holds the groups."""
     for name, module in list(sys.modules.items()):
-        if name.startswith("torch.distributed") and module is not None:
-            for value in list(vars(module).values()):
-                # By type name: reading attributes off every module global would trip deprecation warnings.
-                if type(value).__name__ == "_lru_cache_wrapper":
-                    value.cache_clear()
+        if not name.startswith(prefix) or module is None:
+            continue
+        for value in list(vars(module).values()):
+            values = list(vars(value).values()) if isinstance(value, type) and value.__module__ == name else [value]
+            for v in values:
+                if isinstance(v, (staticmethod, classmethod)):  # DTensor's mesh topology, cached per mesh
+                    v = v.__func__
+                for cached in (v, *(c.cell_contents for c in _cells(v))):
+                    # By type name: reading attributes off every module global would trip deprecation warnings.
+                    if type(cached).__name__ == "_lru_cache_wrapper":
+                        cached.cache_clear()
+
+
+def _cells(value: Any) -> list[Any]:
+    """The closure cells of a plain function (a decorator's wrapper keeps the function it wraps in one)."""
+    if type(value).__name__ != "function":
+        return []
+    return [c for c in (value.__closure__ or ()) if c != _EMPTY_CELL]
+
+
+_EMPTY_CELL = types.CellType()  # cells compare by their contents; an empty one equals only another empty one
 
 
 def _forget(module: Any, gone: set[Any]) -> None:
@@ -174,9 +207,14 @@ def leaked(target: str) -> str | None:
         return None
     _destroyed.clear()
     names = ", ".join(sorted({getattr(pg, "group_name", "?") for pg in held}))
+    through = ""
+    if os.environ.get("WRAPKIT_WORKER_GUARD"):  # seconds of work: only where the scenario fails for it
+        from ._holders import holder_chains
+
+        through = " Held through: " + "; ".join(holder_chains(held[0])) + "."
     return (f"{target} left {len(held)} process group(s) alive after it returned ({names}): it was destroyed, but "
             "something still refers to it (a module-level cache, a global, a library's registry), so its threads "
-            "run on and slow every later scenario; drop the reference before returning.")
+            f"run on and slow every later scenario; drop the reference before returning.{through}")
 
 
 def _forget_engine_modules() -> None:
@@ -211,6 +249,11 @@ def settle() -> None:
     """
     _forget_engine_modules()
     _release_groups()
+    if _thaw:
+        # What a scenario kept for later calls (the doctor's models) was frozen with the libraries when it
+        # returned: once let go, its cycles are found only when it is back in the collected generations.
+        _thaw.clear()
+        gc.unfreeze()
     gc.collect()
     if _held() and _destroy_engines():
         gc.collect()
