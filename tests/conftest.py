@@ -26,8 +26,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", _extensions_dir())
 
 # The shared workers fail a scenario that leaves a process group alive after it returns, naming what holds it:
 # each one left keeps its threads running and slows every later test (WRAPKIT_WORKER_GUARD=0 turns it off).
-if os.environ.setdefault("WRAPKIT_WORKER_GUARD", "1") == "0":
-    del os.environ["WRAPKIT_WORKER_GUARD"]
+os.environ.setdefault("WRAPKIT_WORKER_GUARD", "1")
 
 # Heavy libraries are imported once per worker when the group starts, not per scenario.
 PRELOAD = ("transformers", "peft", "deepspeed")

@@ -51,7 +51,7 @@ def _chains(target: Any, limit: int) -> list[str]:
                 if id(holder) in modules:
                     keys = [k for k, v in holder.items() if v is obj]
                     found.append(f"{modules[id(holder)]}.{keys[0] if keys else '?'}" + _down(obj, below))
-                elif id(holder) not in below and holder is not frontier and holder is not step:
+                elif id(holder) not in below:
                     below[id(holder)] = obj
                     step.append(holder)
         frontier = step

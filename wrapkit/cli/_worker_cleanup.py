@@ -12,7 +12,7 @@ import types
 import weakref
 from typing import Any
 
-__all__ = ["keep_groups", "release_kept_groups", "next_case", "settle", "leaked", "live_groups"]
+__all__ = ["keep_groups", "release_kept_groups", "next_case", "settle", "leaked", "guarded", "live_groups"]
 
 
 _started: set[Any] = set()  # the process groups alive once the worker had started
@@ -65,16 +65,16 @@ def _release_groups() -> None:
             pass
     if not gone:
         return
+    gone_set = set(gone)
     groups = sys.modules.get("deepspeed.utils.groups")
     if groups is not None:
-        _forget(groups, set(gone))
+        _forget(groups, gone_set)
         # The model-parallel unit a scenario handed DeepSpeed (kept in a public global) holds its groups too.
-        if any(_is_gone(v, set(gone)) for v in getattr(getattr(groups, "mpu", None), "__dict__", {}).values()):
+        if any(_is_gone(v, gone_set) for v in getattr(getattr(groups, "mpu", None), "__dict__", {}).values()):
             setattr(groups, "mpu", None)  # noqa: B010 (a module attribute mypy cannot see)
-    _reset_megatron(set(gone))
+    _reset_megatron(gone_set)
     _clear_torch_caches()
-    for library in ("deepspeed", "megatron"):
-        _clear_lru_caches(library)
+    _clear_lru_caches(("torch.distributed", "deepspeed", "megatron"))
 
 
 def _reset_megatron(gone: set[Any]) -> None:
@@ -104,17 +104,17 @@ def _clear_torch_caches() -> None:
                   getattr(redistribute, "clear_redistribute_planner_cache", None)):
         if callable(clear):
             clear()
-    _clear_lru_caches("torch.distributed")
 
 
-def _clear_lru_caches(prefix: str) -> None:
-    """Empty the functions memoised with lru_cache in the modules under ``prefix``: module-level ones
+def _clear_lru_caches(prefixes: tuple[str, ...]) -> None:
+    """Empty the functions memoised with lru_cache in the modules under ``prefixes``, in one pass over the
+    loaded modules: module-level ones
     (redistribution's transform plans among them) and methods of their classes, wrapped or not. DeepSpeed
     memoises a method of ZeRO-3's parameter coordinator with no bound (keyed by the coordinator and a
     module), which keeps every ZeRO-3 engine a process built alive, with its model and groups; Megatron-Core
     memoises its rotary embeddings' forward the same way, keyed by the module that holds the groups."""
     for name, module in list(sys.modules.items()):
-        if not name.startswith(prefix) or module is None:
+        if not name.startswith(prefixes) or module is None:
             continue
         for value in list(vars(module).values()):
             values = list(vars(value).values()) if isinstance(value, type) and value.__module__ == name else [value]
@@ -193,10 +193,15 @@ def _destroy_engines() -> int:
     return len(found)
 
 
+def guarded() -> bool:
+    """Whether a scenario that leaves a group held fails (``WRAPKIT_WORKER_GUARD`` set and not ``0``)."""
+    return os.environ.get("WRAPKIT_WORKER_GUARD", "0") not in ("", "0")
+
+
 def leaked(target: str) -> str | None:
     """Why the scenario ``target`` should fail for what it left behind (process groups still held once
     it returned and the worker released what it made), or None. Said once: the groups are then forgotten,
-    so a later scenario is not blamed for them. Where ``WRAPKIT_WORKER_GUARD`` is set the scenario fails
+    so a later scenario is not blamed for them. Where the guard is on (``guarded()``) the scenario fails
     with it; elsewhere it goes on. ``WRAPKIT_WORKER_TRACE`` prints one line per scenario to the rank's
     output: its threads, registered groups and held groups."""
     held = _held()
@@ -208,7 +213,7 @@ def leaked(target: str) -> str | None:
     _destroyed.clear()
     names = ", ".join(sorted({getattr(pg, "group_name", "?") for pg in held}))
     through = ""
-    if os.environ.get("WRAPKIT_WORKER_GUARD"):  # seconds of work: only where the scenario fails for it
+    if guarded():  # seconds of work: only where the scenario fails for it
         from ._holders import holder_chains
 
         through = " Held through: " + "; ".join(holder_chains(held[0])) + "."

@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as mp
 
 # What a scenario leaves behind is the cleanup module's; the scenarios and the doctor import its names from here.
-from ._worker_cleanup import keep_groups, leaked, next_case, release_kept_groups, settle
+from ._worker_cleanup import guarded, keep_groups, leaked, next_case, release_kept_groups, settle
 
 __all__ = ["WorkerGroup", "WorkerError", "free_port", "keep_groups", "next_case", "release_kept_groups"]
 
@@ -99,7 +99,7 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, preload: S
             reply = ("err", traceback.format_exc())
         settle()
         leak = leaked(target)
-        if leak is not None and reply[0] == "ok" and os.environ.get("WRAPKIT_WORKER_GUARD"):
+        if leak is not None and reply[0] == "ok" and guarded():
             reply = ("err", leak)
         conn.send(reply)
     try:
