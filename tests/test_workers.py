@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from wrapkit.cli._workers import WorkerError, WorkerGroup
+from wrapkit.cli._workers import WorkerError, WorkerGroup, crash_excerpt
 
 
 def die_on_rank_1(sig: int) -> int:
@@ -36,6 +36,41 @@ def test_a_rank_killed_by_a_signal_is_named_with_its_stack(tmp_path: Path, sig: 
     if sig == signal.SIGSEGV:  # a handler can run: faulthandler prints where the rank was
         assert "Fatal Python error" in log and "die_on_rank_1" in log
         assert "die_on_rank_1" in message.split("the end of rank 1's output")[1]  # and the report shows it
+
+
+ABORT_AMONG_THREADS = """
+import faulthandler, os, sys, threading, time
+faulthandler.enable(all_threads=True)
+started = threading.Event()
+def abort_here():
+    started.wait()
+    print("terminate called without an active exception", file=sys.stderr, flush=True)
+    os.abort()
+crashing = threading.Thread(target=abort_here)
+crashing.start()
+for _ in range(60):  # a worker has dozens of threads: their stacks fill the dump
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+def deep(n):  # the main thread's stack, listed last, fills its end
+    if n:
+        return deep(n - 1)
+    started.set()
+    crashing.join()
+deep(200)
+"""
+
+
+def test_a_crash_report_keeps_the_signal_and_the_crashing_stack() -> None:
+    import subprocess
+    import sys
+
+    err = subprocess.run([sys.executable, "-c", ABORT_AMONG_THREADS], capture_output=True, text=True,
+                         timeout=60).stderr
+    assert len(err) > 8000 and "abort_here" not in err[-2000:]  # the plain tail would miss them
+    excerpt = crash_excerpt(err, limit=2000)
+    assert len(excerpt) <= 2000
+    assert "terminate called without an active exception" in excerpt
+    assert "Fatal Python error: Aborted" in excerpt and "abort_here" in excerpt
+    assert crash_excerpt("x" * 50 + "the end", limit=10) == "x" * 3 + "the end"  # no crash: the plain tail
 
 
 def build_zero3() -> None:

@@ -110,6 +110,22 @@ def _worker_main(rank: int, world_size: int, port: int, backend: str, preload: S
         pass
 
 
+def crash_excerpt(text: str, limit: int = 4000) -> str:
+    """What explains a crash in a rank's output, within about ``limit`` characters. A fatal signal's dump
+    lists every thread, the crashing one anywhere among them, and ends with the extension modules: its
+    last ``limit`` characters alone can miss both the signal and the stack that raised it. So: what was
+    printed just before the dump (a C++ ``terminate`` message), its header, and the current thread's stack."""
+    start = text.rfind("Fatal Python error")
+    if start < 0:
+        return text[-limit:]
+    dump = text[start:]
+    header = dump.split("\n\n", 1)[0]
+    current = next((block for block in dump.split("\n\n") if block.startswith("Current thread")), "")
+    before = text[max(0, start - limit // 4):start].strip()
+    parts = [p for p in (before, header, current) if p]
+    return "\n\n".join(parts)[-limit:]
+
+
 class WorkerGroup:
     """``world_size`` processes in one process group, running scenarios on request."""
 
@@ -217,10 +233,11 @@ class WorkerGroup:
         try:
             with open(os.path.join(self.log_dir, f"rank{rank}.log"), "rb") as f:
                 f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - limit))
-                tail = f.read().decode(errors="replace").strip()
+                f.seek(max(0, f.tell() - 16 * limit))
+                text = f.read().decode(errors="replace").strip()
         except OSError:
             return ""
+        tail = crash_excerpt(text, limit)
         return f"\n--- the end of rank {rank}'s output ---\n{tail}" if tail else ""
 
     def close(self, force: bool = False) -> None:
