@@ -3,12 +3,14 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from collections.abc import Iterator
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
 
-from wrapkit.cli._workers import WorkerGroup
+from wrapkit.cli._workers import WorkerError, WorkerGroup
 
 
 # DeepSpeed compiles a CPU op on first use into TORCH_EXTENSIONS_DIR, keyed by op name only: the user's
@@ -32,11 +34,30 @@ os.environ.setdefault("WRAPKIT_WORKER_GUARD", "1")
 PRELOAD = ("transformers", "peft", "deepspeed")
 
 
+class SharedGroup(WorkerGroup):
+    """The shared workers, with one rerun for a rank killed by a native crash.
+
+    gloo's worker threads abort the process now and then when they release a finished collective's tensors
+    (``terminate called without an active exception``; measured at about 1 run in 10 of a torch-only DDP
+    script). A scenario whose rank died so is run once more on a fresh group, and the crash is reported as a
+    warning with its stack, so it stays visible; a second crash, or any other failure, fails the test."""
+
+    def run(self, fn: Callable[..., Any] | str, *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+        try:
+            return super().run(fn, *args, timeout=timeout, **kwargs)
+        except WorkerError as exc:
+            if not any(f"was killed by {sig}" in str(exc) for sig in ("SIGABRT", "SIGSEGV", "SIGBUS")):
+                raise
+            warnings.warn(f"a rank crashed in native code; the scenario was run again on a fresh group:\n{exc}",
+                          RuntimeWarning, stacklevel=2)
+        return super().run(fn, *args, timeout=timeout, **kwargs)
+
+
 @pytest.fixture(scope="session")
 def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerGroup]:
     """Two gloo ranks shared by every distributed test; restarted after a failure kills it. Their output
     goes to log files, whose end a rank's death reports (a native crash prints its stacks there)."""
-    g = WorkerGroup(world_size=2, backend="gloo", preload=PRELOAD, log_dir=str(tmp_path_factory.mktemp("group")))
+    g = SharedGroup(world_size=2, backend="gloo", preload=PRELOAD, log_dir=str(tmp_path_factory.mktemp("group")))
     yield g
     g.close()
 
@@ -44,7 +65,7 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerGroup]:
 @pytest.fixture(scope="session")
 def group4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerGroup]:
     """Four gloo ranks, standing in for two nodes of two devices (the multi-node layouts)."""
-    g = WorkerGroup(world_size=4, backend="gloo", preload=PRELOAD, log_dir=str(tmp_path_factory.mktemp("group4")))
+    g = SharedGroup(world_size=4, backend="gloo", preload=PRELOAD, log_dir=str(tmp_path_factory.mktemp("group4")))
     yield g
     g.close()
 

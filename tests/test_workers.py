@@ -182,3 +182,27 @@ def test_a_dropped_deepspeed_engine_lets_its_groups_go(group: Any, stage: int) -
         group.run(build_zero, stage, timeout=120)
     after = group.run(thread_count, timeout=30)
     assert after == before, (before, after)
+
+
+def abort_once_on_rank_1(marker: str) -> int:
+    """Rank 1 aborts the first time (``marker`` is not there yet); every later call returns."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.abort()
+    return dist.get_rank()  # no collective: rank 0 does not wait for the dead rank
+
+
+def test_the_shared_group_reruns_a_scenario_once_after_a_native_crash(tmp_path: Path) -> None:
+    from tests.conftest import SharedGroup
+
+    with SharedGroup(world_size=2, log_dir=str(tmp_path)) as g:
+        with pytest.warns(RuntimeWarning, match="rank 1 was killed by SIGABRT"):
+            assert g.run(abort_once_on_rank_1, str(tmp_path / "crashed"), timeout=60) == [0, 1]
+        with pytest.raises(WorkerError, match="boom"):  # any other failure is not rerun
+            g.run(raise_boom, timeout=60)
+
+
+def raise_boom() -> None:
+    raise ValueError("boom")

@@ -117,9 +117,10 @@ def _clear_lru_caches(prefixes: tuple[str, ...]) -> None:
         if not name.startswith(prefixes) or module is None:
             continue
         for value in list(vars(module).values()):
-            values = list(vars(value).values()) if isinstance(value, type) and value.__module__ == name else [value]
-            for v in values:
-                if isinstance(v, (staticmethod, classmethod)):  # DTensor's mesh topology, cached per mesh
+            # type() rather than isinstance(), which reads __class__: deprecated globals warn on any read.
+            is_class = issubclass(type(value), type) and value.__module__ == name
+            for v in list(vars(value).values()) if is_class else [value]:
+                if type(v) in (staticmethod, classmethod):  # DTensor's mesh topology, cached per mesh
                     v = v.__func__
                 for cached in (v, *(c.cell_contents for c in _cells(v))):
                     # By type name: reading attributes off every module global would trip deprecation warnings.
