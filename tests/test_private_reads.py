@@ -38,6 +38,10 @@ OUTSIDE_ADAPTERS = {
     # Not an operation: the worker group destroys the groups a scenario made, and empties the caches
     # that would hand a later scenario their meshes.
     ("cli/_worker_cleanup.py", "_world"),
+    # Not a backend's state: the group an engine in another process opens for weight updates, built with torch's
+    # private constructor as the engines build theirs (there is no public one), in one place.
+    ("base/process_groups.py", "_new_process_group_helper"),
+    ("base/process_groups.py", "_world"),
     ("cli/_worker_cleanup.py", "_clear_sharding_prop_cache"),
 }
 

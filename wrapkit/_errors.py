@@ -14,6 +14,7 @@ __all__ = [
     "AdapterRegistrationError",
     "StateDictError",
     "ArgumentError",
+    "EngineError",
 ]
 
 
@@ -55,3 +56,8 @@ class StateDictError(WrapkitError, ValueError):
 
 class ArgumentError(WrapkitError, ValueError):
     """An argument has a value the operation does not accept (e.g. an unknown mode or size)."""
+
+
+class EngineError(WrapkitError, RuntimeError):
+    """An inference engine in another process refused a call, failed, or did not answer in time. Raised
+    on every trainer rank alike, with the engine's own answer quoted."""

@@ -90,8 +90,11 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     "transformers pipeline-parallel model": ("_pp_stage", "_pp_forward_wrapped"),
     "ms-swift lazy module": ("_class_to_module",),
     "Python's atexit": ("_run_exitfuncs",),
-    # The worker group (the doctor's and the tests' processes) destroys the groups each scenario made.
+    # The worker group (the doctor's and the tests' processes) destroys the groups each scenario made; an engine's
+    # weight-update group is registered with its ranks there (base/process_groups.py), as the engines do.
     "torch.distributed's group registry": ("_world",),
+    # The only constructor of a group outside the default group's ranks (an engine's weight-update group).
+    "torch.distributed's group constructor": ("_new_process_group_helper",),
     "DTensor's memoised sharding propagation": ("_clear_sharding_prop_cache",),
 }
 

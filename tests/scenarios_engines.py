@@ -1,0 +1,84 @@
+"""Scenarios on the shared workers for engines in other processes: the stand-in SGLang server of
+``tests/sglang_standin.py`` is fed from every backend, and what it then holds is compared with the model."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import wrapkit
+from wrapkit.cli._families import family_inputs, family_model
+from wrapkit.cli._models import build, fill_adapters
+from wrapkit.integrations._engine_wire import call
+from wrapkit.integrations.sglang import SGLangEngine
+
+
+def _train_step(wm: Any, model: torch.nn.Module) -> None:
+    inputs = family_inputs(model)
+    loss = wm(**{k: v.to(wm.device) for k, v in inputs.items()}, labels=inputs["input_ids"].to(wm.device)).loss
+    if wm.backend == "deepspeed":
+        wm.module.backward(loss)
+        wm.module.step()
+        return
+    loss.backward()
+    with torch.no_grad():
+        for p in wm.module.parameters():
+            if p.grad is not None:
+                p.sub_(0.1 * p.grad)
+                p.grad = None
+
+
+def sync_to_standin(cases: list[dict[str, Any]], url: str, ports: list[int], dump_dir: str) -> dict[str, Any]:
+    """For each case (``spec``, ``family``, ``precision``): sync, train a step, sync again; after each sync the
+    stand-in's weights against the model's full state dict."""
+    out: dict[str, Any] = {}
+    for case, port in zip(cases, ports, strict=True):
+        model = family_model(case["family"], seed=0)
+        if case.get("merge"):  # LoRA whose adapters change the weights once merged
+            from peft import LoraConfig, get_peft_model
+
+            config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+            model = fill_adapters(get_peft_model(model, config), seed=1)
+        wm = wrapkit.adapt(build(case["spec"], model=model, precision=case.get("precision", "fp32")))
+        engine = SGLangEngine(url, master_port=port, group_name=f"wk-{case['spec']}-{port}", timeout=60)
+        engine.connect()
+        syncs = []
+        try:
+            for step in range(2):
+                if step:
+                    _train_step(wm, model)
+                merge = bool(case.get("merge"))
+                report = engine.sync(wm, bucket_bytes=16 * 1024, merge_adapters=merge)
+                want = wm.full_state_dict(merge_adapters=merge)
+                obs: dict[str, Any] = {"report": report._asdict()}
+                if dist.get_rank() == 0:
+                    path = os.path.join(dump_dir, f"{case['spec']}-{port}-{step}.pt")
+                    obs["calls"] = call(url, "standin_dump", {"path": path}, 60)["calls"]
+                    held = torch.load(path)
+                    obs["wrong"] = [k for k, v in held.items() if k not in want or not torch.equal(
+                        v, want[k].to(v.dtype))]
+                    obs["compared"] = len(held)
+                syncs.append(obs)
+        finally:
+            engine.close()
+        out[repr(sorted(case.items()))] = syncs
+        del wm, model
+    return out
+
+
+def sync_expecting_failure(url: str, port: int, connect_only: bool = False) -> str:
+    """One sync to an engine that refuses or is gone: the error this rank raised (every rank must raise)."""
+    wm = wrapkit.adapt(build("fsdp2", model=family_model("llama", seed=0)))
+    engine = SGLangEngine(url, master_port=port, group_name=f"wk-fail-{port}", timeout=10)
+    try:
+        engine.connect()
+        if not connect_only:
+            engine.sync(wm, bucket_bytes=16 * 1024)
+    except wrapkit.EngineError as exc:
+        return f"EngineError: {exc}"
+    finally:
+        engine.close()
+    return "no error"

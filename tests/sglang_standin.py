@@ -1,0 +1,151 @@
+"""A stand-in for an SGLang 0.5.23 server's weight-update side, in a process of its own.
+
+Written from SGLang's released source: the HTTP routes and their payloads (``sglang/srt/entrypoints/
+http_server.py``, ``managers/io_struct.py``), the weight-update group as ``init_custom_process_group`` builds it
+(a ``tcp://`` rendezvous as a client, the store wrapped in a prefix of the group's name, torch's group
+constructor), the session rule (every update between ``begin_weight_update`` and ``end_weight_update``), and the
+``flattened_bucket`` receive (``weight_sync/tensor_bucket.py``: offsets rebuilt from names, dtypes and shapes,
+an unaligned tensor or an empty bucket refused before the broadcast). The model is a transformers model loaded
+by the Hub's names, as SGLang's ``load_weights`` takes them; the data plane is gloo.
+
+    python tests/sglang_standin.py --port P
+
+prints ``ready`` once it listens. Two routes of its own drive the tests: ``/standin_mode {"family", "refuse",
+"skip"}`` builds a fresh model of that family and sets a route to refuse (``success: false``) and a name part
+whose tensors are dropped while success is still answered (as SGLang does for names its model does not know);
+``/standin_dump {"path"}`` saves the model's state dict and answers with the calls received.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from wrapkit import Bucket, BucketEntry
+from wrapkit.cli._families import family_model
+from wrapkit.integrations.vllm import load_into
+
+
+class Engine:
+    def __init__(self) -> None:
+        self.groups: dict[str, Any] = {}
+        self.lock = threading.Lock()
+        self.standin_mode({})
+
+    def standin_mode(self, req: dict[str, Any]) -> tuple[int, Any]:
+        self.model = family_model(req.get("family", "llama"), seed=1234).eval()
+        self.refuse, self.skip = req.get("refuse"), req.get("skip")
+        self.session = False
+        self.calls: list[str] = []
+        return 200, {"success": True}
+
+    def handle(self, route: str, req: dict[str, Any]) -> tuple[int, Any]:
+        self.calls.append(route)
+        if route == self.refuse:
+            return 400, {"success": False, "message": f"{route} refused by the stand-in"}
+        handler = getattr(self, route, None)
+        if handler is None:
+            return 404, {"detail": "Not Found"}
+        return handler(req)  # type: ignore[no-any-return]
+
+    def init_weights_update_group(self, req: dict[str, Any]) -> tuple[int, Any]:
+        rank, world = req["rank_offset"], req["world_size"]
+        wait = datetime.timedelta(seconds=60)
+        store, rank, world = next(c10d.rendezvous(f"tcp://{req['master_address']}:{req['master_port']}", rank,
+                                                  world, timeout=wait))
+        store = c10d.PrefixStore(req["group_name"], store)
+        group, _ = c10d._new_process_group_helper(world, rank, [], dist.Backend(req.get("backend", "nccl")), store,
+                                                  group_name=req["group_name"], timeout=wait)
+        c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
+        self.groups[req["group_name"]] = group
+        return 200, {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def begin_weight_update(self, req: dict[str, Any]) -> tuple[int, Any]:
+        self.session = True
+        return 200, {"success": True, "message": "Weight update session opened."}
+
+    def end_weight_update(self, req: dict[str, Any]) -> tuple[int, Any]:
+        self.session = False
+        return 200, {"success": True, "message": "Weight update session closed."}
+
+    def pause_generation(self, req: dict[str, Any]) -> tuple[int, Any]:
+        return 200, {"message": "Generation paused successfully.", "status": "ok"}
+
+    def continue_generation(self, req: dict[str, Any]) -> tuple[int, Any]:
+        return 200, {"message": "Generation continued successfully.", "status": "ok"}
+
+    def update_weights_from_distributed(self, req: dict[str, Any]) -> tuple[int, Any]:
+        if not self.session:
+            return 400, {"success": False, "message": "update_weights_from_distributed must be called between "
+                                                      "begin_weight_update and end_weight_update"}
+        if req["group_name"] not in self.groups:
+            return 400, {"success": False, "message": f"Group {req['group_name']} not in {list(self.groups)}"}
+        if req.get("load_format") != "flattened_bucket":
+            return 400, {"success": False, "message": "the stand-in takes load_format='flattened_bucket' only"}
+        entries, offset = [], 0
+        for name, dtype_name, shape in zip(req["names"], req["dtypes"], req["shapes"], strict=True):
+            dtype = getattr(torch, dtype_name)
+            if offset % dtype.itemsize:
+                return 400, {"success": False,
+                             "message": f"Unaligned received tensor {name}: byte offset {offset}, dtype {dtype}"}
+            entries.append(BucketEntry(name, tuple(shape), dtype, offset))
+            offset += int(torch.Size(shape).numel()) * dtype.itemsize
+        if not entries:
+            return 400, {"success": False, "message": "Cannot create empty tensor bucket"}
+        flat = torch.empty(offset, dtype=torch.uint8)
+        dist.broadcast(flat, src=0, group=self.groups[req["group_name"]])
+        # SGLang's load_weights passes over names its model does not know, and still answers success.
+        kept = [e for e in entries if self.skip is None or self.skip not in e.name]
+        try:
+            with self.lock, torch.no_grad():
+                load_into(self.model, [Bucket(flat, kept)])
+        except Exception as exc:
+            return 400, {"success": False, "message": f"Failed to update parameter online: {exc}."}
+        return 200, {"success": True, "message": "Succeeded to update parameter online."}
+
+    def get_weights_by_name(self, req: dict[str, Any]) -> tuple[int, Any]:
+        tensor = self.model.state_dict().get(req["name"])
+        if tensor is None:
+            return 400, {"object": "error", "message": "Get parameter by name failed", "code": 400}
+        return 200, tensor.to(torch.float32).tolist()[: req.get("truncate_size", 100)]
+
+    def standin_dump(self, req: dict[str, Any]) -> tuple[int, Any]:
+        with self.lock:
+            torch.save({k: v.clone() for k, v in self.model.state_dict().items()}, req["path"])
+        return 200, {"success": True, "calls": self.calls}
+
+
+def serve(port: int, engine: Engine) -> None:
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (the name http.server calls)
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)) or 0)
+            status, answer = engine.handle(self.path.strip("/"), json.loads(body or b"{}"))
+            data = json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    print("ready", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    serve(a.port, Engine())

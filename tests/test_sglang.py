@@ -1,0 +1,141 @@
+"""Weights to an SGLang server in another process (``wrapkit.integrations.sglang``), against the stand-in of
+``tests/sglang_standin.py``: the same routes, session rule, group and ``flattened_bucket`` receive as SGLang
+0.5.23, over gloo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests import _matrix as matrix
+from tests import scenarios_engines as se
+from wrapkit.cli._workers import free_port
+from wrapkit.integrations._engine_wire import call
+from wrapkit.integrations.sglang import flattened_bucket
+
+STANDIN = Path(__file__).with_name("sglang_standin.py")
+
+
+class Standin:
+    """The stand-in server, started once for the session; ``mode()`` gives it a fresh model and behaviour."""
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen([sys.executable, str(STANDIN), "--port", str(self.port)],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()  # "ready" once it listens (or nothing if it died)
+        assert line.strip() == "ready", f"the stand-in did not start: {line!r}"
+
+    def mode(self, family: str = "llama", refuse: str | None = None, skip: str | None = None) -> Standin:
+        assert call(self.url, "standin_mode", {"family": family, "refuse": refuse, "skip": skip}, 60)["success"]
+        return self
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="session")
+def server() -> Iterator[Standin]:
+    s = Standin()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+# ZeRO-3 and FSDP2 gathered, DDP in bf16 (whole parameters, the wire in the model's dtype), LoRA merged on the
+# way, a tied model.
+CASES = [{"spec": "fsdp2", "family": "llama"}, {"spec": "zero3", "family": "llama"},
+         {"spec": "ddp", "family": "llama", "precision": "bf16"}, {"spec": "fsdp2", "family": "llama", "merge": True},
+         {"spec": "zero3", "family": "qwen2-tied"}]
+
+
+def _check(per_rank: list[Any]) -> None:
+    reports = [[sync["report"] for sync in syncs] for syncs in per_rank]
+    assert reports[0] == [{**r, "seconds": reports[0][i]["seconds"]} for i, r in enumerate(reports[1])]  # agreed
+    for sync in per_rank[0]:
+        report = sync["report"]
+        assert report["tensors"] > 0 and report["buckets"] > 1 and report["bytes"] > 0, report
+        assert report["verified"], report  # the engine echoed sent values back
+        assert sync["compared"] > 0 and sync["wrong"] == [], sync["wrong"][:5]
+        # One session per sync: paused, begun, one update per bucket, ended, checked, continued.
+        calls = sync["calls"]
+        session = calls[len(calls) - 1 - calls[::-1].index("pause_generation"):]
+        assert session == ["pause_generation", "begin_weight_update",
+                           *["update_weights_from_distributed"] * report["buckets"], "end_weight_update",
+                           *["get_weights_by_name"] * len(report["verified"]), "continue_generation",
+                           "standin_dump"], session
+    assert per_rank[0][0]["calls"][0] == "init_weights_update_group"
+
+
+@matrix.cases(CASES)
+def test_sync_to_sglang_equals_the_model(request: pytest.FixtureRequest, group: Any, server: Standin, tmp_path: Path,
+                                         case: dict[str, Any]) -> None:
+    function = request.node.function
+    stash = request.session.stash.setdefault(_OUT, {})
+    if not stash:  # every selected case in one call, one family after the other (the server holds one model)
+        selected = [item.callspec.params["case"] for item in request.session.items
+                    if getattr(item, "function", None) is function]
+        for family in dict.fromkeys(c["family"] for c in selected):
+            mine = [c for c in selected if c["family"] == family]
+            try:
+                server.mode(family)
+                per_rank = group.run(se.sync_to_standin, mine, server.url, [free_port() for _ in mine],
+                                     str(tmp_path), timeout=240)
+                stash.update({matrix.key(c): [obs[matrix.key(c)] for obs in per_rank] for c in mine})
+            except Exception as exc:  # each case of the family fails with it
+                stash.update({matrix.key(c): exc for c in mine})
+    outcome = stash[matrix.key(case)]
+    if isinstance(outcome, Exception):
+        raise outcome
+    _check(outcome)
+
+
+_OUT = pytest.StashKey[dict[str, Any]]()
+
+
+@pytest.mark.parametrize("refuse, skip, said", [
+    ("begin_weight_update", None, "begin_weight_update refused by the stand-in"),
+    ("update_weights_from_distributed", None, "update_weights_from_distributed refused by the stand-in"),
+    ("init_weights_update_group", None, "init_weights_update_group refused by the stand-in"),
+    (None, "lm_head", "holds other values for lm_head.weight"),  # success answered, nothing loaded
+])
+def test_an_engine_that_refuses_fails_every_rank(group: Any, server: Standin, refuse: str | None, skip: str | None,
+                                                 said: str) -> None:
+    server.mode(refuse=refuse, skip=skip)
+    t0 = time.monotonic()
+    errors = group.run(se.sync_expecting_failure, server.url, free_port(), timeout=120)
+    assert all(e.startswith("EngineError") and said in e for e in errors), errors
+    assert time.monotonic() - t0 < 60
+
+
+def test_an_engine_that_is_gone_fails_every_rank_at_once(group: Any) -> None:
+    t0 = time.monotonic()
+    errors = group.run(se.sync_expecting_failure, f"http://127.0.0.1:{free_port()}", free_port(), True, timeout=120)
+    assert all(e.startswith("EngineError") and "did not answer" in e for e in errors), errors
+    assert time.monotonic() - t0 < 15  # reported at once, not after the group's timeout
+
+
+def test_flattened_bucket_orders_by_itemsize_without_padding() -> None:
+    from wrapkit import Bucket, BucketEntry
+
+    a = torch.arange(3, dtype=torch.bfloat16)
+    b = torch.arange(5, dtype=torch.float32)
+    flat = torch.zeros(256, dtype=torch.uint8)
+    flat[0:6].copy_(a.view(torch.uint8))
+    flat[64:84].copy_(b.view(torch.uint8))
+    out, names, dtypes, shapes = flattened_bucket(Bucket(flat, [BucketEntry("a", (3,), torch.bfloat16, 0),
+                                                                BucketEntry("b", (5,), torch.float32, 64)]))
+    assert names == ["b", "a"] and dtypes == ["float32", "bfloat16"] and shapes == [[5], [3]]
+    assert out.numel() == 26  # back to back: no 64-byte slots
+    assert torch.equal(out[:20].view(torch.float32), b) and torch.equal(out[20:].view(torch.bfloat16), a)

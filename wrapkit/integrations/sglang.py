@@ -1,0 +1,322 @@
+"""Weights to an SGLang server in another process (SGLang 0.5.23's distributed update), from any backend.
+
+Every trainer rank calls ``connect()`` and ``sync(wm)`` alike. The sending rank joins the engine's weight-update
+group as its rank 0; the other ranks only drive the gathers. A sync is one update session:
+``pause_generation``, ``begin_weight_update``, one ``update_weights_from_distributed`` per bucket in the
+``flattened_bucket`` format, ``end_weight_update``, ``continue_generation``. Each bucket is gathered, then sent,
+then the next is gathered: gathers and sends never interleave. Every engine call has a timeout, and the
+outcome is agreed by every trainer rank before ``sync`` returns or raises, so no rank is left in a collective.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .._errors import ArgumentError, EngineError
+from .._results import Bucket, entry_bytes
+from ..base.process_groups import join_weight_group
+from ._engine_wire import call
+
+__all__ = ["SGLangEngine", "EngineSync", "flattened_bucket"]
+
+
+class EngineSync(NamedTuple):
+    """What one ``sync`` moved, the same on every trainer rank. ``verified``: the tensors (the first and last
+    of each bucket) whose first row the engine echoed back (``get_weights_by_name``) equal to what was sent;
+    empty where the engine's model cannot echo a name (SGLang implements it for some architectures only)."""
+
+    tensors: int
+    buckets: int
+    bytes: int
+    seconds: float
+    verified: list[str]
+
+
+def flattened_bucket(bucket: Bucket) -> tuple[torch.Tensor, list[str], list[str], list[list[int]]]:
+    """``bucket`` as SGLang's ``flattened_bucket`` load format reads it: its tensors back to back with no
+    padding, ordered by falling itemsize (the receiver rebuilds the offsets from the metadata and refuses a
+    tensor whose offset is not a multiple of its itemsize). Returns the bytes, names, dtypes and shapes."""
+    entries = sorted(bucket.entries, key=lambda e: -e.dtype.itemsize)  # stable: the bucket's order within a size
+    flat = torch.empty(sum(entry_bytes(e) for e in entries), dtype=torch.uint8, device=bucket.flat.device)
+    at = 0
+    for e in entries:
+        n = entry_bytes(e)
+        flat[at:at + n].copy_(bucket.flat[e.offset:e.offset + n])
+        at += n
+    return (flat, [e.name for e in entries], [str(e.dtype).removeprefix("torch.") for e in entries],
+            [list(e.shape) for e in entries])
+
+
+class SGLangEngine:
+    """An SGLang server at ``url`` that takes weights over ``torch.distributed``.
+
+    ``master_address`` / ``master_port``: where the sending rank hosts the weight-update group's store (the
+    engine's workers connect there). ``engine_ranks``: the engine's tensor x pipeline size (one data-parallel
+    replica: SGLang's distributed update takes no more). ``group_name``: torch registers group names
+    process-wide, so a trainer that feeds two engines gives each its own. ``backend``: ``"nccl"`` on GPUs,
+    ``"gloo"`` on CPUs. ``timeout``: seconds for each engine call and each collective of the group.
+    ``src_rank``: the trainer rank that sends (a global rank).
+    """
+
+    def __init__(self, url: str, *, master_port: int, master_address: str = "127.0.0.1", engine_ranks: int = 1,
+                 group_name: str = "wrapkit-weights", backend: str = "gloo", timeout: float = 120.0,
+                 src_rank: int = 0) -> None:
+        problem = _problem(engine_ranks, group_name, backend, timeout, master_port)
+        if problem is not None:
+            raise ArgumentError(f"SGLangEngine(): {problem}")
+        self.url, self.master_address, self.master_port = url, master_address, master_port
+        self.engine_ranks, self.group_name, self.backend = engine_ranks, group_name, backend
+        self.timeout, self.src_rank = timeout, src_rank
+        self._group: Any = None
+        self._connected = False
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Open the weight-update group (on every trainer rank). Raises ``EngineError`` on every rank where
+        the engine refuses or does not join within the timeout."""
+        error = None
+        if self._sends():
+            try:
+                self._group = self._join()
+            except Exception as exc:  # any failure: the other ranks wait for the outcome below
+                error = _why(exc)
+        self._raise_agreed(error, "connect")
+        self._connected = True
+
+    def close(self) -> None:
+        """Leave the group (the engine's side is closed by its ``destroy_weights_update_group``)."""
+        if self._group is not None:
+            try:
+                dist.destroy_process_group(self._group)
+            except Exception:  # already gone with its peers: nothing left to release
+                pass
+        self._group, self._connected = None, False
+
+    # -- one update -----------------------------------------------------------------------------
+    def sync(self, wm: Any, *, bucket_bytes: int = 512 * 2**20, dtype: torch.dtype | None = None,
+             merge_adapters: bool = False, keep_dtype: Callable[[str], bool] | None = None,
+             pause: bool = True) -> EngineSync:
+        """Send ``wm``'s full weights in the Hub's layout (``stream_full_parameters`` with the same
+        ``bucket_bytes``, ``dtype``, ``merge_adapters`` and ``keep_dtype``). Every trainer rank calls it.
+        ``pause``: generation is paused (in-flight requests retracted) for the update and continued after.
+        Raises ``EngineError`` on every rank if the engine refused or failed any step, quoting its answer."""
+        if not self._connected:
+            raise ArgumentError("SGLangEngine.sync() before connect(): call connect() on every rank first")
+        t0 = time.perf_counter()
+        sends = self._sends()
+        error = None
+        if sends:
+            try:
+                error = self._begin(pause)
+            except Exception as exc:
+                error = _why(exc)
+        self._raise_agreed(error, "sync")
+        sent: list[str] = []
+        probes: dict[str, torch.Tensor] = {}
+        moved = buckets = 0
+        stream = wm.stream_full_parameters(bucket_bytes, dtype, merge_adapters, keep_dtype=keep_dtype,
+                                           dst_rank=self.src_rank)
+        for bucket in stream:  # off the sending rank this only drives the gathers
+            if error is None:
+                try:
+                    names, n = self._send(bucket, probes)
+                    sent += names
+                    moved += n
+                    buckets += 1
+                except Exception as exc:  # the stream is still read to its end: the gathers stay matched
+                    error = _why(exc)
+            del bucket
+        verified: list[str] = []
+        if sends:
+            if error is None and not sent:
+                error = "the model gave nothing to send: the engine's weights were not updated"
+            try:
+                error, verified = self._end(error, probes, pause)
+            except Exception as exc:
+                error = error or _why(exc)
+        self._raise_agreed(error, "sync")
+        box: list[Any] = [(len(sent), buckets, moved, verified)]
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(box, src=self.src_rank)
+        tensors, buckets, moved, verified = box[0]
+        return EngineSync(tensors, buckets, moved, time.perf_counter() - t0, verified)
+
+    # -- the sending rank -----------------------------------------------------------------------
+    def _sends(self) -> bool:
+        return (dist.get_rank() if dist.is_available() and dist.is_initialized() else 0) == self.src_rank
+
+    def _call(self, route: str, payload: dict[str, Any]) -> dict[str, Any]:
+        return call(self.url, route, payload, self.timeout)
+
+    def _join(self) -> Any:
+        payload = {"master_address": self.master_address, "master_port": self.master_port, "rank_offset": 1,
+                   "world_size": 1 + self.engine_ranks, "group_name": self.group_name, "backend": self.backend}
+        # Both sides build the group at once: the engine's call returns once its workers joined it. The join
+        # runs in a thread, so that a refusal or an engine that is gone is reported at once (the join then
+        # ends by its own timeout).
+        joined: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                joined["group"] = join_weight_group(self.master_address, self.master_port, 1 + self.engine_ranks,
+                                                    0, self.group_name, self.backend, self.timeout)
+            except Exception as exc:
+                joined["error"] = f"{type(exc).__name__}: {exc}"
+
+        thread = threading.Thread(target=join, daemon=True)
+        thread.start()
+        answer = self._call("init_weights_update_group", payload)
+        if answer.get("success") is not True:
+            raise EngineError(f"init_weights_update_group was refused: {_said({'answer': answer})}")
+        thread.join(self.timeout)
+        if "group" not in joined:
+            raise EngineError(f"the engine accepted the weight-update group but this rank could not join it: "
+                              f"{joined.get('error', f'not within {self.timeout:.0f} s')}")
+        return joined["group"]
+
+    def _begin(self, pause: bool) -> str | None:
+        try:
+            if pause:
+                paused = self._call("pause_generation", {"mode": "retract"})
+                if paused.get("status") != "ok":
+                    return f"pause_generation was refused: {_said({'answer': paused})}"
+            answer = self._call("begin_weight_update", {})
+        except EngineError as exc:
+            return str(exc)
+        return None if _ok({"answer": answer}) else f"begin_weight_update was refused: {_said({'answer': answer})}"
+
+    def _send(self, bucket: Bucket, probes: dict[str, torch.Tensor]) -> tuple[list[str], int]:
+        flat, names, dtypes, shapes = flattened_bucket(bucket)
+        if not names:
+            return [], 0
+        payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.group_name,
+                   "flush_cache": True, "load_format": "flattened_bucket"}
+        answer, thread = _in_thread(lambda: self._call("update_weights_from_distributed", payload))
+        try:
+            dist.broadcast(flat, src=0, group=self._group)
+        except Exception as exc:  # the group's timeout: the engine never took its part
+            thread.join(self.timeout)
+            self._connected = False
+            raise EngineError(f"sending {len(names)} tensors ({names[0]}, ...) failed: {exc}; the engine "
+                              f"answered: {_said(answer)}. The group is out of step: connect() again") from exc
+        thread.join(self.timeout)
+        if thread.is_alive():
+            self._connected = False
+            raise EngineError(f"update_weights_from_distributed did not answer within {self.timeout:.0f} s after "
+                              f"its {flat.numel()} bytes were sent")
+        if not _ok(answer):
+            raise EngineError(f"update_weights_from_distributed refused {len(names)} tensors ({names[0]}, ...): "
+                              f"{_said(answer)}")
+        # The first row of the bucket's first and last tensors, asked back for once the session is closed.
+        views = dict(bucket.named_tensors())
+        for name in {names[0], names[-1]}:
+            if views[name].dim() >= 1 and views[name].numel() > 0:
+                probes[name] = views[name][:1].detach().to("cpu", copy=True)
+        return names, flat.numel()
+
+    def _end(self, error: str | None, probes: dict[str, torch.Tensor], pause: bool) -> tuple[str | None, list[str]]:
+        """Close the session (also after a failure: SGLang keeps it open otherwise), check what the engine
+        holds, and let generation continue."""
+        try:
+            answer = self._call("end_weight_update", {})
+            if error is None and not _ok({"answer": answer}):
+                error = f"end_weight_update was refused: {_said({'answer': answer})}"
+        except EngineError as exc:
+            error = error or str(exc)
+        verified: list[str] = []
+        if error is None:
+            error, verified = self._verify(probes)
+        if pause:
+            try:
+                self._call("continue_generation", {})
+            except EngineError as exc:
+                error = error or str(exc)
+        return error, verified
+
+    def _verify(self, probes: dict[str, torch.Tensor]) -> tuple[str | None, list[str]]:
+        verified: list[str] = []
+        for name in probes:
+            answer = self._call("get_weights_by_name", {"name": name, "truncate_size": 1})
+            held = answer.get("value", answer.get("parameter"))
+            if held is None:  # the engine's model cannot echo this name: nothing to compare
+                continue
+            if not _same(held, probes[name]):
+                return (f"after the update the engine holds other values for {name} than were sent "
+                        "(it loaded nothing, or something else, for it)"), verified
+            verified.append(name)
+        return None, verified
+
+    def _raise_agreed(self, error: str | None, what: str) -> None:
+        """Every trainer rank learns the sending rank's outcome, and raises alike."""
+        if dist.is_available() and dist.is_initialized():
+            box = [error]
+            dist.broadcast_object_list(box, src=self.src_rank)
+            error = box[0]
+        if error is not None:
+            raise EngineError(f"SGLangEngine.{what}() at {self.url}: {error}")
+
+
+def _problem(engine_ranks: object, group_name: object, backend: object, timeout: object, port: object) -> str | None:
+    if isinstance(engine_ranks, bool) or not isinstance(engine_ranks, int) or engine_ranks < 1:
+        return f"engine_ranks={engine_ranks!r}: pass the engine's tensor x pipeline size (a positive int)"
+    if not isinstance(group_name, str) or not group_name:
+        return f"group_name={group_name!r}: pass a non-empty name (an empty one crashes the server)"
+    if backend not in ("gloo", "nccl"):
+        return f"backend={backend!r}: pass 'nccl' (GPUs) or 'gloo' (CPUs)"
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        return f"timeout={timeout!r}: pass a positive number of seconds"
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        return f"master_port={port!r}: pass a free TCP port"
+    return None
+
+
+def _why(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+
+
+def _in_thread(fn: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], threading.Thread]:
+    """Run an engine call beside a collective: its answer (or error) lands in the returned dict."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["answer"] = fn()
+        except EngineError as exc:
+            box["error"] = str(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return box, thread
+
+
+def _ok(box: dict[str, Any]) -> bool:
+    answer = box.get("answer")
+    return isinstance(answer, dict) and answer.get("success") is True
+
+
+def _said(box: dict[str, Any]) -> str:
+    if "error" in box:
+        return str(box["error"])
+    answer = box.get("answer")
+    if answer is None:
+        return "nothing (still waiting when the timeout ran out)"
+    return str(answer.get("message", answer)) if isinstance(answer, dict) else str(answer)
+
+
+def _same(held: Any, sent: torch.Tensor) -> bool:
+    """The engine's echo of a tensor's first row against what was sent: exactly, in float32, or after
+    rounding to the half-precision dtype the engine may hold it in."""
+    try:
+        got = torch.tensor(held, dtype=torch.float32).flatten()
+    except (TypeError, ValueError):
+        return False
+    want = sent.to(torch.float32).flatten()
+    if got.numel() != want.numel():
+        return False
+    return any(torch.equal(got, want.to(d).to(torch.float32)) for d in (torch.float32, torch.bfloat16, torch.float16))
