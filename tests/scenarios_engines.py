@@ -69,16 +69,22 @@ def sync_to_standin(cases: list[dict[str, Any]], url: str, ports: list[int], dum
     return out
 
 
-def sync_expecting_failure(url: str, port: int, connect_only: bool = False) -> str:
-    """One sync to an engine that refuses or is gone: the error this rank raised (every rank must raise)."""
+def sync_expecting_failure(url: str, port: int, connect_only: bool = False) -> list[str]:
+    """A sync to an engine that refuses or is gone, then another: what each raised on this rank (every rank
+    must raise alike, and the second call must not hang where the first left the group out of step)."""
     wm = wrapkit.adapt(build("fsdp2", model=family_model("llama", seed=0)))
     engine = SGLangEngine(url, master_port=port, group_name=f"wk-fail-{port}", timeout=10)
+    outcomes = []
     try:
-        engine.connect()
-        if not connect_only:
-            engine.sync(wm, bucket_bytes=16 * 1024)
-    except wrapkit.EngineError as exc:
-        return f"EngineError: {exc}"
+        for _ in range(1 if connect_only else 2):
+            try:
+                if not outcomes:  # the second call goes on from wherever the first left the engine
+                    engine.connect()
+                if not connect_only:
+                    engine.sync(wm, bucket_bytes=16 * 1024)
+                outcomes.append("no error")
+            except wrapkit.WrapkitError as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
     finally:
         engine.close()
-    return "no error"
+    return outcomes

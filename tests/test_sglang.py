@@ -104,25 +104,29 @@ def test_sync_to_sglang_equals_the_model(request: pytest.FixtureRequest, group: 
 _OUT = pytest.StashKey[dict[str, Any]]()
 
 
-@pytest.mark.parametrize("refuse, skip, said", [
-    ("begin_weight_update", None, "begin_weight_update refused by the stand-in"),
-    ("update_weights_from_distributed", None, "update_weights_from_distributed refused by the stand-in"),
-    ("init_weights_update_group", None, "init_weights_update_group refused by the stand-in"),
-    (None, "lm_head", "holds other values for lm_head.weight"),  # success answered, nothing loaded
+@pytest.mark.parametrize("refuse, skip, said, then", [
+    ("begin_weight_update", None, "begin_weight_update refused by the stand-in", "EngineError"),
+    # Refused before its part of the broadcast: the group is out of step, so every rank leaves it.
+    ("update_weights_from_distributed", None, "update_weights_from_distributed refused by the stand-in",
+     "ArgumentError: SGLangEngine.sync() before connect()"),
+    ("init_weights_update_group", None, "init_weights_update_group refused by the stand-in",
+     "ArgumentError: SGLangEngine.sync() before connect()"),
+    (None, "lm_head", "holds other values for lm_head.weight", "EngineError"),  # success answered, nothing loaded
 ])
 def test_an_engine_that_refuses_fails_every_rank(group: Any, server: Standin, refuse: str | None, skip: str | None,
-                                                 said: str) -> None:
+                                                 said: str, then: str) -> None:
     server.mode(refuse=refuse, skip=skip)
     t0 = time.monotonic()
-    errors = group.run(se.sync_expecting_failure, server.url, free_port(), timeout=120)
-    assert all(e.startswith("EngineError") and said in e for e in errors), errors
+    outcomes = group.run(se.sync_expecting_failure, server.url, free_port(), timeout=120)
+    assert all(first.startswith("EngineError") and said in first for first, _ in outcomes), outcomes
+    assert all(second.startswith(then) for _, second in outcomes), outcomes  # alike on every rank, no hang
     assert time.monotonic() - t0 < 60
 
 
 def test_an_engine_that_is_gone_fails_every_rank_at_once(group: Any) -> None:
     t0 = time.monotonic()
-    errors = group.run(se.sync_expecting_failure, f"http://127.0.0.1:{free_port()}", free_port(), True, timeout=120)
-    assert all(e.startswith("EngineError") and "did not answer" in e for e in errors), errors
+    outcomes = group.run(se.sync_expecting_failure, f"http://127.0.0.1:{free_port()}", free_port(), True, timeout=120)
+    assert all(e.startswith("EngineError") and "did not answer" in e for [e] in outcomes), outcomes
     assert time.monotonic() - t0 < 15  # reported at once, not after the group's timeout
 
 

@@ -75,6 +75,7 @@ class SGLangEngine:
         self.timeout, self.src_rank = timeout, src_rank
         self._group: Any = None
         self._connected = False
+        self._broken = False  # set on the sending rank where the group fell out of step; agreed with the rest
 
     # -- lifecycle ------------------------------------------------------------------------------
     def connect(self) -> None:
@@ -202,12 +203,12 @@ class SGLangEngine:
             dist.broadcast(flat, src=0, group=self._group)
         except Exception as exc:  # the group's timeout: the engine never took its part
             thread.join(self.timeout)
-            self._connected = False
+            self._broken = True
             raise EngineError(f"sending {len(names)} tensors ({names[0]}, ...) failed: {exc}; the engine "
                               f"answered: {_said(answer)}. The group is out of step: connect() again") from exc
         thread.join(self.timeout)
         if thread.is_alive():
-            self._connected = False
+            self._broken = True
             raise EngineError(f"update_weights_from_distributed did not answer within {self.timeout:.0f} s after "
                               f"its {flat.numel()} bytes were sent")
         if not _ok(answer):
@@ -253,11 +254,15 @@ class SGLangEngine:
         return None, verified
 
     def _raise_agreed(self, error: str | None, what: str) -> None:
-        """Every trainer rank learns the sending rank's outcome, and raises alike."""
+        """Every trainer rank learns the sending rank's outcome, and raises alike. Where the group fell out of
+        step every rank leaves it, so that each needs ``connect()`` again, together."""
         if dist.is_available() and dist.is_initialized():
-            box = [error]
+            box: list[Any] = [(error, self._broken)]
             dist.broadcast_object_list(box, src=self.src_rank)
-            error = box[0]
+            error, self._broken = box[0]
+        if self._broken:
+            self.close()
+            self._broken = False
         if error is not None:
             raise EngineError(f"SGLangEngine.{what}() at {self.url}: {error}")
 
