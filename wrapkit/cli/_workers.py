@@ -118,9 +118,9 @@ def crash_excerpt(text: str, limit: int = 4000) -> str:
     start = text.rfind("Fatal Python error")
     if start < 0:
         return text[-limit:]
-    dump = text[start:]
-    header = dump.split("\n\n", 1)[0]
-    current = next((block for block in dump.split("\n\n") if block.startswith("Current thread")), "")
+    blocks = text[start:].split("\n\n")
+    header = blocks[0]
+    current = next((block for block in blocks if block.startswith("Current thread")), "")
     before = text[max(0, start - limit // 4):start].strip()
     parts = [p for p in (before, header, current) if p]
     return "\n\n".join(parts)[-limit:]

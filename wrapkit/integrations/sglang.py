@@ -161,36 +161,25 @@ class SGLangEngine:
         # Both sides build the group at once: the engine's call returns once its workers joined it. The join
         # runs in a thread, so that a refusal or an engine that is gone is reported at once (the join then
         # ends by its own timeout).
-        joined: dict[str, Any] = {}
-
-        def join() -> None:
-            try:
-                joined["group"] = join_weight_group(self.master_address, self.master_port, 1 + self.engine_ranks,
-                                                    0, self.group_name, self.backend, self.timeout)
-            except Exception as exc:
-                joined["error"] = f"{type(exc).__name__}: {exc}"
-
-        thread = threading.Thread(target=join, daemon=True)
-        thread.start()
+        joined, thread = _in_thread(lambda: join_weight_group(
+            self.master_address, self.master_port, 1 + self.engine_ranks, 0, self.group_name, self.backend,
+            self.timeout))
         answer = self._call("init_weights_update_group", payload)
-        if answer.get("success") is not True:
-            raise EngineError(f"init_weights_update_group was refused: {_said({'answer': answer})}")
+        if not _ok(answer):
+            raise EngineError(f"init_weights_update_group was refused: {_said(answer)}")
         thread.join(self.timeout)
-        if "group" not in joined:
+        if "value" not in joined:
             raise EngineError(f"the engine accepted the weight-update group but this rank could not join it: "
                               f"{joined.get('error', f'not within {self.timeout:.0f} s')}")
-        return joined["group"]
+        return joined["value"]
 
     def _begin(self, pause: bool) -> str | None:
-        try:
-            if pause:
-                paused = self._call("pause_generation", {"mode": "retract"})
-                if paused.get("status") != "ok":
-                    return f"pause_generation was refused: {_said({'answer': paused})}"
-            answer = self._call("begin_weight_update", {})
-        except EngineError as exc:
-            return str(exc)
-        return None if _ok({"answer": answer}) else f"begin_weight_update was refused: {_said({'answer': answer})}"
+        if pause:
+            paused = self._call("pause_generation", {"mode": "retract"})
+            if paused.get("status") != "ok":
+                return f"pause_generation was refused: {_said(paused)}"
+        answer = self._call("begin_weight_update", {})
+        return None if _ok(answer) else f"begin_weight_update was refused: {_said(answer)}"
 
     def _send(self, bucket: Bucket, probes: dict[str, torch.Tensor]) -> tuple[list[str], int]:
         flat, names, dtypes, shapes = flattened_bucket(bucket)
@@ -198,19 +187,20 @@ class SGLangEngine:
             return [], 0
         payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.group_name,
                    "flush_cache": True, "load_format": "flattened_bucket"}
-        answer, thread = _in_thread(lambda: self._call("update_weights_from_distributed", payload))
+        box, thread = _in_thread(lambda: self._call("update_weights_from_distributed", payload))
         try:
             dist.broadcast(flat, src=0, group=self._group)
         except Exception as exc:  # the group's timeout: the engine never took its part
             thread.join(self.timeout)
             self._broken = True
             raise EngineError(f"sending {len(names)} tensors ({names[0]}, ...) failed: {exc}; the engine "
-                              f"answered: {_said(answer)}. The group is out of step: connect() again") from exc
+                              f"answered: {_said(_answer(box))}. The group is out of step: connect() again") from exc
         thread.join(self.timeout)
         if thread.is_alive():
             self._broken = True
             raise EngineError(f"update_weights_from_distributed did not answer within {self.timeout:.0f} s after "
                               f"its {flat.numel()} bytes were sent")
+        answer = _answer(box)
         if not _ok(answer):
             raise EngineError(f"update_weights_from_distributed refused {len(names)} tensors ({names[0]}, ...): "
                               f"{_said(answer)}")
@@ -226,8 +216,8 @@ class SGLangEngine:
         holds, and let generation continue."""
         try:
             answer = self._call("end_weight_update", {})
-            if error is None and not _ok({"answer": answer}):
-                error = f"end_weight_update was refused: {_said({'answer': answer})}"
+            if error is None and not _ok(answer):
+                error = f"end_weight_update was refused: {_said(answer)}"
         except EngineError as exc:
             error = error or str(exc)
         verified: list[str] = []
@@ -285,33 +275,36 @@ def _why(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
 
 
-def _in_thread(fn: Callable[[], dict[str, Any]]) -> tuple[dict[str, Any], threading.Thread]:
-    """Run an engine call beside a collective: its answer (or error) lands in the returned dict."""
+def _in_thread(fn: Callable[[], Any]) -> tuple[dict[str, Any], threading.Thread]:
+    """Run ``fn`` beside a blocking collective (an engine call, or the join of a group while the engine is
+    called): its ``"value"``, or its ``"error"``, lands in the returned dict."""
     box: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            box["answer"] = fn()
-        except EngineError as exc:
-            box["error"] = str(exc)
+            box["value"] = fn()
+        except Exception as exc:
+            box["error"] = _why(exc)
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
     return box, thread
 
 
-def _ok(box: dict[str, Any]) -> bool:
-    answer = box.get("answer")
-    return isinstance(answer, dict) and answer.get("success") is True
+def _answer(box: dict[str, Any]) -> dict[str, Any]:
+    """An engine call's answer from ``_in_thread``'s box; a call that failed or is still waiting reads as a
+    refusal saying so."""
+    if "value" in box:
+        return dict(box["value"])
+    return {"success": False, "message": box.get("error", "nothing (still waiting when the timeout ran out)")}
 
 
-def _said(box: dict[str, Any]) -> str:
-    if "error" in box:
-        return str(box["error"])
-    answer = box.get("answer")
-    if answer is None:
-        return "nothing (still waiting when the timeout ran out)"
-    return str(answer.get("message", answer)) if isinstance(answer, dict) else str(answer)
+def _ok(answer: dict[str, Any]) -> bool:
+    return answer.get("success") is True
+
+
+def _said(answer: dict[str, Any]) -> str:
+    return str(answer.get("message", answer))
 
 
 def _same(held: Any, sent: torch.Tensor) -> bool:
