@@ -1,11 +1,12 @@
-"""ms-swift's own DPO pipeline (``swift.pipelines.rlhf_main``) for a few steps on two CPU ranks,
-with or without wrapkit's drop-ins patched in.
+"""ms-swift's own RLHF pipelines (``swift.pipelines.rlhf_main``: DPO, GRPO) for a few steps on two
+CPU ranks, with or without wrapkit's drop-ins patched in; several pipelines run one after the
+other in the same launch.
 
-    torchrun --nproc_per_node 2 tests/swift_run.py --backend zero3 --model DIR --data FILE --json OUT [--no-patch]
+    torchrun --nproc_per_node 2 tests/swift_run.py --backend zero3 --trainer dpo grpo --model DIR --data FILE --json OUT
 
 ``DIR`` holds a tiny Llama and a byte-level BPE tokenizer saved by ``save_tiny``, ``FILE`` the
-preference rows written by ``write_rows`` (nothing is downloaded). Rank 0 writes what both
-ranks observed to ``OUT``: the losses, the training flag of every module at every loss
+preference rows written by ``write_rows`` (nothing is downloaded). Rank 0 writes, per pipeline,
+what both ranks observed to ``OUT``: the losses, the training flag of every module at every loss
 computation (the backward follows it with no mode change in between), and the reference.
 """
 
@@ -99,50 +100,31 @@ def _generate_then_step(trainer: Any, seen: dict[str, Any], helper: Any) -> dict
     return out
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--trainer", choices=["dpo", "grpo"], default="dpo")
-    p.add_argument("--backend", choices=["zero3", "fsdp2"], required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--data", required=True)
-    p.add_argument("--json", required=True)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--no-patch", dest="patch", action="store_false")
-    a = p.parse_args()
-    out = Path(a.json).parent
+def _toy_reward() -> None:
+    from swift.rewards import ORM, orms
+
+    class ToyReward(ORM):
+        """How many vowels a completion has: random samples differ, so advantages are not all zero."""
+
+        def __call__(self, completions: list[str], **kwargs: Any) -> list[float]:
+            return [float(sum(ch in "aeiou" for ch in c)) for c in completions]
+
+    orms["toy_vowels"] = ToyReward
 
 
+def _run(kind: str, a: argparse.Namespace, out: Path, helpers: dict[str, Any], patched: list[str]) -> dict[str, Any]:
+    """One of ms-swift's RLHF pipelines (``kind``: dpo or grpo) for ``a.steps`` steps; what this rank saw."""
     import wrapkit
     from tests import accelerate_cpu
-    from tests.launch import report_and_close
 
-    # accelerate sees no accelerator here: set up the CPU state its device check would have set
-    # (tests/accelerate_cpu.py); ms-swift's trainer then uses it as configured.
-    accelerate_cpu.trainer_arguments(a.backend)
-    import swift.utils.transformers_utils
-
-    helpers = {"ms-swift": swift.utils.transformers_utils.unwrap_model_for_generation}
-    patched: list[str] = []
-    if a.patch:
-        from wrapkit.integrations.swift import patch_swift
-
-        patched = [f"{m.__name__}.{n}" for m, n, _ in patch_swift().swaps]
-        helpers["wrapkit"] = swift.utils.unwrap_model_for_generation  # what ms-swift's trainers now call
-
-    if a.trainer == "dpo":
+    if kind == "dpo":
         from swift.rlhf_trainers.dpo_trainer import DPOTrainer as Trainer
     else:
-        from swift.rewards import ORM, orms
         from swift.rlhf_trainers.grpo_trainer import GRPOTrainer as Trainer
-
-        class ToyReward(ORM):
-            """How many vowels a completion has: random samples differ, so advantages are not all zero."""
-
-            def __call__(self, completions: list[str], **kwargs: Any) -> list[float]:
-                return [float(sum(ch in "aeiou" for ch in c)) for c in completions]
-
-        orms["toy_vowels"] = ToyReward
-
+    # accelerate sees no accelerator here: set up the CPU state its device check would have set
+    # (tests/accelerate_cpu.py); ms-swift's trainer then uses it as configured. Set afresh for each
+    # pipeline, as a new process would have it.
+    accelerate_cpu.trainer_arguments(a.backend)
     seen: dict[str, Any] = {"modes": [], "trainer": None}
     compute_loss = Trainer.compute_loss
 
@@ -157,14 +139,14 @@ def main() -> None:
     from swift.pipelines import rlhf_main
 
     argv = [
-        "--rlhf_type", a.trainer, "--model", a.model, "--model_type", "llama", "--template", "default",
+        "--rlhf_type", kind, "--model", a.model, "--model_type", "llama", "--template", "default",
         "--dataset", a.data, "--tuner_type", "full", "--torch_dtype", "float32", "--max_steps", str(a.steps),
         "--per_device_train_batch_size", "2", "--max_length", "64", "--save_strategy", "no",
         "--split_dataset_ratio", "0", "--dataset_num_proc", "1", "--report_to", "none", "--logging_steps", "1",
-        "--learning_rate", "1e-3", "--fp16", "false", "--bf16", "false", "--output_dir", str(out / "out"),
+        "--learning_rate", "1e-3", "--fp16", "false", "--bf16", "false", "--output_dir", str(out / f"out-{kind}"),
         "--accelerator_config", json.dumps({"use_configured_state": True}), "--ddp_backend", "gloo", "--seed", "0",
     ]
-    if a.trainer == "grpo":
+    if kind == "grpo":
         argv += ["--num_generations", "2", "--max_completion_length", "4", "--reward_funcs", "toy_vowels",
                  "--use_vllm", "false", "--beta", "0.04"]
     if a.backend == "zero3":
@@ -178,8 +160,9 @@ def main() -> None:
         error = f"{type(exc).__name__}: {exc}"
     trainer = seen["trainer"]
     obs: dict[str, Any] = {"patched": patched, "error": error, "modes": list(seen["modes"])}
-    if trainer is not None and error is None and a.trainer == "dpo":
+    if trainer is not None and error is None and kind == "dpo":
         obs["generation"] = {name: _generate_then_step(trainer, seen, h) for name, h in helpers.items()}
+    Trainer.compute_loss = compute_loss  # type: ignore[method-assign]
     # The trainer modules were imported after the patch, and still see the drop-ins.
     import swift.rlhf_trainers.rlhf_mixin as mixin
     import swift.rlhf_trainers.rollout_mixin as rollout
@@ -208,7 +191,39 @@ def main() -> None:
             obs.update({"ref_type": type(ref).__name__, "ref_backend": rw.backend, "ref_sharded": rw.is_sharded,
                         "ref_zero_stage": rw.zero_stage,
                         "ref_eval": not any(m.training for m in rw.unwrap().modules())})
-    report_and_close(obs, a.json)
+    return obs
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--trainer", choices=["dpo", "grpo"], nargs="+", default=["dpo"],
+                   help="the pipelines to run, one after the other in the same processes")
+    p.add_argument("--backend", choices=["zero3", "fsdp2"], required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--data", required=True)
+    p.add_argument("--json", required=True)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--no-patch", dest="patch", action="store_false")
+    a = p.parse_args()
+    out = Path(a.json).parent
+
+    from tests import accelerate_cpu
+    from tests.launch import report_and_close
+
+    accelerate_cpu.trainer_arguments(a.backend)
+    import swift.utils.transformers_utils
+
+    helpers = {"ms-swift": swift.utils.transformers_utils.unwrap_model_for_generation}
+    patched: list[str] = []
+    if a.patch:
+        from wrapkit.integrations.swift import patch_swift
+
+        patched = [f"{m.__name__}.{n}" for m, n, _ in patch_swift().swaps]
+        helpers["wrapkit"] = swift.utils.unwrap_model_for_generation  # what ms-swift's trainers now call
+    if "grpo" in a.trainer:
+        _toy_reward()
+    # One launch for several pipelines: starting ranks that import ms-swift costs more than a short run.
+    report_and_close({kind: _run(kind, a, out, helpers, patched) for kind in a.trainer}, a.json)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""ms-swift's own DPO pipeline on two CPU ranks with wrapkit's drop-ins patched in
-(``tests/swift_run.py`` under torchrun), and ``patch_swift`` itself.
+"""ms-swift's own DPO and GRPO pipelines on two CPU ranks with wrapkit's drop-ins patched in
+(``tests/swift_run.py`` under torchrun: one launch per backend runs both), and ``patch_swift`` itself.
 
 ms-swift pins its own transformers, TRL and PEFT, so these tests run in an environment of their
 own; ``.ci/run`` builds it. By hand::
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,26 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     save_tiny(root / "model")
     write_rows(root / "rows.jsonl")
     return root / "model", root / "rows.jsonl"
+
+
+@pytest.fixture(scope="module")
+def runs(tiny: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Any]]:
+    """``runs(backend)``: what each rank saw in DPO and in GRPO, from one launch per backend (made
+    when first asked for): a launch that imports ms-swift costs more than a three-step pipeline."""
+    model, rows = tiny
+    done: dict[str, dict[str, Any]] = {}
+
+    def get(backend: str) -> dict[str, Any]:
+        if backend not in done:
+            summary = tmp_path_factory.mktemp(f"swift-{backend}") / "summary.json"
+            torchrun(SCRIPT, "--trainer", "dpo", "grpo", "--backend", backend, "--model", str(model),
+                     "--data", str(rows), "--json", str(summary), "--steps", str(STEPS), timeout=400,
+                     DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
+            ranks = json.loads(summary.read_text())
+            done[backend] = {kind: [rank[kind] for rank in ranks] for kind in ranks[0]}
+        return done[backend]
+
+    return get
 
 
 def test_patch_swift_swaps_and_undoes() -> None:
@@ -71,13 +92,8 @@ def test_prepare_deepspeed_refuses_none() -> None:
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(("backend", "ref_backend"), [("zero3", "deepspeed"), ("fsdp2", "fsdp2")])
-def test_swift_dpo_run(tiny: tuple[Path, Path], tmp_path: Path, backend: str, ref_backend: str) -> None:
-    model, rows = tiny
-    summary = tmp_path / "summary.json"
-    torchrun(SCRIPT, "--backend", backend, "--model", str(model), "--data", str(rows), "--json", str(summary),
-             "--steps", str(STEPS), timeout=400, DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
-    ranks: list[dict[str, Any]] = json.loads(summary.read_text())
-    for obs in ranks:
+def test_swift_dpo_run(runs: Callable[[str], dict[str, Any]], backend: str, ref_backend: str) -> None:
+    for obs in runs(backend)["dpo"]:
         print(f"{backend}: losses {obs['losses']}; generation {obs['generation']}")
         assert obs["error"] is None
         assert all(obs["sees_wrapkit"].values()), obs["sees_wrapkit"]
@@ -100,14 +116,11 @@ def test_swift_dpo_run(tiny: tuple[Path, Path], tmp_path: Path, backend: str, re
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize(("backend", "ref_backend"), [("zero3", "deepspeed"), ("fsdp2", "fsdp2")])
-def test_swift_grpo_run(tiny: tuple[Path, Path], tmp_path: Path, backend: str, ref_backend: str) -> None:
+def test_swift_grpo_run(runs: Callable[[str], dict[str, Any]], backend: str, ref_backend: str) -> None:
     """GRPO generates with ms-swift's inference engine between steps, through the patched
-    ``unwrap_model_for_generation``: every module trains at every loss that follows."""
-    model, rows = tiny
-    summary = tmp_path / "summary.json"
-    torchrun(SCRIPT, "--trainer", "grpo", "--backend", backend, "--model", str(model), "--data", str(rows),
-             "--json", str(summary), "--steps", str(STEPS), timeout=400, DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1")
-    for obs in json.loads(summary.read_text()):
+    ``unwrap_model_for_generation``: every module trains at every loss that follows. It runs after
+    DPO in the same processes, so it also shows that one pipeline leaves nothing behind for the next."""
+    for obs in runs(backend)["grpo"]:
         print(f"{backend} GRPO: losses {obs['losses']}; rewards {obs['rewards']}")
         assert obs["error"] is None
         assert all(obs["sees_wrapkit"].values()), obs["sees_wrapkit"]
