@@ -7,12 +7,16 @@ from typing import Any
 import pytest
 
 from tests import scenarios
+from tests._matrix import long
 from wrapkit.cli._models import BACKENDS, backend_of, parse_stack
 
 LOCAL = ["plain", "dp", "compile>peft", "peft>compile", "dp>compile>peft"]
 DISTRIBUTED = [
     "ddp", "fsdp", "fsdp2", "zero0", "zero1", "zero2", "zero3",
-    "ddp>compile>peft", "compile>ddp", "fsdp2>peft", "zero2>peft", "zero3>peft", "fsdp>compile",
+    "ddp>compile>peft", "fsdp2>peft", "zero2>peft", "zero3>peft",
+    # Long: compile outside DDP is tests/adapters/test_ddp.py's case too, and compile inside FSDP1 takes 8 s of
+    # dynamo tracing over flat parameters (compile inside a wrapper runs by default as ddp>compile>peft).
+    long("compile>ddp"), long("fsdp>compile"),
 ]
 
 

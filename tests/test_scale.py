@@ -16,8 +16,9 @@ import wrapkit
 from tests import scenarios_scale as ss
 from tests._matrix import long
 
-LAYERWISE_CASES = [("fsdp", "fp32"), ("fsdp", "bf16"), ("fsdp2", "fp32"), ("fsdp2", "bf16"),
-                   ("zero3", "fp32"), ("zero3", "bf16"), ("fsdp2>peft", "bf16")]
+# bf16 by default on FSDP2 (plain and with LoRA), its repeats on FSDP1 and ZeRO-3 long.
+LAYERWISE_CASES = [("fsdp", "fp32"), long("fsdp", "bf16"), ("fsdp2", "fp32"), ("fsdp2", "bf16"),
+                   ("zero3", "fp32"), long("zero3", "bf16"), ("fsdp2>peft", "bf16")]
 
 
 def _check_layerwise(obs: dict[str, Any], label: str, precision: str) -> None:
@@ -101,7 +102,8 @@ def test_save_pretrained_merges_adapters(group: Any, tmp_path: Path) -> None:
     assert obs["same_keys"] and obs["bitwise"] == [], obs
 
 
-@pytest.mark.parametrize(("spec", "precision"), SAVE_CASES[:6])
+# Into every backend from each sharded one in fp32; the bf16 repeats (the same reads, half the bytes) are long.
+@pytest.mark.parametrize(("spec", "precision"), [c if c[1] == "fp32" else long(*c) for c in SAVE_CASES[:6]])
 def test_sharded_checkpoint_loads_into_every_backend(group: Any, tmp_path: Path, spec: str, precision: str) -> None:
     targets = ["plain", "ddp", "fsdp", "fsdp2", "zero1", "zero2", "zero3"]
     results = group.run(ss.cross_load, spec, precision, str(tmp_path / "ckpt"), targets, timeout=400)

@@ -4,8 +4,8 @@
 ms-swift pins its own transformers, TRL and PEFT, so these tests run in an environment of their
 own; ``.ci/run`` builds it. By hand::
 
-    python3 -m venv .venv-swift && . .venv-swift/bin/activate && pip install torch==2.13.0 \\
-        && pip install -e ".[swift]" pytest pytest-timeout && python -m pytest tests/test_swift.py
+    python3 -m venv .venv-swift && . .venv-swift/bin/activate && pip install torch==2.13.0 uv \\
+        && uv pip install -e ".[swift]" pytest pytest-timeout && python -m pytest tests/test_swift.py
 """
 
 from __future__ import annotations

@@ -137,6 +137,7 @@ def keep_a_group() -> str:
     return "returned"
 
 
+@pytest.mark.long  # the harness's own guard, on groups of its own (11 s); every default scenario runs under it
 def test_a_scenario_that_leaves_a_group_referenced_fails_naming_itself(monkeypatch: pytest.MonkeyPatch) -> None:
     """The group is destroyed when the scenario returns, but its threads live as long as something
     refers to it: under the guard, the scenario that left the reference fails, and the next one is not
@@ -194,6 +195,7 @@ def abort_once_on_rank_1(marker: str) -> int:
     return dist.get_rank()  # no collective: rank 0 does not wait for the dead rank
 
 
+@pytest.mark.long  # the harness's own rerun, on groups of its own (9 s)
 def test_the_shared_group_reruns_a_scenario_once_after_a_native_crash(tmp_path: Path) -> None:
     from tests.conftest import SharedGroup
 
