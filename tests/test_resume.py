@@ -74,8 +74,7 @@ def check(obs: dict[str, Any], follow: str) -> None:
 
 
 @pytest.mark.parametrize("saved,resumed,precision,follow", [
-    long(*case, id=f"{case[0]}-{case[1]}-{case[2]}") if case[:3] in LONG_TWO_RANKS
-    else pytest.param(*case, id=f"{case[0]}-{case[1]}-{case[2]}") for case in TWO_RANKS])
+    (long if case[:3] in LONG_TWO_RANKS else pytest.param)(*case, id="-".join(case[:3])) for case in TWO_RANKS])
 def test_resume_on_two_ranks(group: Any, tmp_path: Path, saved: str, resumed: str, precision: str,
                              follow: str) -> None:
     groups = _groups(saved, resumed)
