@@ -88,3 +88,74 @@ def sync_expecting_failure(url: str, port: int, connect_only: bool = False) -> l
     finally:
         engine.close()
     return outcomes
+
+
+def sync_through_vllm_source(cases: list[dict[str, Any]], ports: list[int], buffer_bytes: int) -> dict[str, Any]:
+    """For each case (``spec``, ``family``, ``precision``, ``interface``, ``wire``, ``keep``): a vLLM weight
+    source fed through vLLM's send and receive (``tests/vllm_standin.py``), then a training step and again;
+    after each what the worker's model holds against the model's full state dict."""
+    from tests import vllm_standin as vs
+    from wrapkit.integrations.vllm import weight_source
+
+    out: dict[str, Any] = {}
+    rank0 = dist.get_rank() == 0
+    for case, port in zip(cases, ports, strict=True):
+        model = family_model(case["family"], seed=0)
+        merge = bool(case.get("merge"))
+        if merge:
+            from peft import LoraConfig, get_peft_model
+
+            config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+            model = fill_adapters(get_peft_model(model, config), seed=1)
+        wm = wrapkit.adapt(build(case["spec"], model=model, precision=case.get("precision", "fp32")))
+        wire = getattr(torch, case["wire"]) if "wire" in case else None
+        keep = (lambda name: "norm" in name) if case.get("keep") else None
+        interface = case.get("interface", "0.33")
+        source = weight_source(wm, bucket_bytes=16 * 1024, dtype=wire, merge_adapters=merge, keep_dtype=keep)
+        transfer = vs.TransferGroup(port) if rank0 else None
+        engine_dtype = wire or (torch.bfloat16 if case.get("precision") == "bf16" else torch.float32)
+        engine_model = family_model(case["family"], seed=1234).eval().to(engine_dtype) if rank0 else None
+        syncs = []
+        try:
+            for step in range(2):
+                if step:
+                    _train_step(wm, model)
+                meta = vs.metadata_of(source, interface)
+                obs: dict[str, Any] = {"declared": len(meta), "owned": len(source.owned_names(dist.get_rank()))}
+                if transfer is not None and engine_model is not None:
+                    told = [(m.name, str(m.dtype).removeprefix("torch."), list(m.shape)) for m in meta]
+                    box, thread = transfer.update(told, buffer_bytes, engine_model)
+                chunks = vs.send(source, interface, transfer.trainer if transfer else None, buffer_bytes, rank0)
+                want = wm.full_state_dict(merge_adapters=merge)
+                if transfer is not None and engine_model is not None:
+                    thread.join(60)
+                    held = engine_model.state_dict()
+                    obs.update(error=box.get("error"), loaded=len(box.get("loaded", [])), chunks=chunks,
+                               compared=len(held), dtypes=sorted({str(m.dtype) for m in meta}),
+                               wrong=[k for k, v in held.items() if k not in want
+                                      or not torch.equal(v, want[k].to(v.dtype))])
+                syncs.append(obs)
+        finally:
+            if transfer is not None:
+                transfer.close()
+        out[repr(sorted(case.items()))] = syncs
+        del wm, model, source
+    return out
+
+
+def vllm_sender_that_stops() -> list[str]:
+    """The sender's broadcast fails after three tensors: what each rank raised, then whether a collective
+    afterwards still meets every rank (nothing left out of step)."""
+    from tests import vllm_standin as vs
+    from wrapkit.integrations.vllm import weight_source
+
+    wm = wrapkit.adapt(build("fsdp2", model=family_model("llama", seed=0)))
+    source = weight_source(wm, bucket_bytes=16 * 1024)
+    outcomes = []
+    try:
+        vs.send(source, "0.33", None, 2**30, dist.get_rank() == 0, stop_after=3)
+        outcomes.append("no error")
+    except Exception as exc:
+        outcomes.append(f"{type(exc).__name__}: {exc}")
+    outcomes.append(f"then {len(wm.full_state_dict(rank0_only=False))} tensors gathered")
+    return outcomes

@@ -18,8 +18,9 @@ import torch
 from .._errors import StateDictError, UnsupportedModelError
 from ..formats.hub import HubLayout
 from ..sync.streaming import Bucket
+from ._vllm_source import HubSource, ParamMeta, vllm_interface, weight_source
 
-__all__ = ["load_into"]
+__all__ = ["load_into", "weight_source", "vllm_interface", "HubSource", "ParamMeta"]
 
 
 def load_into(llm_or_model: Any, buckets: Iterable[Bucket]) -> list[str]:
