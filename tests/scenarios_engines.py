@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -18,7 +20,10 @@ from wrapkit.integrations.sglang import SGLangEngine
 
 def _train_step(wm: Any, model: torch.nn.Module) -> None:
     inputs = family_inputs(model)
-    loss = wm(**{k: v.to(wm.device) for k, v in inputs.items()}, labels=inputs["input_ids"].to(wm.device)).loss
+    # A reward model scores each sequence (one regression label per row); the others predict the next tokens.
+    reward = type(wm.unwrap()).__name__.endswith("ForSequenceClassification")
+    labels = torch.zeros(inputs["input_ids"].shape[0]) if reward else inputs["input_ids"]
+    loss = wm(**{k: v.to(wm.device) for k, v in inputs.items()}, labels=labels.to(wm.device)).loss
     if wm.backend == "deepspeed":
         wm.module.backward(loss)
         wm.module.step()
@@ -90,10 +95,33 @@ def sync_expecting_failure(url: str, port: int, connect_only: bool = False) -> l
     return outcomes
 
 
+def _through_vllm(source: Any, interface: str, transfer: Any, engine_model: torch.nn.Module | None,
+                  buffer_bytes: int, want: Callable[[], dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """One ``send_weights()`` of ``source`` on every rank, received by ``engine_model`` (rank 0's transfer
+    group); what it then holds against ``want()`` (called on every rank: it may be collective)."""
+    from tests import vllm_standin as vs
+
+    meta = vs.metadata_of(source, interface)
+    obs: dict[str, Any] = {"declared": len(meta), "owned": len(source.owned_names(dist.get_rank()))}
+    if transfer is not None and engine_model is not None:
+        told = [(m.name, str(m.dtype).removeprefix("torch."), list(m.shape)) for m in meta]
+        box, thread = transfer.update(told, buffer_bytes, engine_model)
+    chunks = vs.send(source, interface, transfer.trainer if transfer else None, buffer_bytes, transfer is not None)
+    expected = want()
+    if transfer is not None and engine_model is not None:
+        thread.join(60)
+        held = engine_model.state_dict()
+        obs.update(error=box.get("error"), loaded=len(box.get("loaded", [])), chunks=chunks, compared=len(held),
+                   dtypes=sorted({str(m.dtype) for m in meta}),
+                   wrong=[k for k, v in held.items() if k not in expected
+                          or not torch.equal(v, expected[k].to(v.dtype))])
+    return obs
+
+
 def sync_through_vllm_source(cases: list[dict[str, Any]], ports: list[int], buffer_bytes: int) -> dict[str, Any]:
-    """For each case (``spec``, ``family``, ``precision``, ``interface``, ``wire``, ``keep``): a vLLM weight
-    source fed through vLLM's send and receive (``tests/vllm_standin.py``), then a training step and again;
-    after each what the worker's model holds against the model's full state dict."""
+    """For each case (``spec``, ``family``, ``precision``, ``topology``, ``interface``, ``wire``, ``keep``): a
+    vLLM weight source fed through vLLM's send and receive (``tests/vllm_standin.py``), then a training step and
+    again; after each what the worker's model holds against the model's full state dict."""
     from tests import vllm_standin as vs
     from wrapkit.integrations.vllm import weight_source
 
@@ -107,10 +135,10 @@ def sync_through_vllm_source(cases: list[dict[str, Any]], ports: list[int], buff
 
             config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
             model = fill_adapters(get_peft_model(model, config), seed=1)
-        wm = wrapkit.adapt(build(case["spec"], model=model, precision=case.get("precision", "fp32")))
+        wm = wrapkit.adapt(build(case["spec"], model=model, precision=case.get("precision", "fp32"),
+                                 topology=case.get("topology", "flat")))
         wire = getattr(torch, case["wire"]) if "wire" in case else None
         keep = (lambda name: "norm" in name) if case.get("keep") else None
-        interface = case.get("interface", "0.33")
         source = weight_source(wm, bucket_bytes=16 * 1024, dtype=wire, merge_adapters=merge, keep_dtype=keep)
         transfer = vs.TransferGroup(port) if rank0 else None
         engine_dtype = wire or (torch.bfloat16 if case.get("precision") == "bf16" else torch.float32)
@@ -120,27 +148,44 @@ def sync_through_vllm_source(cases: list[dict[str, Any]], ports: list[int], buff
             for step in range(2):
                 if step:
                     _train_step(wm, model)
-                meta = vs.metadata_of(source, interface)
-                obs: dict[str, Any] = {"declared": len(meta), "owned": len(source.owned_names(dist.get_rank()))}
-                if transfer is not None and engine_model is not None:
-                    told = [(m.name, str(m.dtype).removeprefix("torch."), list(m.shape)) for m in meta]
-                    box, thread = transfer.update(told, buffer_bytes, engine_model)
-                chunks = vs.send(source, interface, transfer.trainer if transfer else None, buffer_bytes, rank0)
-                want = wm.full_state_dict(merge_adapters=merge)
-                if transfer is not None and engine_model is not None:
-                    thread.join(60)
-                    held = engine_model.state_dict()
-                    obs.update(error=box.get("error"), loaded=len(box.get("loaded", [])), chunks=chunks,
-                               compared=len(held), dtypes=sorted({str(m.dtype) for m in meta}),
-                               wrong=[k for k, v in held.items() if k not in want
-                                      or not torch.equal(v, want[k].to(v.dtype))])
-                syncs.append(obs)
+                syncs.append(_through_vllm(source, case.get("interface", "0.33"), transfer, engine_model,
+                                           buffer_bytes, partial(wm.full_state_dict, merge_adapters=merge)))
         finally:
             if transfer is not None:
                 transfer.close()
         out[repr(sorted(case.items()))] = syncs
         del wm, model, source
     return out
+
+
+def vllm_source_from_split_model(tmp: str, split: str, port: int, buffer_bytes: int) -> dict[str, Any]:
+    """``split``: ``"pipeline"`` (transformers' two stages, one per rank) or ``"experts"`` (Qwen3-MoE's experts
+    split over the two ranks, the rest sharded): a vLLM source over it feeds a model loaded whole from another
+    checkpoint, which must then hold the split model's checkpoint exactly."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from tests import vllm_standin as vs
+    from tests.scenarios_foreign import saved
+    from wrapkit.integrations.vllm import weight_source
+
+    name = "llama" if split == "pipeline" else "qwen3-moe"
+    directory = saved(tmp, f"{name}-vllm", lambda: family_model(name, 0))
+    other = saved(tmp, f"{name}-vllm-other", lambda: family_model(name, 1))
+    config = DistributedConfig(pp_size=2) if split == "pipeline" else DistributedConfig(fsdp_size=2, ep_size=2)
+    wm = wrapkit.adapt(AutoModelForCausalLM.from_pretrained(directory, distributed_config=config))
+    source = weight_source(wm, bucket_bytes=16 * 1024)
+    rank0 = dist.get_rank() == 0
+    transfer = vs.TransferGroup(port) if rank0 else None
+    engine_model = AutoModelForCausalLM.from_pretrained(other).eval() if rank0 else None
+    try:
+        obs = _through_vllm(source, "0.33", transfer, engine_model, buffer_bytes,
+                            lambda: AutoModelForCausalLM.from_pretrained(directory).state_dict())
+    finally:
+        if transfer is not None:
+            transfer.close()
+    obs["backend"] = wm.backend
+    return obs
 
 
 def vllm_sender_that_stops() -> list[str]:

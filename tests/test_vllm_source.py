@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,25 +17,51 @@ from wrapkit.cli._workers import free_port
 from wrapkit.integrations._vllm_source import _wire_order
 
 # Gathered (FSDP2, ZeRO-3 on a tied model), whole (DDP in bf16, LoRA merged on the way), experts split per
-# expert (Qwen3-MoE on FSDP1), a bf16 wire with fp32 norms kept, and both of vLLM's interfaces.
+# expert (Qwen3-MoE on FSDP1), a bf16 wire with fp32 norms kept, both of vLLM's interfaces, a vision-language
+# model and a reward model.
 CASES = [{"spec": "fsdp2", "family": "llama"},
          {"spec": "zero3", "family": "qwen2-tied", "interface": "0.28", "wire": "bfloat16"},
          {"spec": "ddp", "family": "llama", "precision": "bf16", "merge": True},
-         {"spec": "fsdp", "family": "qwen3-moe", "wire": "bfloat16", "keep": True}]
+         {"spec": "fsdp", "family": "qwen3-moe", "wire": "bfloat16", "keep": True},
+         {"spec": "fsdp2", "family": "qwen2-vl"}, {"spec": "zero3", "family": "llama-reward"}]
 BUFFER = 24 * 1024  # several chunks per update
 
 
-@matrix.cases(CASES, [])
-def test_vllm_source_gives_the_engine_the_model(group: Any, case: dict[str, Any]) -> None:
-    [per_rank0, per_rank1] = group.run(se.sync_through_vllm_source, [case], [free_port()], BUFFER, timeout=240)
-    syncs, others = per_rank0[matrix.key(case)], per_rank1[matrix.key(case)]
-    for sync, other in zip(syncs, others, strict=True):
+# Four ranks standing in for two nodes: HSDP's replicas, and ZeRO-3 in sub-groups, each rank but the first
+# driving the gathers only.
+FOUR_RANK_CASES = [{"spec": "fsdp2", "family": "llama", "topology": "hsdp"},
+                   {"spec": "zero3", "family": "qwen3-moe", "topology": "subgroup", "wire": "bfloat16"}]
+
+
+def _check(case: dict[str, Any], per_rank: list[dict[str, Any]]) -> None:
+    syncs = per_rank[0][matrix.key(case)]
+    for step, sync in enumerate(syncs):
+        others = [obs[matrix.key(case)][step] for obs in per_rank[1:]]
         assert sync["error"] is None, sync["error"]
-        assert sync["declared"] == other["declared"] == sync["owned"] > 0 and other["owned"] == 0
+        assert sync["declared"] == sync["owned"] > 0, sync
+        assert all(o["declared"] == sync["declared"] and o["owned"] == 0 for o in others), others
         assert sync["chunks"] > 1 and sync["loaded"] == sync["declared"], sync
         assert sync["compared"] > 0 and sync["wrong"] == [], sync["wrong"][:5]
     if case.get("keep"):
         assert syncs[0]["dtypes"] == ["torch.bfloat16", "torch.float32"], syncs[0]["dtypes"]
+
+
+@matrix.cases(CASES, [])
+def test_vllm_source_gives_the_engine_the_model(group: Any, case: dict[str, Any]) -> None:
+    _check(case, group.run(se.sync_through_vllm_source, [case], [free_port()], BUFFER, timeout=240))
+
+
+@matrix.cases(FOUR_RANK_CASES, [])
+def test_vllm_source_on_four_rank_layouts(group4: Any, case: dict[str, Any]) -> None:
+    _check(case, group4.run(se.sync_through_vllm_source, [case], [free_port()], BUFFER, timeout=240))
+
+
+@pytest.mark.parametrize("split", ["pipeline", "experts"])
+def test_vllm_source_funnels_stages_and_expert_shares_to_the_sender(group: Any, tmp_path: Path, split: str) -> None:
+    [sync, other] = group.run(se.vllm_source_from_split_model, str(tmp_path), split, free_port(), BUFFER, timeout=240)
+    assert sync["error"] is None, sync["error"]
+    assert sync["declared"] == other["declared"] == sync["owned"] > 0 and other["owned"] == 0
+    assert sync["loaded"] == sync["declared"] and sync["compared"] > 0 and sync["wrong"] == [], sync["wrong"][:5]
 
 
 def test_a_sender_that_stops_fails_every_rank(group: Any) -> None:
