@@ -15,6 +15,7 @@ still runs and moves the weights. A state an operation cannot handle must raise 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -171,13 +172,24 @@ def loop_states(spec: str, precision: str = "fp32", topology: str = "flat") -> d
     """Every state of ``STATES`` in turn on one model of ``spec``; observations per state."""
     wm = wrapkit.adapt(build(spec, model=_model(7, has_empty(spec)), precision=precision, topology=topology))
     step = _Step(wm)
-    out: dict[str, Any] = {}
     # One directory per model, named by rank 0: save_pretrained is written by the model's ranks
     # together. A model that is not distributed is one model per rank; the "subgroup" and
     # "submesh" layouts hold one model per half of the ranks.
     names = [tempfile.mkdtemp(prefix="wk-states-") if not dist.is_initialized() or dist.get_rank() == 0 else ""]
     if dist.is_initialized():
         dist.broadcast_object_list(names, src=0)
+    root = names[0]
+    out = _through_states(wm, step, names, spec, topology)
+    if dist.is_initialized():  # every rank is done with the directory
+        dist.barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def _through_states(wm: Any, step: Any, names: list[str], spec: str, topology: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if dist.is_initialized():
         rank = dist.get_rank()
         model = rank if wm.world_size == 1 else rank // 2 if topology in ("subgroup", "submesh") else 0
         names[0] = os.path.join(names[0], f"model-{model}")
