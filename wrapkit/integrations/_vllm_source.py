@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 from collections.abc import Callable, Iterator
 from functools import cached_property
 from typing import Any
@@ -23,7 +24,7 @@ import torch.distributed as dist
 
 from .._errors import ArgumentError, EngineError
 from .._imports import is_available
-from .._results import Bucket, BucketEntry, entry_bytes
+from .._results import Bucket
 
 __all__ = ["ParamMeta", "weight_source", "vllm_interface"]
 
@@ -91,13 +92,9 @@ class HubSource:
         if not entries:
             raise EngineError("weight_source(): the model gave nothing to send; the engine would be told of no "
                               "weights and keep its own")
-        return Metadata(self._meta(n, s, d) for n, s, d in _wire_order(entries))
-
-    def _meta(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> Any:
-        fields = {f.name for f in dataclasses.fields(self._param_meta)}
-        if "owners" in fields:  # 0.33: only trainer rank 0 (the sender) yields tensors
-            return self._param_meta(name, dtype, shape, owners=(0,))
-        return self._param_meta(name, dtype, shape)
+        # 0.33 declares owners: only trainer rank 0 (the sender) yields tensors. 0.28-0.32 have no such field.
+        owned = {"owners": (0,)} if "owners" in {f.name for f in dataclasses.fields(self._param_meta)} else {}
+        return Metadata(self._param_meta(n, d, s, **owned) for n, s, d in _wire_order(entries))
 
     def owned_names(self, rank: int) -> list[str]:
         """The names ``rank`` yields (vLLM 0.33): all on trainer rank 0, none elsewhere."""
@@ -215,28 +212,19 @@ def _wire_order(entries: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list
     the end, largest itemsize first. Then every tensor is preceded only by tensors whose sizes are multiples of
     its own itemsize (itemsizes are powers of two), so it is aligned wherever a chunk starts."""
     widest = max(d.itemsize for _, _, d in entries)
-
-    def ragged(e: tuple[str, tuple[int, ...], torch.dtype]) -> bool:
-        return entry_bytes(BucketEntry(e[0], e[1], e[2], 0)) % widest != 0
-
-    tail = sorted((e for e in entries if ragged(e)), key=lambda e: -e[2].itemsize)
-    return [e for e in entries if not ragged(e)] + tail
+    tail = sorted((e for e in entries if _ragged(e[1], e[2], widest)), key=lambda e: -e[2].itemsize)
+    return [e for e in entries if not _ragged(e[1], e[2], widest)] + tail
 
 
 def _first_ragged(meta: list[Any]) -> int:
     """Where ``_wire_order``'s tail starts in ``meta``."""
     widest = max(m.dtype.itemsize for m in meta)
-    for i, m in enumerate(meta):
-        if (m.dtype.itemsize * _numel(m.shape)) % widest != 0:
-            return i
-    return len(meta)
+    return next((i for i, m in enumerate(meta) if _ragged(m.shape, m.dtype, widest)), len(meta))
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _ragged(shape: tuple[int, ...], dtype: torch.dtype, widest: int) -> bool:
+    """Whether a tensor's byte size is not a multiple of ``widest`` (the largest itemsize on the wire)."""
+    return math.prod(shape) * dtype.itemsize % widest != 0
 
 
 def _mismatch(meta: list[Any], at: int, name: str, value: torch.Tensor) -> str | None:
