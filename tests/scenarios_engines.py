@@ -18,7 +18,7 @@ from wrapkit.integrations._engine_wire import call
 from wrapkit.integrations.sglang import SGLangEngine
 
 
-def _train_step(wm: Any, model: torch.nn.Module) -> None:
+def _train_step(wm: Any, model: torch.nn.Module, lr: float = 0.1) -> None:
     inputs = family_inputs(model)
     # A reward model scores each sequence (one regression label per row); the others predict the next tokens.
     reward = type(wm.unwrap()).__name__.endswith("ForSequenceClassification")
@@ -32,7 +32,7 @@ def _train_step(wm: Any, model: torch.nn.Module) -> None:
     with torch.no_grad():
         for p in wm.module.parameters():
             if p.grad is not None:
-                p.sub_(0.1 * p.grad)
+                p.sub_(lr * p.grad)
                 p.grad = None
 
 
@@ -204,3 +204,122 @@ def vllm_sender_that_stops() -> list[str]:
         outcomes.append(f"{type(exc).__name__}: {exc}")
     outcomes.append(f"then {len(wm.full_state_dict(rank0_only=False))} tensors gathered")
     return outcomes
+
+
+def _adapted(family: str) -> torch.nn.Module:
+    """A PEFT model of ``family`` (seed 0, as the LoRA stand-in builds its base) with random LoRA matrices: on
+    attention, and on the fused experts too where there are experts (PEFT's ``target_parameters``)."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.scenarios_families import EXPERT_TARGETS
+
+    experts = {"target_parameters": EXPERT_TARGETS} if "moe" in family else {}
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **experts)
+    return fill_adapters(get_peft_model(family_model(family, seed=0), config), seed=1)
+
+
+def adapters_to_standins(cases: list[dict[str, Any]], urls: list[str], root: str) -> dict[str, Any]:
+    """For each case (``engine``, ``spec``, ``family``, ``precision``): an adapter sync to every replica, a
+    training step, another sync, and one from a new engine object (a restarted trainer); after each, what the
+    replicas list and, in fp32, the first replica's logits for the served version against the model's own."""
+    from wrapkit.integrations._adapters import listed
+    from wrapkit.integrations.vllm import VLLMEngine
+
+    out: dict[str, Any] = {}
+    for case in cases:
+        model = _adapted(case["family"])
+        wm = wrapkit.adapt(build(case["spec"], model=model, precision=case.get("precision", "fp32"),
+                                 topology=case.get("topology", "flat")))
+        name = f"{case['spec']}-{case['family']}"
+        syncs = []
+        for step in range(3):
+            if step != 1:  # the third sync from a new engine object: it goes on after the versions listed
+                engine: Any = VLLMEngine(urls, timeout=60) if case["engine"] == "vllm" else SGLangEngine(
+                    urls, timeout=60, engine_ranks=2)
+            if step == 1 and case["spec"] == "pipeline":  # a stage's loss is not the model's: new values instead
+                fill_adapters(wm.unwrap(), seed=2 + dist.get_rank())
+            elif step == 1:
+                _train_step(wm, model)
+            args = (wm, root) if case["engine"] == "vllm" else (wm,)
+            report = engine.sync_adapters(*args, name=name)
+            held = wm.full_state_dict()  # the model's values on rank 0, from any layout (pipeline stages too)
+            obs: dict[str, Any] = {"report": report._asdict()}
+            if dist.get_rank() == 0:
+                obs["listed"] = [sorted(listed(url, 30) - {"base-model"}) for url in urls]
+                obs["files"] = sorted(os.listdir(root)) if case["engine"] == "vllm" else []
+                if case.get("precision", "fp32") == "fp32":
+                    mine = _adapted(case["family"]).eval()
+                    mine.load_state_dict(held)
+                    with torch.no_grad():
+                        ours = mine(**family_inputs(mine)).logits
+                    path = os.path.join(root, f"logits-{name}-{step}.pt")
+                    call(urls[0], "standin_logits", {"name": report.name, "path": path}, 60)
+                    obs["logits_diff"] = float((torch.load(path) - ours).abs().max())
+                    os.remove(path)
+            syncs.append(obs)
+        out[repr(sorted(case.items()))] = syncs
+        del wm, model
+    return out
+
+
+def adapters_refused(engine_kind: str, urls: list[str], root: str) -> list[str]:
+    """Two syncs to replicas of which the last refuses the load: what each raised on this rank."""
+    from wrapkit.integrations.vllm import VLLMEngine
+
+    wm = wrapkit.adapt(build("fsdp2", model=_adapted("llama")))
+    engine: Any = (VLLMEngine(urls, timeout=10) if engine_kind == "vllm"
+                   else SGLangEngine(urls, timeout=10, engine_ranks=2))
+    outcomes = []
+    for _ in range(2):
+        try:
+            engine.sync_adapters(wm, root) if engine_kind == "vllm" else engine.sync_adapters(wm)
+            outcomes.append("no error")
+        except wrapkit.WrapkitError as exc:
+            outcomes.append(f"{type(exc).__name__}: {exc}")
+    return outcomes
+
+
+def deltas_through_standin(cases: list[dict[str, Any]], ports: list[int]) -> dict[str, Any]:
+    """For each case (``spec``, ``family``, ``precision``, ``topology``, ``wire``, ``merge``, ``lr``, ``fail_on``,
+    ``drop``, ``dense_every``): four ``DeltaSync`` sends to vLLM's sparse receiver (``vllm_standin.SparseSender``),
+    a training step before each but the first; after each, what the receiver holds against a dense stream."""
+    from tests import vllm_standin as vs
+    from wrapkit.integrations._delta import DeltaSync
+
+    out: dict[str, Any] = {}
+    for case, port in zip(cases, ports, strict=True):
+        model = _adapted(case["family"]) if case.get("merge") else family_model(case["family"], seed=0)
+        wm = wrapkit.adapt(build(case["spec"], model=model, precision=case.get("precision", "fp32"),
+                                 topology=case.get("topology", "flat")))
+        wire = getattr(torch, case["wire"]) if case.get("wire") else None
+        merge = bool(case.get("merge"))
+        delta = DeltaSync(wm, dtype=wire, merge_adapters=merge, bucket_bytes=16 * 1024,
+                          dense_every=case.get("dense_every"))
+        rank0 = dist.get_rank() == 0
+        transfer = vs.TransferGroup(port) if rank0 else None
+        sender = vs.SparseSender(transfer, case.get("fail_on"), case.get("drop")) if transfer is not None else None
+        syncs: list[dict[str, Any]] = []
+        try:
+            for step in range(4):
+                if step:
+                    _train_step(wm, model, case.get("lr", 1e-4))
+                obs: dict[str, Any] = {}
+                try:
+                    obs["report"] = delta.send(sender)._asdict()
+                except wrapkit.WrapkitError as exc:
+                    obs["error"] = f"{type(exc).__name__}: {exc}"
+                want = {n: t.clone() for b in wm.stream_full_parameters(16 * 1024, wire, merge)
+                        for n, t in b.named_tensors()}
+                if sender is not None:
+                    held = sender.held
+                    obs["wrong"] = sorted(n for n in want if n not in held or not torch.equal(held[n], want[n]))
+                    obs["extra"] = sorted(set(held) - set(want))
+                    obs["compared"] = len(want)
+                obs["snapshot"] = delta.snapshot_bytes()
+                syncs.append(obs)
+        finally:
+            if transfer is not None:
+                transfer.close()
+        out[repr(sorted(case.items()))] = syncs
+        del wm, model
+    return out

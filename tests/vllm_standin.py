@@ -149,3 +149,69 @@ class TransferGroup:
 
     def close(self) -> None:
         del self.trainer, self.worker, self.client, self.store
+
+
+class SparseSender:
+    """vLLM 0.33's sparse weight transfer, both ends (``sparse_nccl_engine.py``), over a ``TransferGroup``.
+
+    The trainer side is ``SparseNCCLTrainerWeightTransferEngine``: ``client`` (``start_weight_update`` /
+    ``finish_weight_update``, no-ops on the worker: patches are applied in place) and ``send_weight_chunk``:
+    each patch validated (int32 positions, 1-D, as many values as positions), the update info built from the
+    patches (names, dtypes, full shapes, counts), the worker's receive started beside two broadcasts per patch,
+    positions then values. The worker receives into empty tensors of the announced sizes and applies each patch
+    to what it holds by flat position (``held``: the engine's tensors in the checkpoint's coordinates; a tensor
+    it has never held starts as zeros). ``fail_on``: the worker's receive fails at that round (an RPC error);
+    ``drop``: the worker silently leaves out sparse patches of tensors whose name contains it.
+    """
+
+    def __init__(self, transfer: TransferGroup, fail_on: int | None = None, drop: str | None = None) -> None:
+        self.transfer, self.fail_on, self.drop = transfer, fail_on, drop
+        self.held: dict[str, torch.Tensor] = {}
+        self.rounds = 0
+        self.client = self
+
+    def start_weight_update(self) -> None:
+        pass
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def send_weight_chunk(self, patches: list[Any]) -> None:
+        for p in patches:  # vLLM's _validate_patch
+            if p.indices.dtype != torch.int32 or p.indices.ndim != 1 or p.values.ndim != 1:
+                raise ValueError(f"Sparse weight patches must be 1D with int32 indices: {p.name}")
+            if p.indices.numel() != p.values.numel():
+                raise ValueError(f"`indices` and `values` must have matching lengths for {p.name}")
+        info = [(p.name, str(p.values.dtype).split(".")[-1], list(p.full_shape), p.indices.numel()) for p in patches]
+        self.rounds += 1
+        box: dict[str, Any] = {}
+        thread = threading.Thread(target=self._receive, args=(info, box), daemon=True)
+        thread.start()
+        opts = dist.BroadcastOptions()
+        for p in patches:
+            for t in (p.indices, p.values):
+                self.transfer.trainer.broadcast([t], opts).wait()
+        thread.join(60)
+        if "error" in box:
+            raise RuntimeError(box["error"])
+
+    def _receive(self, info: list[tuple[str, str, list[int], int]], box: dict[str, Any]) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        try:
+            got = []
+            for name, dtype_name, shape, count in info:
+                indices = torch.empty(count, dtype=torch.int32)
+                values = torch.empty(count, dtype=getattr(torch, dtype_name))
+                for t in (indices, values):
+                    self.transfer.worker.broadcast([t], opts).wait()
+                got.append((name, shape, indices, values))
+            if self.rounds == self.fail_on:
+                raise RuntimeError("Call to collective_rpc method failed: the stand-in's worker refused the patches")
+            for name, shape, indices, values in got:  # in place, by flat position (not transactional)
+                if self.drop is not None and self.drop in name and indices.numel() < math.prod(shape):
+                    continue  # a sparse patch lost (a dense one, every position, still arrives)
+                held = self.held.setdefault(name, torch.zeros(shape, dtype=values.dtype))
+                held.view(-1)[indices.long()] = values
+        except Exception as exc:
+            box["error"] = f"{type(exc).__name__}: {exc}"

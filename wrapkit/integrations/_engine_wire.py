@@ -10,36 +10,43 @@ from typing import Any
 
 from .._errors import EngineError
 
-__all__ = ["call"]
+__all__ = ["call", "request"]
 
 
 def call(base_url: str, route: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
     """POST ``payload`` to ``base_url/route`` and return the JSON answer, whatever its status (an engine
     answers a refusal with 400 and ``{"success": false, "message": ...}``). An engine that does not answer
     within ``timeout`` seconds, or cannot be reached, raises ``EngineError``."""
+    return request(base_url, route, payload, timeout)[1]
+
+
+def request(base_url: str, route: str, payload: dict[str, Any] | None, timeout: float,
+            method: str = "POST") -> tuple[int, dict[str, Any]]:
+    """``call`` with the HTTP status beside the answer, and GET where ``method`` says so (``payload`` None).
+    A body that is not JSON is the answer's ``message`` (vLLM answers some successes in plain text); a refusal
+    without one says its status."""
     url = base_url.rstrip("/") + "/" + route.lstrip("/")
-    request = urllib.request.Request(url, data=json.dumps(payload).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
+    data = json.dumps(payload).encode() if payload is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout) as reply:
-            body = reply.read()
+        with urllib.request.urlopen(req, timeout=timeout) as reply:
+            status, body = reply.status, reply.read()
     except urllib.error.HTTPError as exc:  # a refusal still carries the engine's reason
-        body = exc.read()
-        try:
-            answer = json.loads(body or b"{}")
-        except ValueError:
-            answer = {}
-        if not isinstance(answer, dict):
-            answer = {"value": answer}
-        answer.setdefault("success", False)
-        answer.setdefault("message", f"HTTP {exc.code}: {body[:300].decode(errors='replace')}")
-        return answer
+        status, body = exc.code, exc.read()
     except (urllib.error.URLError, TimeoutError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         raise EngineError(f"{url} did not answer within {timeout:.0f} s ({reason}); check that the engine is up "
                           "and serves this route, or pass a longer timeout") from exc
+    text = body[:300].decode(errors="replace")
     try:
         answer = json.loads(body or b"{}")
-    except ValueError as exc:
-        raise EngineError(f"{url} answered something that is not JSON: {body[:300]!r}") from exc
-    return answer if isinstance(answer, dict) else {"value": answer}
+    except ValueError:
+        if status < 400:
+            return status, {"message": body.decode(errors="replace")}
+        answer = {}
+    if not isinstance(answer, dict):
+        answer = {"value": answer}
+    if status >= 400:
+        answer.setdefault("success", False)
+        answer.setdefault("message", f"HTTP {status}: {text}")
+    return status, answer

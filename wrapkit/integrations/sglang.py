@@ -10,9 +10,12 @@ outcome is agreed by every trainer rank before ``sync`` returns or raises, so no
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -21,9 +24,10 @@ import torch.distributed as dist
 from .._errors import ArgumentError, EngineError
 from .._results import Bucket, entry_bytes
 from ..base.process_groups import join_weight_group
+from ._adapters import AdapterFiles, AdapterSync, Versions, check_arguments, sync_adapters, temporary_root
 from ._engine_wire import call
 
-__all__ = ["SGLangEngine", "EngineSync", "flattened_bucket"]
+__all__ = ["SGLangEngine", "EngineSync", "AdapterSync", "flattened_bucket"]
 
 
 class EngineSync(NamedTuple):
@@ -54,33 +58,45 @@ def flattened_bucket(bucket: Bucket) -> tuple[torch.Tensor, list[str], list[str]
 
 
 class SGLangEngine:
-    """An SGLang server at ``url`` that takes weights over ``torch.distributed``.
+    """An SGLang server at ``url`` that takes weights over ``torch.distributed`` (``connect()``, ``sync()``), and
+    LoRA adapters as tensors (``sync_adapters()``, where ``url`` may list one server per data-parallel replica).
 
     ``master_address`` / ``master_port``: where the sending rank hosts the weight-update group's store (the
-    engine's workers connect there). ``engine_ranks``: the engine's tensor x pipeline size (one data-parallel
-    replica: SGLang's distributed update takes no more). ``group_name``: torch registers group names
-    process-wide, so a trainer that feeds two engines gives each its own. ``backend``: ``"nccl"`` on GPUs,
-    ``"gloo"`` on CPUs. ``timeout``: seconds for each engine call and each collective of the group.
-    ``src_rank``: the trainer rank that sends (a global rank).
+    engine's workers connect there; needed by ``connect()`` only). ``engine_ranks``: the engine's tensor x
+    pipeline size (one data-parallel replica: SGLang's distributed update takes no more). ``group_name``: torch
+    registers group names process-wide, so a trainer that feeds two engines gives each its own. ``backend``:
+    ``"nccl"`` on GPUs, ``"gloo"`` on CPUs. ``timeout``: seconds for each engine call and each collective of the
+    group.
+    ``src_rank``: the trainer rank that sends (a global rank). ``engine_ranks`` is also how many copies of an
+    adapter's tensors a request carries (SGLang's tensor-parallel ranks each read their own).
     """
 
-    def __init__(self, url: str, *, master_port: int, master_address: str = "127.0.0.1", engine_ranks: int = 1,
-                 group_name: str = "wrapkit-weights", backend: str = "gloo", timeout: float = 120.0,
-                 src_rank: int = 0) -> None:
+    def __init__(self, url: str | Sequence[str], *, master_port: int | None = None, master_address: str = "127.0.0.1",
+                 engine_ranks: int = 1, group_name: str = "wrapkit-weights", backend: str = "gloo",
+                 timeout: float = 120.0, src_rank: int = 0) -> None:
+        self.urls = [url] if isinstance(url, str) else list(url)
         problem = _problem(engine_ranks, group_name, backend, timeout, master_port)
+        if not self.urls or not all(isinstance(u, str) and u for u in self.urls):
+            problem = f"url={url!r}: pass the url of the server (of each replica's, for adapters)"
         if problem is not None:
             raise ArgumentError(f"SGLangEngine(): {problem}")
-        self.url, self.master_address, self.master_port = url, master_address, master_port
+        self.url, self.master_address, self.master_port = self.urls[0], master_address, master_port
         self.engine_ranks, self.group_name, self.backend = engine_ranks, group_name, backend
         self.timeout, self.src_rank = timeout, src_rank
         self._group: Any = None
         self._connected = False
         self._broken = False  # set on the sending rank where the group fell out of step; agreed with the rest
+        self._versions = Versions()
+        self._adapter_root: str | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
     def connect(self) -> None:
         """Open the weight-update group (on every trainer rank). Raises ``EngineError`` on every rank where
         the engine refuses or does not join within the timeout."""
+        if self.master_port is None or len(self.urls) != 1:
+            raise ArgumentError("SGLangEngine.connect(): the distributed update needs master_port= and one server "
+                                f"(SGLang takes it on one data-parallel replica); got master_port={self.master_port!r} "
+                                f"and {len(self.urls)} urls")
         error = None
         if self._sends():
             try:
@@ -148,6 +164,43 @@ class SGLangEngine:
         tensors, buckets, moved, verified = box[0]
         return EngineSync(tensors, buckets, moved, time.perf_counter() - t0, verified)
 
+    # -- LoRA adapters alone ----------------------------------------------------------------------
+    def sync_adapters(self, wm: Any, *, name: str = "policy", adapter_name: str | None = None,
+                      keep: int = 1) -> AdapterSync:
+        """Send ``wm``'s LoRA adapter (``adapter_name``, default: its single active one) to every server as a new
+        version, ``{name}-v{N}``, as tensors (``load_lora_adapter_from_tensors``, with a SHA-256 per tensor that
+        each engine rank checks before loading), and unload the versions beyond the last ``keep``. Every trainer
+        rank calls it; no ``connect()`` is needed. The servers need ``--enable-lora`` and must be on the sending
+        rank's host (the tensors travel in the request, but SGLang's loader is same-host only for other paths).
+        The first sync goes on after the highest ``{name}-v{N}`` the servers already list. Returns what was done;
+        its ``name`` is the ``model`` (or ``lora_path``) of a request. Raises ``EngineError`` on every rank where
+        a server refused or did not answer (a version refused by one server is unloaded from the others)."""
+        where = "SGLangEngine.sync_adapters()"
+        check_arguments(self.urls, name, adapter_name, keep, where)
+        if self._adapter_root is None:
+            self._adapter_root = temporary_root(self.src_rank)
+        return sync_adapters(wm, self, self.urls, self._versions, where, root=self._adapter_root, name=name,
+                             adapter_name=adapter_name, keep=keep, src_rank=self.src_rank, timeout=self.timeout)
+
+    reads_files = False  # the tensors travel in the request: a version's files go once it is loaded
+
+    def load(self, url: str, served: str, files: AdapterFiles) -> str | None:
+        tensors = {k: v.contiguous() for k, v in files.tensors.items()}
+        # A plain pickle of CPU tensors (the storage's bytes inline) is what SGLang's restricted unpickler reads
+        # from any process; one copy per tensor-parallel rank, each rank reading its own.
+        payload = base64.b64encode(pickle.dumps(tensors)).decode()
+        checksums = {k: hashlib.sha256(v.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+                     for k, v in tensors.items()}
+        answer = call(url, "load_lora_adapter_from_tensors",
+                      {"lora_name": served, "config_dict": files.config, "pinned": False,
+                       "serialized_named_tensors": [payload] * self.engine_ranks, "expected_checksums": checksums},
+                      self.timeout)
+        return None if _ok(answer) else str(answer.get("error_message") or _said(answer))
+
+    def unload(self, url: str, served: str) -> str | None:
+        answer = call(url, "unload_lora_adapter", {"lora_name": served}, self.timeout)
+        return None if _ok(answer) else str(answer.get("error_message") or _said(answer))
+
     # -- the sending rank -----------------------------------------------------------------------
     def _sends(self) -> bool:
         return (dist.get_rank() if dist.is_available() and dist.is_initialized() else 0) == self.src_rank
@@ -156,13 +209,14 @@ class SGLangEngine:
         return call(self.url, route, payload, self.timeout)
 
     def _join(self) -> Any:
-        payload = {"master_address": self.master_address, "master_port": self.master_port, "rank_offset": 1,
+        port = int(self.master_port or 0)  # connect() checked it is given
+        payload = {"master_address": self.master_address, "master_port": port, "rank_offset": 1,
                    "world_size": 1 + self.engine_ranks, "group_name": self.group_name, "backend": self.backend}
         # Both sides build the group at once: the engine's call returns once its workers joined it. The join
         # runs in a thread, so that a refusal or an engine that is gone is reported at once (the join then
         # ends by its own timeout).
         joined, thread = _in_thread(lambda: join_weight_group(
-            self.master_address, self.master_port, 1 + self.engine_ranks, 0, self.group_name, self.backend,
+            self.master_address, port, 1 + self.engine_ranks, 0, self.group_name, self.backend,
             self.timeout))
         answer = self._call("init_weights_update_group", payload)
         if not _ok(answer):
@@ -266,7 +320,7 @@ def _problem(engine_ranks: object, group_name: object, backend: object, timeout:
         return f"backend={backend!r}: pass 'nccl' (GPUs) or 'gloo' (CPUs)"
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
         return f"timeout={timeout!r}: pass a positive number of seconds"
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
         return f"master_port={port!r}: pass a free TCP port"
     return None
 
