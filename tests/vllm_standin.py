@@ -160,18 +160,18 @@ class SparseSender:
     patches (names, dtypes, full shapes, counts), the worker's receive started beside two broadcasts per patch,
     positions then values. The worker receives into empty tensors of the announced sizes and applies each patch
     to what it holds by flat position (``held``: the engine's tensors in the checkpoint's coordinates; a tensor
-    it has never held starts as zeros). ``fail_on``: the worker's receive fails at that round (an RPC error);
+    it has never held starts as zeros). ``fail_on``: the worker's receive fails in that update (an RPC error);
     ``drop``: the worker silently leaves out sparse patches of tensors whose name contains it.
     """
 
     def __init__(self, transfer: TransferGroup, fail_on: int | None = None, drop: str | None = None) -> None:
         self.transfer, self.fail_on, self.drop = transfer, fail_on, drop
         self.held: dict[str, torch.Tensor] = {}
-        self.rounds = 0
+        self.syncs = 0
         self.client = self
 
     def start_weight_update(self) -> None:
-        pass
+        self.syncs += 1
 
     def finish_weight_update(self) -> None:
         pass
@@ -183,7 +183,6 @@ class SparseSender:
             if p.indices.numel() != p.values.numel():
                 raise ValueError(f"`indices` and `values` must have matching lengths for {p.name}")
         info = [(p.name, str(p.values.dtype).split(".")[-1], list(p.full_shape), p.indices.numel()) for p in patches]
-        self.rounds += 1
         box: dict[str, Any] = {}
         thread = threading.Thread(target=self._receive, args=(info, box), daemon=True)
         thread.start()
@@ -206,7 +205,7 @@ class SparseSender:
                 for t in (indices, values):
                     self.transfer.worker.broadcast([t], opts).wait()
                 got.append((name, shape, indices, values))
-            if self.rounds == self.fail_on:
+            if self.syncs == self.fail_on:
                 raise RuntimeError("Call to collective_rpc method failed: the stand-in's worker refused the patches")
             for name, shape, indices, values in got:  # in place, by flat position (not transactional)
                 if self.drop is not None and self.drop in name and indices.numel() < math.prod(shape):

@@ -19,10 +19,12 @@ from .._errors import StateDictError, UnsupportedModelError
 from ..formats.hub import HubLayout
 from ..sync.streaming import Bucket
 from ._adapters import AdapterSync
+from ._delta import DeltaReport, DeltaSync, SparsePatch
 from ._vllm_engine import VLLMEngine
 from ._vllm_source import HubSource, ParamMeta, vllm_interface, weight_source
 
-__all__ = ["load_into", "weight_source", "vllm_interface", "HubSource", "ParamMeta", "VLLMEngine", "AdapterSync"]
+__all__ = ["load_into", "weight_source", "vllm_interface", "HubSource", "ParamMeta", "VLLMEngine", "AdapterSync",
+           "DeltaSync", "DeltaReport", "SparsePatch"]
 
 
 def load_into(llm_or_model: Any, buckets: Iterable[Bucket]) -> list[str]:

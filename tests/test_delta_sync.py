@@ -1,0 +1,70 @@
+"""Deltas to vLLM's sparse backend (``wrapkit.integrations.vllm.DeltaSync``), against the stand-in of vLLM's
+sparse sender and receiver in ``tests/vllm_standin.py``: after every sync the receiver holds, bit for bit, what a
+dense sync of the same stream gives."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tests import _matrix as matrix
+from tests import scenarios_engines as se
+from wrapkit.cli._workers import free_port
+
+# Gathered (FSDP2 on a bf16 wire, ZeRO-3 on a mixture's experts), LoRA merged on the way (FSDP1), DDP in bf16.
+CASES = [{"spec": "fsdp2", "family": "llama", "wire": "bfloat16"},
+         {"spec": "zero3", "family": "qwen3-moe"},
+         {"spec": "fsdp", "family": "llama", "merge": True, "wire": "bfloat16", "lr": 0.5},
+         {"spec": "ddp", "family": "qwen2-tied", "precision": "bf16", "lr": 0.1}]
+FOUR_RANK_CASES = [{"spec": "fsdp2", "family": "llama", "topology": "hsdp", "wire": "bfloat16"}]
+
+
+def _run(group: Any, case: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    per_rank = group.run(se.deltas_through_standin, [case], [free_port()], timeout=240)
+    return [obs[repr(sorted(case.items()))] for obs in per_rank]
+
+
+def _check(case: dict[str, Any], syncs: list[list[dict[str, Any]]]) -> None:
+    reports = [[{**s["report"], "seconds": 0} for s in rank] for rank in syncs]
+    assert all(r == reports[0] for r in reports)  # agreed on every rank
+    world = len(syncs)
+    for step, sync in enumerate(syncs[0]):
+        report = sync["report"]
+        assert sync["wrong"] == [] and sync["extra"] == [] and sync["compared"] > 0, sync
+        assert report["dense"] == (step == 0), report
+        if step == 0:
+            assert report["changed"] == report["values"] > 0, report
+        elif case["spec"] == "zero3":  # DeepSpeed's own Adam, at its configured rate: every value moves
+            assert 0 < report["changed"] <= report["values"], report
+        else:  # a small SGD step: some values change, not all
+            assert 0 < report["changed"] < report["values"], report
+    snapshots = [rank[-1]["snapshot"] for rank in syncs]  # each rank holds its share only
+    assert max(snapshots) - min(snapshots) < 0.1 * max(snapshots) and sum(snapshots) > 0
+    assert world * max(snapshots) < 1.2 * sum(snapshots)
+
+
+@matrix.cases(CASES, [])
+def test_deltas_give_what_a_dense_sync_gives(group: Any, case: dict[str, Any]) -> None:
+    _check(case, _run(group, case))
+
+
+@matrix.cases(FOUR_RANK_CASES, [])
+def test_deltas_on_four_rank_layouts(group4: Any, case: dict[str, Any]) -> None:
+    _check(case, _run(group4, case))
+
+
+def test_a_failed_round_fails_every_rank_and_the_next_is_dense(group: Any) -> None:
+    case = {"spec": "fsdp2", "family": "llama", "wire": "bfloat16", "fail_on": 2}
+    syncs = _run(group, case)
+    for rank in syncs:
+        assert [("error" in s) for s in rank] == [False, True, False, False], rank
+        assert "EngineError" in rank[1]["error"] and "refused the patches" in rank[1]["error"], rank[1]
+        assert rank[2]["report"]["dense"] and not rank[3]["report"]["dense"], rank
+    assert syncs[0][2]["wrong"] == [] and syncs[0][3]["wrong"] == []  # whole again after the dense round
+
+
+def test_a_patch_the_engine_drops_is_served_until_the_next_dense_sync(group: Any) -> None:
+    case = {"spec": "fsdp2", "family": "llama", "wire": "bfloat16", "drop": "q_proj", "dense_every": 2}
+    [mine, _] = _run(group, case)
+    assert [s["report"]["dense"] for s in mine] == [True, False, True, False]
+    assert mine[0]["wrong"] == [] and mine[2]["wrong"] == []  # the dense rounds restore it
+    assert mine[1]["wrong"] and all("q_proj" in n for n in mine[1]["wrong"]), mine[1]["wrong"]

@@ -1,0 +1,220 @@
+"""Deltas to an engine: after a dense first sync, only the values that changed, as sparse patches in the Hub's
+coordinates (vLLM's ``sparse_nccl`` backend, 0.33).
+
+Each rank keeps a snapshot of its share of what the engine holds, in the wire dtype: of every tensor of the
+stream, the flat positions ``[r * n // W, (r + 1) * n // W)``. A sync streams the full weights to every rank
+(``stream_full_parameters``' own gathers, one bucket at a time), each rank compares its positions bit for bit
+with its snapshot, and the changed positions (int32, ascending) and values go to the sending rank, which sends
+one patch per changed tensor before the next bucket is gathered. Applied to what the engine holds, the patches
+give exactly what a dense sync of the same stream gives. The snapshot takes in a round's changes only once
+every rank knows the send succeeded; after a failed send the next sync is dense.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from .._errors import ArgumentError, EngineError
+
+__all__ = ["DeltaSync", "DeltaReport", "SparsePatch"]
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_LIMIT = 2**31 - 1  # vLLM's patches carry int32 flat positions
+
+
+class SparsePatch(NamedTuple):
+    """One tensor's changes: flat positions (int32, ascending) and their values, in the checkpoint's (Hub's)
+    coordinates; the fields of vLLM's ``SparseWeightPatch``, which is used instead where vLLM is installed."""
+
+    name: str
+    indices: torch.Tensor
+    values: torch.Tensor
+    full_shape: tuple[int, ...]
+
+
+class DeltaReport(NamedTuple):
+    """What one ``DeltaSync.send`` moved, the same on every rank: whether it was dense, the patches (tensors),
+    the values sent and the model's values, the bytes of positions and values, and the seconds taken."""
+
+    dense: bool
+    tensors: int
+    changed: int
+    values: int
+    bytes: int
+    seconds: float
+
+
+class DeltaSync:
+    """Sparse weight updates of ``wm`` for an engine in another process; see the module docstring.
+
+    ``dtype``, ``keep_dtype``, ``merge_adapters``, ``bucket_bytes``: as in ``stream_full_parameters`` (the wire
+    dtype is what the snapshot holds, so a patch gives exactly the values a dense sync would). ``snapshot_device``:
+    where each rank keeps its share of the snapshot (``"cpu"`` by default; its size is the model's values in the
+    wire dtype divided by the world size). ``dense_every``: every that many syncs one is dense (vLLM cannot
+    confirm a checksum of what it holds in the checkpoint's coordinates, so this bounds how long a lost patch is
+    served); None: only the first and those after ``reset()``. ``src_rank``: the rank that sends (a global rank).
+    """
+
+    def __init__(self, wm: Any, *, dtype: torch.dtype | None = None, keep_dtype: Callable[[str], bool] | None = None,
+                 merge_adapters: bool = False, bucket_bytes: int = 64 * 2**20,
+                 snapshot_device: torch.device | str = "cpu", dense_every: int | None = 50, src_rank: int = 0) -> None:
+        if dense_every is not None and (isinstance(dense_every, bool) or not isinstance(dense_every, int)
+                                        or dense_every < 1):
+            raise ArgumentError(f"DeltaSync(): dense_every={dense_every!r}: pass a positive number of syncs, or None")
+        self.wm, self.dtype, self.keep_dtype, self.merge_adapters = wm, dtype, keep_dtype, merge_adapters
+        self.bucket_bytes, self.dense_every, self.src_rank = bucket_bytes, dense_every, src_rank
+        self.snapshot_device = torch.device(snapshot_device)
+        self._snapshot: dict[str, torch.Tensor] = {}
+        self._dense = True
+        self._syncs = 0
+
+    def reset(self) -> None:
+        """The next sync is dense (call it on every rank after the engine loaded weights from elsewhere)."""
+        self._dense = True
+
+    def snapshot_bytes(self) -> int:
+        """This rank's snapshot, in bytes."""
+        return sum(t.numel() * t.element_size() for t in self._snapshot.values())
+
+    def send(self, sender: Any) -> DeltaReport:
+        """One sync, collective: every rank calls it. ``sender`` (used on the sending rank only): vLLM's sparse
+        trainer engine (``trainer_init`` of ``SparseNCCLTrainerInitInfo``), whose ``send_weight_chunk`` takes each
+        bucket's patches inside one ``start_weight_update`` / ``finish_weight_update`` of its client; or
+        anything with ``send_weights(patches)``, given the round's patches at once. Raises ``EngineError`` on
+        every rank where the send failed (the next sync is then dense)."""
+        t0 = time.perf_counter()
+        dense, me, world = self._dense, _rank(), _world_size()
+        sends = me == self.src_rank
+        chunked = sends and callable(getattr(sender, "send_weight_chunk", None)) and hasattr(sender, "client")
+        error: str | None = None
+        pending: list[tuple[str, torch.Tensor | None, torch.Tensor]] = []
+        held: list[Any] = []  # the round's patches, where the sender takes them at once
+        tensors = changed = values = size = 0
+        if chunked:
+            error = _attempt(sender.client.start_weight_update)
+        stream = self.wm.stream_full_parameters(self.bucket_bytes, self.dtype, self.merge_adapters,
+                                                keep_dtype=self.keep_dtype)
+        for bucket in stream:
+            local = []
+            for name, full in bucket.named_tensors():
+                n = full.numel()
+                if n > _LIMIT:
+                    error = error or f"{name} has {n} values, more than int32 positions address"
+                lo, hi = n * me // world, n * (me + 1) // world
+                mine = full.reshape(-1)[lo:hi].to(self.snapshot_device)
+                snap = self._snapshot.get(name)
+                if dense or snap is None or snap.dtype != mine.dtype or snap.numel() != mine.numel():
+                    where, picked = None, mine.clone()
+                    positions = torch.arange(lo, hi, dtype=torch.int32)
+                else:
+                    bits = _INT[mine.element_size()]
+                    where = (mine.view(bits) != snap.view(bits)).nonzero().flatten()
+                    picked = mine[where]
+                    positions = (where + lo).to(torch.int32)
+                local.append((name, tuple(full.shape), full.dtype, positions, picked))
+                pending.append((name, where, picked))
+                values += n
+            patches = _to_sender(local, self.src_rank, world, self.wm.device)
+            del bucket
+            if not sends:
+                continue
+            tensors += len(patches)
+            changed += sum(p.values.numel() for p in patches)
+            size += sum(p.indices.numel() * 4 + p.values.numel() * p.values.element_size() for p in patches)
+            if error is None and patches:
+                patches = [_patch(p) for p in patches]
+                if chunked:
+                    error = _attempt(sender.send_weight_chunk, patches)
+                else:
+                    held += patches
+        if sends and error is None:
+            error = _attempt(sender.client.finish_weight_update) if chunked else _attempt(sender.send_weights, held)
+        held.clear()
+        box: list[Any] = [(error, tensors, changed, size)]
+        if dist.is_available() and dist.is_initialized():
+            dist.broadcast_object_list(box, src=self.src_rank)
+        error, tensors, changed, size = box[0]
+        if error is not None:
+            self._dense = True  # what the engine holds is unknown: the next sync sends everything
+            raise EngineError(f"DeltaSync.send(): the {'dense' if dense else 'sparse'} update failed: {error}. "
+                              "Nothing was taken into the snapshot; the next sync is dense")
+        for name, where, picked in pending:
+            if where is None:
+                self._snapshot[name] = picked
+            else:
+                self._snapshot[name][where] = picked
+        self._syncs += 1
+        self._dense = self.dense_every is not None and self._syncs % self.dense_every == 0
+        return DeltaReport(dense, tensors, changed, values, size, time.perf_counter() - t0)
+
+
+def _to_sender(local: list[tuple[str, tuple[int, ...], torch.dtype, torch.Tensor, torch.Tensor]], src: int,
+               world: int, device: torch.device) -> list[SparsePatch]:
+    """Every rank's changes of one bucket, joined on the sending rank in rank order (so positions ascend), on
+    ``device`` (the model's: where the collectives and the engine's broadcasts run); a patch per tensor with
+    changes. The sizes are gathered first, then the counts, positions and values (as bytes), each padded."""
+    if world == 1:
+        return [SparsePatch(n, p.to(device), v.to(device).contiguous(), s) for n, s, _, p, v in local if p.numel()]
+    counts = torch.tensor([p.numel() for *_, p, _ in local], dtype=torch.int64, device=device)
+    positions = torch.cat([p for *_, p, _ in local]).to(device) if local else torch.empty(
+        0, dtype=torch.int32, device=device)
+    payload = torch.cat([v.reshape(-1).view(torch.uint8) for *_, v in local]).to(device) if local else torch.empty(
+        0, dtype=torch.uint8, device=device)
+    sizes = torch.tensor([positions.numel(), payload.numel()], dtype=torch.int64, device=device)
+    all_sizes = [torch.empty_like(sizes) for _ in range(world)]
+    dist.all_gather(all_sizes, sizes)
+    most = [int(max(s[i] for s in all_sizes)) for i in range(2)]
+    me = _rank()
+    outs: list[list[torch.Tensor]] = []
+    for mine, length in ((counts, len(local)), (positions, most[0]), (payload, most[1])):
+        padded = torch.zeros(length, dtype=mine.dtype, device=device)
+        padded[:mine.numel()] = mine
+        into = [torch.empty_like(padded) for _ in range(world)] if me == src else None
+        dist.gather(padded, into, dst=src)
+        outs.append(into or [])
+    if me != src:
+        return []
+    patches = []
+    taken = [[0, 0] for _ in range(world)]
+    for i, (name, shape, dtype, _, _) in enumerate(local):
+        pos, vals = [], []
+        for r in range(world):
+            k = int(outs[0][r][i])
+            at, byte = taken[r]
+            pos.append(outs[1][r][at:at + k])
+            vals.append(outs[2][r][byte:byte + k * dtype.itemsize].view(dtype))
+            taken[r] = [at + k, byte + k * dtype.itemsize]
+        joined = torch.cat(pos)
+        if joined.numel():
+            patches.append(SparsePatch(name, joined.contiguous(), torch.cat(vals).contiguous(), shape))
+    return patches
+
+
+def _patch(p: SparsePatch) -> Any:
+    """vLLM's own patch class where vLLM is installed (its validation reads the same fields)."""
+    try:
+        from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseWeightPatch
+    except Exception:  # vLLM absent, or too old for sparse updates: the fields are the same
+        return p
+    return SparseWeightPatch(p.name, p.indices, p.values, p.full_shape)
+
+
+def _attempt(fn: Callable[..., Any], *args: Any) -> str | None:
+    try:
+        fn(*args)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
