@@ -280,9 +280,10 @@ def adapters_refused(engine_kind: str, urls: list[str], root: str) -> list[str]:
 
 
 def deltas_through_standin(cases: list[dict[str, Any]], ports: list[int]) -> dict[str, Any]:
-    """For each case (``spec``, ``family``, ``precision``, ``topology``, ``wire``, ``merge``, ``lr``, ``fail_on``,
-    ``drop``, ``dense_every``): four ``DeltaSync`` sends to vLLM's sparse receiver (``vllm_standin.SparseSender``),
-    a training step before each but the first; after each, what the receiver holds against a dense stream."""
+    """For each case (``spec``, ``family``, ``precision``, ``topology``, ``wire``, ``keep`` (norms in fp32),
+    ``merge``, ``lr``, ``fail_on``, ``drop``, ``dense_every``): four ``DeltaSync`` sends to vLLM's sparse
+    receiver (``vllm_standin.SparseSender``), a training step before each but the first; after each, what the
+    receiver holds against a dense stream."""
     from tests import vllm_standin as vs
     from wrapkit.integrations._delta import DeltaSync
 
@@ -293,7 +294,8 @@ def deltas_through_standin(cases: list[dict[str, Any]], ports: list[int]) -> dic
                                  topology=case.get("topology", "flat")))
         wire = getattr(torch, case["wire"]) if case.get("wire") else None
         merge = bool(case.get("merge"))
-        delta = DeltaSync(wm, dtype=wire, merge_adapters=merge, bucket_bytes=16 * 1024,
+        keep = (lambda n: "norm" in n) if case.get("keep") else None  # noqa: E731 (norms stay in fp32)
+        delta = DeltaSync(wm, dtype=wire, merge_adapters=merge, bucket_bytes=16 * 1024, keep_dtype=keep,
                           dense_every=case.get("dense_every"))
         rank0 = dist.get_rank() == 0
         transfer = vs.TransferGroup(port) if rank0 else None
@@ -301,14 +303,18 @@ def deltas_through_standin(cases: list[dict[str, Any]], ports: list[int]) -> dic
         syncs: list[dict[str, Any]] = []
         try:
             for step in range(4):
-                if step:
+                if step and case["spec"] == "pipeline":  # a stage's loss is not the model's: move some values
+                    with torch.no_grad():
+                        for p in wm.unwrap().parameters():
+                            p.view(-1)[:: 7 + step].add_(0.01)
+                elif step:
                     _train_step(wm, model, case.get("lr", 1e-4))
                 obs: dict[str, Any] = {}
                 try:
                     obs["report"] = delta.send(sender)._asdict()
                 except wrapkit.WrapkitError as exc:
                     obs["error"] = f"{type(exc).__name__}: {exc}"
-                want = {n: t.clone() for b in wm.stream_full_parameters(16 * 1024, wire, merge)
+                want = {n: t.clone() for b in wm.stream_full_parameters(16 * 1024, wire, merge, keep_dtype=keep)
                         for n, t in b.named_tensors()}
                 if sender is not None:
                     held = sender.held

@@ -10,11 +10,13 @@ from tests import _matrix as matrix
 from tests import scenarios_engines as se
 from wrapkit.cli._workers import free_port
 
-# Gathered (FSDP2 on a bf16 wire, ZeRO-3 on a mixture's experts), LoRA merged on the way (FSDP1), DDP in bf16.
+# Gathered (FSDP2 on a bf16 wire, ZeRO-3 on a mixture's experts with fp32 norms beside bf16), LoRA merged on the
+# way (FSDP1), DDP in bf16 on a tied model, tensor parallelism, pipeline stages.
 CASES = [{"spec": "fsdp2", "family": "llama", "wire": "bfloat16"},
-         {"spec": "zero3", "family": "qwen3-moe"},
+         {"spec": "zero3", "family": "qwen3-moe", "wire": "bfloat16", "keep": True},
          {"spec": "fsdp", "family": "llama", "merge": True, "wire": "bfloat16", "lr": 0.5},
-         {"spec": "ddp", "family": "qwen2-tied", "precision": "bf16", "lr": 0.1}]
+         {"spec": "ddp", "family": "qwen2-tied", "precision": "bf16", "lr": 0.1},
+         {"spec": "tp", "family": "llama", "wire": "bfloat16"}, {"spec": "pipeline", "family": "llama"}]
 FOUR_RANK_CASES = [{"spec": "fsdp2", "family": "llama", "topology": "hsdp", "wire": "bfloat16"}]
 
 

@@ -12,6 +12,7 @@ every rank knows the send succeeded; after a failed send the next sync is dense.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -157,38 +158,40 @@ def _to_sender(local: list[tuple[str, tuple[int, ...], torch.dtype, torch.Tensor
                world: int, device: torch.device) -> list[SparsePatch]:
     """Every rank's changes of one bucket, joined on the sending rank in rank order (so positions ascend), on
     ``device`` (the model's: where the collectives and the engine's broadcasts run); a patch per tensor with
-    changes. The sizes are gathered first, then the counts, positions and values (as bytes), each padded."""
+    changes. Two collectives: the sizes, then each rank's counts, positions and values in one padded buffer."""
     if world == 1:
         return [SparsePatch(n, p.to(device), v.to(device).contiguous(), s) for n, s, _, p, v in local if p.numel()]
-    counts = torch.tensor([p.numel() for *_, p, _ in local], dtype=torch.int64, device=device)
-    positions = torch.cat([p for *_, p, _ in local]).to(device) if local else torch.empty(
-        0, dtype=torch.int32, device=device)
-    payload = torch.cat([v.reshape(-1).view(torch.uint8) for *_, v in local]).to(device) if local else torch.empty(
-        0, dtype=torch.uint8, device=device)
-    sizes = torch.tensor([positions.numel(), payload.numel()], dtype=torch.int64, device=device)
-    all_sizes = [torch.empty_like(sizes) for _ in range(world)]
-    dist.all_gather(all_sizes, sizes)
-    most = [int(max(s[i] for s in all_sizes)) for i in range(2)]
-    me = _rank()
-    outs: list[list[torch.Tensor]] = []
-    for mine, length in ((counts, len(local)), (positions, most[0]), (payload, most[1])):
-        padded = torch.zeros(length, dtype=mine.dtype, device=device)
-        padded[:mine.numel()] = mine
-        into = [torch.empty_like(padded) for _ in range(world)] if me == src else None
-        dist.gather(padded, into, dst=src)
-        outs.append(into or [])
-    if me != src:
+    # One byte buffer per rank: the counts (int64), the positions (int32), the values; padded to the longest.
+    counts = torch.tensor([p.numel() for *_, p, _ in local], dtype=torch.int64)
+    parts = [counts.view(torch.uint8)] + [p.view(torch.uint8) for *_, p, _ in local]
+    parts += [v.reshape(-1).view(torch.uint8) for *_, v in local]
+    mine = torch.cat([t.to(device) for t in parts])
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device))
+    padded = torch.zeros(int(max(int(t) for t in sizes)), dtype=torch.uint8, device=device)
+    padded[:mine.numel()] = mine
+    into = [torch.empty_like(padded) for _ in range(world)] if _rank() == src else None
+    dist.gather(padded, into, dst=src)
+    if into is None:
         return []
+    n = len(local)
+    got = []
+    for buf in into:  # each rank's counts, positions and values, cut apart
+        k = buf[:8 * n].view(torch.int64).tolist()
+        at = 8 * n + 4 * sum(k)
+        got.append((k, buf[8 * n:at].view(torch.int32), buf, at))
     patches = []
-    taken = [[0, 0] for _ in range(world)]
+    pos_at = [0] * world
+    val_at = [entry[3] for entry in got]
     for i, (name, shape, dtype, _, _) in enumerate(local):
         pos, vals = [], []
-        for r in range(world):
-            k = int(outs[0][r][i])
-            at, byte = taken[r]
-            pos.append(outs[1][r][at:at + k])
-            vals.append(outs[2][r][byte:byte + k * dtype.itemsize].view(dtype))
-            taken[r] = [at + k, byte + k * dtype.itemsize]
+        for r, (k, positions, buf, _) in enumerate(got):
+            c = k[i]
+            pos.append(positions[pos_at[r]:pos_at[r] + c])
+            # Values of several dtypes lie back to back: copied out before the view, whatever their offset.
+            vals.append(buf[val_at[r]:val_at[r] + c * dtype.itemsize].clone().view(dtype))
+            pos_at[r] += c
+            val_at[r] += c * dtype.itemsize
         joined = torch.cat(pos)
         if joined.numel():
             patches.append(SparsePatch(name, joined.contiguous(), torch.cat(vals).contiguous(), shape))
@@ -197,11 +200,17 @@ def _to_sender(local: list[tuple[str, tuple[int, ...], torch.dtype, torch.Tensor
 
 def _patch(p: SparsePatch) -> Any:
     """vLLM's own patch class where vLLM is installed (its validation reads the same fields)."""
+    cls = _vllm_patch()
+    return p if cls is None else cls(p.name, p.indices, p.values, p.full_shape)
+
+
+@functools.cache
+def _vllm_patch() -> Any:
     try:
         from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseWeightPatch
     except Exception:  # vLLM absent, or too old for sparse updates: the fields are the same
-        return p
-    return SparseWeightPatch(p.name, p.indices, p.values, p.full_shape)
+        return None
+    return SparseWeightPatch
 
 
 def _attempt(fn: Callable[..., Any], *args: Any) -> str | None:
