@@ -21,7 +21,7 @@ from wrapkit.integrations.sglang import SGLangEngine
 def _train_step(wm: Any, model: torch.nn.Module, lr: float = 0.1) -> None:
     inputs = family_inputs(model)
     # A reward model scores each sequence (one regression label per row); the others predict the next tokens.
-    reward = type(wm.unwrap()).__name__.endswith("ForSequenceClassification")
+    reward = type(wm.unwrap(keep_peft=False)).__name__.endswith("ForSequenceClassification")
     labels = torch.zeros(inputs["input_ids"].shape[0]) if reward else inputs["input_ids"]
     loss = wm(**{k: v.to(wm.device) for k, v in inputs.items()}, labels=labels.to(wm.device)).loss
     if wm.backend == "deepspeed":
@@ -214,7 +214,8 @@ def _adapted(family: str) -> torch.nn.Module:
     from tests.scenarios_families import EXPERT_TARGETS
 
     experts = {"target_parameters": EXPERT_TARGETS} if "moe" in family else {}
-    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], **experts)
+    targets = ["q", "v"] if family == "t5" else ["q_proj", "v_proj"]  # T5 names its projections alone
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=targets, **experts)
     return fill_adapters(get_peft_model(family_model(family, seed=0), config), seed=1)
 
 

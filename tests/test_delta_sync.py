@@ -17,6 +17,10 @@ CASES = [{"spec": "fsdp2", "family": "llama", "wire": "bfloat16"},
          {"spec": "fsdp", "family": "llama", "merge": True, "wire": "bfloat16", "lr": 0.5},
          {"spec": "ddp", "family": "qwen2-tied", "precision": "bf16", "lr": 0.1},
          {"spec": "tp", "family": "llama", "wire": "bfloat16"}, {"spec": "pipeline", "family": "llama"}]
+# The rest of the family matrix: tied Gemma, the other mixtures, a vision-language model, an encoder-decoder, a
+# reward model.
+FAMILY_CASES = [{"spec": "fsdp2", "family": f, "wire": "bfloat16"}
+                for f in ("gemma3", "gpt-oss", "deepseek-v3", "qwen2-vl", "t5", "llama-reward")]
 FOUR_RANK_CASES = [{"spec": "fsdp2", "family": "llama", "topology": "hsdp", "wire": "bfloat16"}]
 
 
@@ -44,7 +48,7 @@ def _check(case: dict[str, Any], syncs: list[list[dict[str, Any]]]) -> None:
     assert world * max(snapshots) < 1.2 * sum(snapshots)
 
 
-@matrix.cases(CASES, [])
+@matrix.cases(CASES + FAMILY_CASES, [])
 def test_deltas_give_what_a_dense_sync_gives(group: Any, case: dict[str, Any]) -> None:
     _check(case, _run(group, case))
 

@@ -56,15 +56,20 @@ def replicas() -> Iterator[Replicas]:
         r.stop()
 
 
-# Both engines from sharded backends; a tied model; DDP in bf16 (the adapter's tensors in bf16, checked by
-# SGLang's per-tensor SHA-256); LoRA on a mixture's fused experts (vLLM is told it is in the 3-D layout).
+# Both engines from sharded backends; tied models; DDP in bf16 (the adapter's tensors in bf16, checked by
+# SGLang's per-tensor SHA-256); LoRA on a mixture's fused experts (vLLM is told it is in the 3-D layout);
+# pipeline stages; a vision-language model, an encoder-decoder and a reward model.
 CASES = [{"engine": "vllm", "spec": "fsdp2", "family": "llama"},
          {"engine": "vllm", "spec": "zero3", "family": "qwen2-tied"},
          {"engine": "vllm", "spec": "fsdp2", "family": "qwen3-moe"},
          {"engine": "sglang", "spec": "fsdp", "family": "llama"},
          {"engine": "sglang", "spec": "ddp", "family": "llama", "precision": "bf16"},
          {"engine": "sglang", "spec": "zero3", "family": "qwen3-moe"},
-         {"engine": "sglang", "spec": "pipeline", "family": "llama"}]
+         {"engine": "sglang", "spec": "pipeline", "family": "llama"},
+         {"engine": "vllm", "spec": "fsdp2", "family": "gemma3"},
+         {"engine": "sglang", "spec": "zero3", "family": "qwen2-vl"},
+         {"engine": "vllm", "spec": "ddp", "family": "t5"},
+         {"engine": "sglang", "spec": "fsdp2", "family": "llama-reward"}]
 FOUR_RANK_CASES = [{"engine": "vllm", "spec": "fsdp2", "family": "llama", "topology": "hsdp"}]
 
 
