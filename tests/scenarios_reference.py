@@ -300,3 +300,81 @@ def loaded_bf16_reference(spec: str, tmp: str) -> dict[str, Any]:
     return {"diff": diff, "buffers": buffers, "dtypes": (str(next(wm.unwrap().parameters()).dtype),
                                                        str(next(ref.unwrap().parameters()).dtype)),
             "policy_buffers": {k: str(b.dtype) for k, b in wm.unwrap().named_buffers()}}
+
+
+class _TitanBlock(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.attention_norm = torch.nn.LayerNorm(dim)
+        self.feed_forward = torch.nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.feed_forward(self.attention_norm(h))
+
+
+class TitanLike(torch.nn.Module):
+    """torchtitan's layout: ``tok_embeddings``, blocks in a ``ModuleDict`` keyed "0", "1", ..., ``norm`` and
+    ``output``; no ``_no_split_modules`` and no transformers config."""
+
+    def __init__(self, vocab: int = 128, dim: int = 16, layers: int = 3) -> None:
+        super().__init__()
+        self.tok_embeddings = torch.nn.Embedding(vocab, dim)
+        self.layers = torch.nn.ModuleDict({str(i): _TitanBlock(dim) for i in range(layers)})
+        self.norm = torch.nn.LayerNorm(dim)
+        self.output = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers.values():
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+def _units(module: torch.nn.Module, backend: str) -> list[list[str]]:
+    """A sharded module's units by canonical path, grouped as sharded together (the root left out)."""
+    from wrapkit._names import canonical_name
+
+    if backend == "fsdp2":
+        from wrapkit.adapters.dtensor.sharding import unit_groups
+
+        return sorted(sorted(g) for g in unit_groups(module))
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return sorted([canonical_name(p)] for p, m in module.named_modules()
+                  if p and isinstance(m, FullyShardedDataParallel))
+
+
+def reference_sharded_like_policy(backend: str) -> dict[str, Any]:
+    """A torchtitan-style model sharded as torchtitan shards it (the embedding, each block, the norm and the
+    head together, the root; FSDP1: the embedding and each block): the reference's units against the policy's,
+    and their outputs."""
+    import copy
+
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = TitanLike()
+    fresh = copy.deepcopy(model)
+    if backend == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        fully_shard(model.tok_embeddings, mesh=mesh)
+        for layer in model.layers.values():
+            fully_shard(layer, mesh=mesh)
+        fully_shard([model.norm, model.output], mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        policy_module: torch.nn.Module = model
+    else:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        policy_module = FullyShardedDataParallel(model, use_orig_params=True, device_id=torch.device("cpu"),
+                                                 auto_wrap_policy=ModuleWrapPolicy({_TitanBlock, torch.nn.Embedding}))
+    wm = wrapkit.adapt(policy_module)
+    ref = wrapkit.prepare_reference(wm, fresh)
+    with torch.no_grad():
+        ours, theirs = wm(TOKENS), ref(TOKENS)
+    return {"policy": _units(policy_module, backend), "reference": _units(ref.module, backend),
+            "same": bool(torch.equal(ours, theirs))}

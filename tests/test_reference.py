@@ -185,3 +185,11 @@ def test_a_fresh_reference_keeps_float32_rotary_tables_of_a_bf16_model(group: An
         assert "torch.float32" in obs["policy_buffers"].values(), obs["policy_buffers"]
         assert obs["buffers"] == obs["policy_buffers"], obs
         assert obs["diff"] == 0.0, obs
+
+
+@pytest.mark.parametrize("backend", ["fsdp2", "fsdp"])
+def test_a_reference_is_sharded_where_the_policy_is(group: Any, backend: str) -> None:
+    """A model without transformers' block list (torchtitan's): the reference takes the policy's own units."""
+    for obs in group.run(sc.reference_sharded_like_policy, backend, timeout=120):
+        assert obs["reference"] == obs["policy"] and len(obs["policy"]) >= 4, obs
+        assert obs["same"]

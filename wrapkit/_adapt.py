@@ -119,8 +119,9 @@ def prepare_reference(policy: Any, ref_model: Any = None, *,
 
     ZeRO-3 gives a DeepSpeed inference engine at stage 3 (the policy's config without
     optimizer, scheduler and optimizer offload; ``ds_config`` is merged over it); ZeRO-0/1/2
-    an unsharded module in the engine's compute dtype; FSDP1/FSDP2 a model wrapped per
-    transformer block with the policy's group or mesh and mixed precision; DDP,
+    an unsharded module in the engine's compute dtype; FSDP1/FSDP2 a model sharded at the
+    policy's own units (per transformer block where a reference of another structure cannot
+    match them) with the policy's group or mesh and mixed precision; DDP,
     DataParallel and plain the bare module. All on the policy's compute device.
 
     ``ref_model=None``: a PEFT policy whose only trainable parameters are its adapters gets an

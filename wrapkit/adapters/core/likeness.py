@@ -17,8 +17,8 @@ from .parts import local_tensor
 if TYPE_CHECKING:
     from .primitives import AdapterView
 
-__all__ = ["block_classes", "skeleton", "copy_buffers", "distributed_copy", "replicated_copy", "ShardedLikeness",
-           "skip_init"]
+__all__ = ["block_classes", "resolve_units", "skeleton", "copy_buffers", "distributed_copy", "replicated_copy",
+           "ShardedLikeness", "skip_init"]
 
 A = TypeVar("A", bound="AdapterView")
 
@@ -44,6 +44,25 @@ def block_classes(model: torch.nn.Module) -> set[type[torch.nn.Module]]:
     for m in model.modules():
         names.update(getattr(m, "_no_split_modules", None) or ())
     return {type(m) for m in model.modules() if type(m).__name__ in names}
+
+
+def resolve_units(module: torch.nn.Module, groups: list[list[str]]) -> list[list[torch.nn.Module]] | None:
+    """The modules of ``module`` at a policy's unit paths (canonical, grouped), or None where there are none or
+    one is missing (a reference of another structure: the caller falls back to ``block_classes``). A PEFT
+    policy's paths also match a base model without PEFT's prefix."""
+    if not groups:
+        return None
+    by_path = {canonical_name(p): m for p, m in module.named_modules() if p}
+    found = []
+    for group in groups:
+        mods = [by_path.get(p) or by_path.get(p.removeprefix(_PEFT_PREFIX)) for p in group]
+        if any(m is None for m in mods):
+            return None
+        found.append([m for m in mods if m is not None])
+    return found
+
+
+_PEFT_PREFIX = "base_model.model."
 
 
 def skeleton(adapter: AdapterView, initialise: bool = True) -> torch.nn.Module:

@@ -36,7 +36,7 @@ from .layout import (
     refuse_tp_adapters,
 )
 from .parts import dtensor_parts
-from .sharding import _beside, _cast_hooks, fully_shard_per_block, param_groups, shard_fsdp2
+from .sharding import _beside, _cast_hooks, fully_shard_per_block, param_groups, shard_fsdp2, unit_groups
 
 
 def _build(layer: str, model: torch.nn.Module, setting: Setting) -> torch.nn.Module:
@@ -292,7 +292,8 @@ def _whole_experts(module: torch.nn.Module) -> dict[str, Any]:
 
 
 class _Fsdp2Likeness(ShardedLikeness["FSDP2Adapter"]):
-    """Copies sharded per block on the policy's mesh, with its root's mixed precision."""
+    """Copies sharded where the policy is (its own units; per transformer block where they cannot be matched), on
+    the policy's mesh, with its root's mixed precision."""
 
     def _like(self, module: torch.nn.Module) -> torch.nn.Module:
         model = self.model
@@ -302,7 +303,8 @@ class _Fsdp2Likeness(ShardedLikeness["FSDP2Adapter"]):
         root: Any = model.backend_object
         state = root._get_fsdp_state() if hasattr(root, "_get_fsdp_state") else None
         mp = getattr(state, "_mp_policy", None)
-        return shard_fsdp2(module, model._own_mesh(), **({"mp_policy": mp} if mp is not None else {}))
+        return shard_fsdp2(module, model._own_mesh(), unit_groups(root),
+                           **({"mp_policy": mp} if mp is not None else {}))
 
     def wrap(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
         module.to(self.model.device)

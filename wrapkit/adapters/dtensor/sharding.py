@@ -7,13 +7,14 @@ from typing import Any
 
 import torch
 
-from ..core.likeness import block_classes
+from ..._names import canonical_name
+from ..core.likeness import block_classes, resolve_units
 from .layout import (
     mesh_key,
 )
 
 __all__ = ["_beside", "_cast", "_cast_hooks", "_reshard_root", "fully_shard_per_block", "param_groups",
-           "shard_fsdp2"]
+           "shard_fsdp2", "unit_groups"]
 
 
 def _beside(mesh: Any, tp_mesh: Any) -> str | None:
@@ -42,9 +43,32 @@ def fully_shard_per_block(module: torch.nn.Module, mesh: Any, **kwargs: Any) -> 
     return module
 
 
-def shard_fsdp2(module: torch.nn.Module, mesh: Any, **kwargs: Any) -> torch.nn.Module:
-    """FSDP2 for a frozen model: ``fully_shard`` per block, then the root, resharded after every forward."""
-    fully_shard_per_block(module, mesh, **kwargs)
+def unit_groups(root: torch.nn.Module) -> list[list[str]]:
+    """The modules ``fully_shard`` was applied to under ``root`` (the root left out), by canonical path, grouped
+    as they were sharded together (``fully_shard([norm, output])`` makes one group), children before parents."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups: dict[int, list[str]] = {}
+    for path, m in root.named_modules():
+        if path and isinstance(m, FSDPModule):
+            groups.setdefault(id(m._get_fsdp_state()), []).append(canonical_name(path))
+    return list(reversed(groups.values()))  # named_modules goes parents first
+
+
+def shard_fsdp2(module: torch.nn.Module, mesh: Any, groups: list[list[str]] | None = None,
+                **kwargs: Any) -> torch.nn.Module:
+    """FSDP2 for a frozen model: ``fully_shard`` on the modules of ``groups`` (a policy's ``unit_groups``: the
+    reference is sharded where the policy is, whatever its model), else per transformer block; then the root,
+    resharded after every forward."""
+    from torch.distributed.fsdp import fully_shard
+
+    found = resolve_units(module, groups or [])
+    if found is None:
+        fully_shard_per_block(module, mesh, **kwargs)
+    else:
+        for mods in found:
+            fully_shard(mods if len(mods) > 1 else mods[0], mesh=mesh, **kwargs)
+        fully_shard(module, mesh=mesh, **kwargs)
     # FSDP2 keeps the root's parameters gathered after forward, for the backward that a
     # frozen reference never runs: give that memory back after every forward.
     module.register_forward_hook(_reshard_root)

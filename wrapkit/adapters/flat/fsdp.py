@@ -8,9 +8,10 @@ from typing import Any
 import torch
 
 from ..._imports import is_instance
+from ..._names import canonical_name
 from ..core.internals import FSDP1_FLAT, FSDP1_HANDLE, FSDP1_UNIT, require_internals
 from ..core.kinds import ShardedAdapter
-from ..core.likeness import ShardedLikeness, block_classes, copy_buffers, skeleton
+from ..core.likeness import ShardedLikeness, block_classes, copy_buffers, resolve_units, skeleton
 from ..core.parts import Parts
 from ..core.recipes import Recipe, Setting, two_d_mesh
 from ..core.topology import Role, Topology
@@ -89,7 +90,8 @@ class FSDPAdapter(ShardedAdapter):
 
 
 class _Fsdp1Likeness(ShardedLikeness["FSDPAdapter"]):
-    """Copies wrapped per block with the policy root's group(s), strategy and mixed precision."""
+    """Copies wrapped where the policy is (its own units; per transformer block where they cannot be matched), with
+    the policy root's group(s), strategy and mixed precision."""
 
     def _like(self, module: torch.nn.Module, init_on: torch.device | None) -> torch.nn.Module:
         model = self.model
@@ -100,8 +102,11 @@ class _Fsdp1Likeness(ShardedLikeness["FSDPAdapter"]):
         if replicas:
             # HYBRID_SHARD takes its two groups together: the mesh it was given, or (shard, replicate).
             groups = {"device_mesh": mesh} if mesh is not None else {"process_group": (group, *replicas)}
+        unit_ids = {id(u) for u in fsdp_units(root)}
+        units = [[canonical_name(p)] for p, m in root.named_modules() if p and id(m) in unit_ids]
         return wrap_fsdp1(module, device=model.device, sharding_strategy=getattr(root, "sharding_strategy", None),
-                          mixed_precision=getattr(root, "mixed_precision", None), init_on=init_on, **groups)
+                          mixed_precision=getattr(root, "mixed_precision", None), init_on=init_on, units=units,
+                          **groups)
 
     def wrap(self, module: torch.nn.Module, ds_config: dict[str, Any] | None) -> torch.nn.Module:
         return self._like(module, init_on=None)
@@ -122,10 +127,11 @@ class _Fsdp1Likeness(ShardedLikeness["FSDPAdapter"]):
 
 
 def wrap_fsdp1(module: torch.nn.Module, *, device: torch.device, init_on: torch.device | None = None,
-               embedding_units: bool = True, **fsdp_kwargs: Any) -> torch.nn.Module:
-    """FSDP1 for a frozen model: one unit per transformer block, on ``device``; with
-    ``embedding_units`` also one per untied input/output embedding (see ``_fsdp1_wrap_policy``).
-    ``init_on``: ``module`` is a meta skeleton to materialise there unit by unit."""
+               embedding_units: bool = True, units: list[list[str]] | None = None,
+               **fsdp_kwargs: Any) -> torch.nn.Module:
+    """FSDP1 for a frozen model, on ``device``: one unit per module of ``units`` (a policy's units, by canonical
+    path), else per transformer block; with ``embedding_units`` also one per untied input/output embedding
+    (see ``_fsdp1_wrap_policy``). ``init_on``: ``module`` is a meta skeleton to materialise there unit by unit."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
     if init_on is not None:
@@ -133,15 +139,18 @@ def wrap_fsdp1(module: torch.nn.Module, *, device: torch.device, init_on: torch.
         fsdp_kwargs["param_init_fn"] = lambda m: m.to_empty(device=init_on, recurse=False)
     return FullyShardedDataParallel(
         module,
-        auto_wrap_policy=_fsdp1_wrap_policy(module, block_classes(module), embedding_units),
+        auto_wrap_policy=_fsdp1_wrap_policy(module, block_classes(module), embedding_units,
+                                            resolve_units(module, units or [])),
         device_id=device,
         use_orig_params=True,
         **fsdp_kwargs,
     )
 
 
-def _fsdp1_wrap_policy(module: torch.nn.Module, blocks: set[type[torch.nn.Module]], embedding_units: bool) -> Any:
-    """Blocks, and with ``embedding_units`` untied input/output embeddings, each their own unit.
+def _fsdp1_wrap_policy(module: torch.nn.Module, blocks: set[type[torch.nn.Module]], embedding_units: bool,
+                       units: list[list[torch.nn.Module]] | None = None) -> Any:
+    """The modules of ``units`` (else blocks), and with ``embedding_units`` untied input/output embeddings, each
+    their own unit.
 
     FSDP1 leaves the root unit's parameters gathered after a forward without backward,
     which for a reference model is every forward; embeddings and head are the largest
@@ -159,11 +168,12 @@ def _fsdp1_wrap_policy(module: torch.nn.Module, blocks: set[type[torch.nn.Module
     if embedding_units and isinstance(emb_in, torch.nn.Module) and isinstance(emb_out, torch.nn.Module):
         if getattr(emb_in, "weight", None) is not getattr(emb_out, "weight", None):
             extra = {id(emb_in), id(emb_out)}
-    if not blocks and not extra:
+    chosen = {id(m) for group in units for m in group} if units is not None else set()
+    kinds = tuple(blocks) if units is None else ()
+    if not kinds and not extra and not chosen:
         return None
-    kinds = tuple(blocks)
 
     def wrap(m: torch.nn.Module) -> bool:
-        return (bool(kinds) and isinstance(m, kinds)) or id(m) in extra
+        return (bool(kinds) and isinstance(m, kinds)) or id(m) in extra or id(m) in chosen
 
     return functools.partial(lambda_auto_wrap_policy, lambda_fn=wrap)
