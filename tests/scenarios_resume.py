@@ -151,3 +151,44 @@ def resumed(tmp: str, spec: str, precision: str = "fp32", topology: str = "flat"
         after = {k: v.float() for k, v in wm.full_state_dict(rank0_only=False).items()}
         obs["after"] = _diff(after, ref["after"])
     return obs
+
+
+def foreign_checkpoint(tmp: str, kind: str, target: str) -> dict[str, Any]:
+    """A model trained on FSDP2 by hand, its state saved as ``kind`` writes it (``torchtitan``: its
+    CheckpointManager's keys, the model at the top level and the optimizer flattened per name; ``accelerate``:
+    its FSDP2 save_state, model and optimizer directories), then read by ``load_state`` into ``target`` built from
+    other weights: the state against the source's, and each group's learning rate."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    src = wrapkit.adapt(build("fsdp2", seed=0))
+    opt, sched = _optimizer(src, 1e-2, 2)
+    _steps(src, opt, sched, 0)
+    for g, lr in zip(opt.param_groups, (3e-4, 7e-4), strict=True):  # each group its own, to be matched by names
+        g["lr"] = lr
+    where = os.path.join(tmp, f"{kind}-{target}")
+    if kind == "torchtitan":
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        path = os.path.join(where, "step-2")
+        save({**get_model_state_dict(src.module), "optimizer": get_optimizer_state_dict(src.module, opt, options=flat)},
+             checkpoint_id=path)
+    else:
+        path = where
+        save({"model": get_model_state_dict(src.module)}, checkpoint_id=os.path.join(where, "pytorch_model_fsdp_0"))
+        save({"optimizer": get_optimizer_state_dict(src.module, opt)}, checkpoint_id=os.path.join(where, "optimizer_0"))
+    want = _full_state(src, opt)
+    if target == "other":  # another model's checkpoint: refused on every rank, naming what does not fit
+        from wrapkit.cli._models import tiny_llama
+
+        other = wrapkit.adapt(build("ddp", model=tiny_llama(1, layers=3)))
+        try:
+            other.load_state(path, _optimizer(other, 0.5, 2)[0])
+        except wrapkit.StateDictError as exc:
+            return {"error": str(exc)}
+        return {"error": None}
+    wm = wrapkit.adapt(build(target, seed=1))
+    opt2, _ = _optimizer(wm, 0.5, 1 if target == "fsdp" else 2)
+    before = _diff(want, _full_state(wm, opt2)) if target != "fsdp" else None
+    report = wm.load_state(path, opt2)
+    return {"diff": _diff(want, _full_state(wm, opt2)), "before": before, "skipped": report.skipped,
+            "lrs": sorted(g["lr"] for g in opt2.param_groups)}

@@ -198,3 +198,25 @@ def test_bad_resumes_list_every_problem_and_change_nothing(tmp_path: Path) -> No
     # Not a save_state directory at all.
     wm.save_pretrained(tmp_path / "pretrained")
     refused(wm2, *_plain(seed=1)[1:], "wrapkit_state.json", directory=tmp_path / "pretrained")
+
+
+@pytest.mark.parametrize("kind", ["torchtitan", "accelerate"])
+@pytest.mark.parametrize("target", ["fsdp2", "ddp", "fsdp"])
+def test_another_trainers_checkpoint_resumes_on_any_backend(group: Any, tmp_path: Path, kind: str,
+                                                            target: str) -> None:
+    """torchtitan's CheckpointManager keys and accelerate's FSDP2 directories, read into another backend: the
+    weights, every moment and step, and each group's hyperparameters (matched by its parameters' names)."""
+    for obs in group.run(sc.foreign_checkpoint, str(tmp_path), kind, target, timeout=180):
+        assert obs["diff"] == 0.0, obs
+        assert obs["before"] is None or obs["before"] > 0, obs  # the target started elsewhere
+        assert obs["lrs"] == ([3e-4, 7e-4] if target != "fsdp" else [3e-4]), obs["lrs"]
+        assert obs["skipped"] and "scheduler" in obs["skipped"][0], obs["skipped"]
+        # FSDP1 here steps one group: joining the checkpoint's two is reported, not done silently.
+        assert (len(obs["skipped"]) == 2 and "joins parameters of 2 groups" in obs["skipped"][1]) == (
+            target == "fsdp"), obs["skipped"]
+
+
+def test_another_models_foreign_checkpoint_is_refused_on_every_rank(group: Any, tmp_path: Path) -> None:
+    for obs in group.run(sc.foreign_checkpoint, str(tmp_path), "torchtitan", "other", timeout=180):
+        assert obs["error"] is not None and "missing from the torchtitan checkpoint" in obs["error"], obs
+        assert "model.layers.2" in obs["error"], obs["error"]

@@ -291,7 +291,9 @@ class Wrapped(Handle):
         parameters' names), the ``scheduler``'s state and this rank's RNG states. Collective; each rank reads
         only what overlaps its own parts. Every problem (another model's checkpoint, another optimizer class
         or param-group layout, other state keys, a truncated directory) is raised as ``StateDictError`` on
-        every rank before anything changes. Returns ``StateLoad(extra, skipped)``."""
+        every rank before anything changes. Returns ``StateLoad(extra, skipped)``. Also reads another
+        trainer's DCP checkpoint (a torchtitan ``CheckpointManager`` step directory, an accelerate FSDP2
+        ``save_state`` directory): weights, optimizer state and groups by name; the rest is named in ``skipped``."""
         return training_state.load_state(self._below, _args.path(directory, "directory", "load_state"),
                                          optimizer, scheduler)
 

@@ -19,20 +19,18 @@ every file's size, so that a load checks all of it before anything changes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import shutil
 import sys
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
-from .._agree import Call, any_over_models, enter, models_group, raise_agreed, writes_files
+from .._agree import Call, any_over_models, enter, raise_agreed, writes_files
 from .._errors import ArgumentError, StateDictError
 from .._results import StateLoad
 from ..formats.directory import commit_directory, open_directory
@@ -50,6 +48,7 @@ from .manifest import (
     saved_keys,
     versions,
 )
+from .reading import Object, checkpoint_exception, dcp_group, quiet
 
 if TYPE_CHECKING:
     from ..adapters.core.base import Adapter
@@ -59,20 +58,6 @@ __all__ = ["StateLoad", "save_state", "load_state", "MANIFEST", "FORMAT"]
 _FIX_SAVE = "Pass a directory whose parent exists and is writable, and the optimizer the model trains with."
 _FIX_LOAD = ("Pass the directory save_state wrote, with an optimizer (and scheduler) built as when it was saved, "
              "over this model.")
-
-
-class _Object:
-    """One picklable value in the checkpoint. DCP hands a load a copy of the dict it is given and gives back
-    only through ``load_state_dict`` (its ``Stateful`` protocol), so every object travels in one of these."""
-
-    def __init__(self, value: Any = None) -> None:
-        self.value = value
-
-    def state_dict(self) -> Any:
-        return self.value
-
-    def load_state_dict(self, value: Any) -> None:
-        self.value = value
 
 
 def _rng() -> dict[str, Any]:
@@ -97,32 +82,6 @@ def _global_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
-def _dcp_group(wm: Adapter, problems: list[str]) -> tuple[bool, Any]:
-    """(Whether DCP runs without collectives, the group it runs over): every rank holding the model."""
-    use, group = models_group(wm)
-    if not use:
-        return True, None
-    span = wm.world_size
-    for g in wm.outer_groups():
-        span *= dist.get_world_size(g)
-    if span == dist.get_world_size():
-        return False, None
-    if wm.outer_groups():
-        problems.append(f"the model lies over {span} of the job's {dist.get_world_size()} ranks in more than one "
-                        "group; save_state and load_state serve a model over every rank, or over one group")
-    return False, group
-
-
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    # DCP warns that it runs in one process whenever it is told to (no_dist): a model with no group.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-
-
 def _check_optimizer(optimizer: Any, where: str) -> None:
     if optimizer is not None and not (hasattr(optimizer, "param_groups") and hasattr(optimizer, "state")):
         raise ArgumentError(f"{where}(optimizer=...) takes a torch optimizer (with param_groups and state), got "
@@ -133,8 +92,6 @@ def _check_scheduler(scheduler: Any, where: str) -> None:
     if scheduler is not None and not (hasattr(scheduler, "state_dict") and hasattr(scheduler, "load_state_dict")):
         raise ArgumentError(f"{where}(scheduler=...) takes an object with state_dict() and load_state_dict() (a "
                             f"torch LR scheduler), got {type(scheduler).__name__}")
-
-
 
 
 # -- save ---------------------------------------------------------------------------------------------------
@@ -151,7 +108,7 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
     problems: list[str] = []
     source = Holding(wm, optimizer, "save_state", problems)
     optimizer = source.optimizer
-    no_dist, group = _dcp_group(wm, problems)
+    no_dist, group = dcp_group(wm, problems)
     call = Call.of("save_state", optimizer=type(optimizer).__name__ if optimizer is not None else None,
                    scheduler=scheduler is not None, extra=extra is not None)
     directory, tmp = open_directory(wm, directory, call, problems, _FIX_SAVE)
@@ -165,21 +122,21 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
         held = source.held()
         state: dict[str, Any] = dict(state_tensors(held))
         if optimizer is not None:
-            state[f"optim/scalars/{_global_rank()}"] = _Object(scalars(held))
+            state[f"optim/scalars/{_global_rank()}"] = Object(scalars(held))
         if writer and optimizer is not None:
-            state["optim/param_groups"] = _Object(hyper(optimizer))
+            state["optim/param_groups"] = Object(hyper(optimizer))
         if writer and scheduler is not None:
-            state["scheduler"] = _Object(scheduler.state_dict())
+            state["scheduler"] = Object(scheduler.state_dict())
         if writer and extra is not None:
-            state["extra"] = _Object(dict(extra))
-        state[f"rng/{_global_rank()}"] = _Object(_rng())
+            state["extra"] = Object(dict(extra))
+        state[f"rng/{_global_rank()}"] = Object(_rng())
     error: BaseException | None = None
     try:
         # Not flattened: each object (a scheduler's state dict, the RNG states) is one item.
-        with _quiet():
+        with quiet():
             state_dict_saver.save(state, checkpoint_id=tmp, process_group=group, no_dist=no_dist,
                                   planner=DefaultSavePlanner(flatten_state_dict=False))
-    except (Exception, _checkpoint_exception()) as exc:  # every rank learns of it in commit_directory
+    except (Exception, checkpoint_exception()) as exc:  # every rank learns of it in commit_directory
         error = exc
     # Which state keys each parameter has, from every rank (a rank holds some parameters only): a load checks and
     # creates them from the manifest alone.
@@ -210,27 +167,6 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
     commit_directory(wm, "save_state", directory, tmp, error, finish)
 
 
-def _checkpoint_exception() -> type[BaseException]:
-    """torch's distributed checkpoint reports a failure on any rank as ``CheckpointException`` on every rank; it
-    derives from ``BaseException``, so ``except Exception`` (a trainer's included) lets it through."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    exc: type[BaseException] = CheckpointException
-    return exc
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: Any = None) -> StateLoad:
     """See ``WrappedModel.load_state``."""
     from torch.distributed.checkpoint import state_dict_loader
@@ -239,10 +175,19 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
     _check_optimizer(optimizer, "load_state")
     _check_scheduler(scheduler, "load_state")
     directory = os.path.abspath(directory)
+    if not os.path.exists(os.path.join(directory, MANIFEST)):  # another trainer's checkpoint, where it is one
+        from .foreign import Foreign, load_foreign
+
+        try:
+            found = Foreign.of(directory) if os.path.isdir(directory) else None
+        except Exception:  # unreadable metadata: reported below as a directory save_state did not complete
+            found = None
+        if found is not None:
+            return load_foreign(wm, directory, found, optimizer, scheduler)
     problems: list[str] = []
     source = Holding(wm, optimizer, "load_state", problems)
     optimizer = source.optimizer
-    no_dist, group = _dcp_group(wm, problems)
+    no_dist, group = dcp_group(wm, problems)
     manifest, metadata = read_manifest(directory, problems)
     keys: dict[str, dict[str, list[Any]]] = {}
     if manifest is not None and metadata is not None:
@@ -277,22 +222,22 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
         raise_agreed(missing, f"load_state from {directory!r}", _FIX_LOAD, wm)
         scalar_keys = [k for k in saved if k.startswith("optim/scalars/")] if optimizer is not None else []
         for key in scalar_keys:  # each small; every rank reads all (which rank held a parameter is not known)
-            state[key] = _Object()
+            state[key] = Object()
         if optimizer is not None:
-            state["optim/param_groups"] = _Object()
+            state["optim/param_groups"] = Object()
         if scheduler is not None:
-            state["scheduler"] = _Object()
+            state["scheduler"] = Object()
         if "extra" in saved:
-            state["extra"] = _Object()
+            state["extra"] = Object()
         if rank_key in saved:
-            state[rank_key] = _Object()
+            state[rank_key] = Object()
         failure: BaseException | None = None
         try:
-            with _quiet():
+            with quiet():
                 state_dict_loader.load(state, storage_reader=reader_class()(directory, metadata), process_group=group,
                                        no_dist=no_dist, planner=DefaultLoadPlanner(flatten_state_dict=False,
                                                                                    flatten_sharded_tensors=False))
-        except (Exception, _checkpoint_exception()) as exc:
+        except (Exception, checkpoint_exception()) as exc:
             failure = exc
         if any_over_models(failure is not None, wm):
             cause = f"{type(failure).__name__}: {failure}" if failure is not None else "see the other ranks' errors"

@@ -1,0 +1,65 @@
+"""What reading a torch distributed checkpoint needs, for wrapkit's own (``state.py``) and other trainers'
+(``foreign.py``): the group DCP runs over, objects carried through it, its warnings and its failure type."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch.distributed as dist
+
+from .._agree import models_group
+
+if TYPE_CHECKING:
+    from ..adapters.core.base import Adapter
+
+__all__ = ["Object", "dcp_group", "quiet", "checkpoint_exception"]
+
+
+class Object:
+    """One picklable value in the checkpoint. DCP hands a load a copy of the dict it is given and gives back
+    only through ``load_state_dict`` (its ``Stateful`` protocol), so every object travels in one of these."""
+
+    def __init__(self, value: Any = None) -> None:
+        self.value = value
+
+    def state_dict(self) -> Any:
+        return self.value
+
+    def load_state_dict(self, value: Any) -> None:
+        self.value = value
+
+
+def dcp_group(wm: Adapter, problems: list[str]) -> tuple[bool, Any]:
+    """(Whether DCP runs without collectives, the group it runs over): every rank holding the model."""
+    use, group = models_group(wm)
+    if not use:
+        return True, None
+    span = wm.world_size
+    for g in wm.outer_groups():
+        span *= dist.get_world_size(g)
+    if span == dist.get_world_size():
+        return False, None
+    if wm.outer_groups():
+        problems.append(f"the model lies over {span} of the job's {dist.get_world_size()} ranks in more than one "
+                        "group; save_state and load_state serve a model over every rank, or over one group")
+    return False, group
+
+
+@contextlib.contextmanager
+def quiet() -> Iterator[None]:
+    # DCP warns that it runs in one process whenever it is told to (no_dist): a model with no group.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def checkpoint_exception() -> type[BaseException]:
+    """torch's distributed checkpoint reports a failure on any rank as ``CheckpointException`` on every rank; it
+    derives from ``BaseException``, so ``except Exception`` (a trainer's included) lets it through."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    exc: type[BaseException] = CheckpointException
+    return exc
