@@ -330,3 +330,18 @@ def deltas_through_standin(cases: list[dict[str, Any]], ports: list[int]) -> dic
         out[repr(sorted(case.items()))] = syncs
         del wm, model
     return out
+
+
+def syncs_refused(spec: str, topology: str, root: str) -> list[str]:
+    """What ``DeltaSync`` and an adapter sync of a ``spec`` model on ``topology`` raise on this rank."""
+    from wrapkit.integrations.vllm import DeltaSync, VLLMEngine
+
+    wm = wrapkit.adapt(build(spec, model=_adapted("llama"), topology=topology))
+    out = []
+    for attempt in (lambda: DeltaSync(wm), lambda: VLLMEngine("http://127.0.0.1:9").sync_adapters(wm, root)):
+        try:
+            attempt()
+            out.append("no error")
+        except wrapkit.WrapkitError as exc:
+            out.append(f"{type(exc).__name__}: {exc}")
+    return out

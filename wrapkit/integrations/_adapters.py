@@ -24,9 +24,9 @@ from typing import Any, NamedTuple, Protocol
 import torch
 import torch.distributed as dist
 
-from .._errors import ArgumentError, EngineError
+from .._errors import ArgumentError, EngineError, UnsupportedModelError
 from .._imports import require
-from ._engine_wire import request
+from ._engine_wire import partial_span, request
 
 __all__ = ["AdapterSync", "AdapterFiles", "Versions", "sync_adapters", "listed", "temporary_root", "check_arguments"]
 
@@ -101,6 +101,11 @@ def sync_adapters(wm: Any, routes: Routes, urls: Sequence[str], versions: Versio
     same path on every rank, a directory the engines read where they load from files); the sending rank removes
     a version's files once it is unloaded, or was refused."""
     t0 = time.perf_counter()
+    span = partial_span(wm)
+    if span is not None:
+        raise UnsupportedModelError(f"{where}: the model lies over {span} of the job's {dist.get_world_size()} ranks; "
+                                    "an adapter sync is agreed over every rank of the job, so it serves a model "
+                                    "held by all of them (one copy, or replicas of it)")
     adapter = _adapter(wm, adapter_name, where)
     sends = _rank() == src_rank
     error: str | None = None

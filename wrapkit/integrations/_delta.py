@@ -20,7 +20,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .._errors import ArgumentError, EngineError
+from .._errors import ArgumentError, EngineError, UnsupportedModelError
+from ._engine_wire import partial_span
 
 __all__ = ["DeltaSync", "DeltaReport", "SparsePatch"]
 
@@ -67,6 +68,12 @@ class DeltaSync:
         if dense_every is not None and (isinstance(dense_every, bool) or not isinstance(dense_every, int)
                                         or dense_every < 1):
             raise ArgumentError(f"DeltaSync(): dense_every={dense_every!r}: pass a positive number of syncs, or None")
+        span = partial_span(wm)
+        if span is not None:
+            raise UnsupportedModelError(
+                f"DeltaSync(): the model lies over {span} of the job's {_world_size()} ranks; its shares of the "
+                "snapshot are cut over every rank of the job, so it serves a model held by all of them (one copy, or "
+                "replicas of it, as HSDP's). Send each model of a job in sub-groups with stream_full_parameters")
         self.wm, self.dtype, self.keep_dtype, self.merge_adapters = wm, dtype, keep_dtype, merge_adapters
         self.bucket_bytes, self.dense_every, self.src_rank = bucket_bytes, dense_every, src_rank
         self.snapshot_device = torch.device(snapshot_device)

@@ -1,4 +1,5 @@
-"""The control plane of an engine in another process: JSON calls on its HTTP routes, each with a timeout.
+"""The control plane of an engine in another process: JSON calls on its HTTP routes, each with a timeout; and
+which models an engine sync serves (those held by every rank of the job, over which its outcome is agreed).
 (The data plane, the engine's weight-update group, is built by ``base/process_groups.py``.)"""
 
 from __future__ import annotations
@@ -8,9 +9,11 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+import torch.distributed as dist
+
 from .._errors import EngineError
 
-__all__ = ["call", "request"]
+__all__ = ["call", "request", "partial_span"]
 
 
 def call(base_url: str, route: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -50,3 +53,20 @@ def request(base_url: str, route: str, payload: dict[str, Any] | None, timeout: 
         answer.setdefault("success", False)
         answer.setdefault("message", f"HTTP {status}: {text}")
     return status, answer
+
+
+def partial_span(wm: Any) -> int | None:
+    """How many ranks hold ``wm`` (its group with those around it), where that is not every rank of the job: an
+    engine's sync agrees over the job's ranks, so it serves a model that all of them hold (1: each rank's own
+    unsharded copy in a multi-rank job)."""
+    from .._registry import as_adapter
+
+    below = as_adapter(wm, "an engine sync")
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    if not below.distributed:  # each rank's own copy: nothing says they are alike
+        return 1
+    span = below.world_size
+    for g in below.outer_groups():
+        span *= dist.get_world_size(g)
+    return span if span != dist.get_world_size() else None

@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .._agree import Call, any_over_models, enter, raise_agreed
-from .._errors import StateDictError
+from .._agree import Call, enter, raise_agreed
 from .._results import StateLoad
 from .held import Holding, state_tensors
 
@@ -108,11 +107,7 @@ class Foreign:
 
 def load_foreign(wm: Adapter, directory: str, found: Foreign, optimizer: Any, scheduler: Any) -> StateLoad:
     """``load_state`` of another trainer's checkpoint (see the module docstring)."""
-    from torch.distributed.checkpoint import state_dict_loader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    from .manifest import reader_class
-    from .reading import Object, checkpoint_exception, dcp_group, quiet
+    from .reading import Object, dcp_group, read
 
     problems: list[str] = []
     source = Holding(wm, optimizer, "load_state", problems)
@@ -166,23 +161,11 @@ def load_foreign(wm: Adapter, directory: str, found: Foreign, optimizer: Any, sc
         raise_agreed(problem, f"load_state from {directory!r}", _FIX, wm)
         hyper = {k: Object() for k in found.hyper_keys(sorted({h.name for h in held}))} if optimizer else {}
         optim.update(hyper)
-        failure: BaseException | None = None
-        try:
-            with quiet():
-                planner = dict(flatten_state_dict=False, flatten_sharded_tensors=False)
-                parts: list[tuple[dict[str, Any], str, Any]] = [(model, found.model_dir, found.model_meta)]
-                if optim:
-                    assert found.optim_dir is not None
-                    parts.append((optim, found.optim_dir, found.optim_meta))
-                for state, where, meta in parts:
-                    state_dict_loader.load(state, storage_reader=reader_class()(where, meta), process_group=group,
-                                           no_dist=no_dist, planner=DefaultLoadPlanner(**planner))
-        except (Exception, checkpoint_exception()) as exc:
-            failure = exc
-        if any_over_models(failure is not None, wm):
-            cause = f"{type(failure).__name__}: {failure}" if failure is not None else "see the other ranks' errors"
-            raise StateDictError(f"load_state from {directory!r} failed while reading ({cause}); the weights and the "
-                                 "optimizer state may be partly loaded. " + _FIX) from failure
+        parts: list[tuple[dict[str, Any], str, Any]] = [(model, found.model_dir, found.model_meta)]
+        if optim:
+            assert found.optim_dir is not None
+            parts.append((optim, found.optim_dir, found.optim_meta))
+        read(wm, directory, parts, no_dist, group, _FIX)
         for h, k, value in steps.values():
             have = h.scalars.get(k, optimizer.state[h.owner].get(k))
             if torch.is_tensor(have):

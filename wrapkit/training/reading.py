@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from .._agree import models_group
+from .._agree import any_over_models, models_group
+from .._errors import StateDictError
 
 if TYPE_CHECKING:
     from ..adapters.core.base import Adapter
 
-__all__ = ["Object", "dcp_group", "quiet", "checkpoint_exception"]
+__all__ = ["Object", "dcp_group", "quiet", "checkpoint_exception", "read"]
 
 
 class Object:
@@ -63,3 +64,27 @@ def checkpoint_exception() -> type[BaseException]:
 
     exc: type[BaseException] = CheckpointException
     return exc
+
+
+def read(wm: Adapter, directory: str, parts: list[tuple[dict[str, Any], str, Any]], no_dist: bool, group: Any,
+         fix: str) -> None:
+    """DCP's load of each ``(state, path, metadata)`` (the metadata already read and checked), collective; a
+    failure on any rank raises ``StateDictError`` on every rank."""
+    from torch.distributed.checkpoint import state_dict_loader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    from .manifest import reader_class
+
+    failure: BaseException | None = None
+    try:
+        with quiet():
+            for state, path, metadata in parts:
+                state_dict_loader.load(state, storage_reader=reader_class()(path, metadata), process_group=group,
+                                       no_dist=no_dist, planner=DefaultLoadPlanner(flatten_state_dict=False,
+                                                                                   flatten_sharded_tensors=False))
+    except (Exception, checkpoint_exception()) as exc:
+        failure = exc
+    if any_over_models(failure is not None, wm):
+        cause = f"{type(failure).__name__}: {failure}" if failure is not None else "see the other ranks' errors"
+        raise StateDictError(f"load_state from {directory!r} failed while reading ({cause}); the weights and the "
+                             "optimizer state may be partly loaded. " + fix) from failure

@@ -44,11 +44,10 @@ from .manifest import (
     compare_others,
     compare_parameters,
     read_manifest,
-    reader_class,
     saved_keys,
     versions,
 )
-from .reading import Object, checkpoint_exception, dcp_group, quiet
+from .reading import Object, checkpoint_exception, dcp_group, quiet, read
 
 if TYPE_CHECKING:
     from ..adapters.core.base import Adapter
@@ -169,8 +168,6 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
 
 def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: Any = None) -> StateLoad:
     """See ``WrappedModel.load_state``."""
-    from torch.distributed.checkpoint import state_dict_loader
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     _check_optimizer(optimizer, "load_state")
     _check_scheduler(scheduler, "load_state")
@@ -231,18 +228,7 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
             state["extra"] = Object()
         if rank_key in saved:
             state[rank_key] = Object()
-        failure: BaseException | None = None
-        try:
-            with quiet():
-                state_dict_loader.load(state, storage_reader=reader_class()(directory, metadata), process_group=group,
-                                       no_dist=no_dist, planner=DefaultLoadPlanner(flatten_state_dict=False,
-                                                                                   flatten_sharded_tensors=False))
-        except (Exception, checkpoint_exception()) as exc:
-            failure = exc
-        if any_over_models(failure is not None, wm):
-            cause = f"{type(failure).__name__}: {failure}" if failure is not None else "see the other ranks' errors"
-            raise StateDictError(f"load_state from {directory!r} failed while reading ({cause}); the weights and the "
-                                 "optimizer state may be partly loaded. " + _FIX_LOAD) from failure
+        read(wm, directory, [(state, directory, metadata)], no_dist, group, _FIX_LOAD)
         if optimizer is not None:
             scalars: dict[str, dict[str, Any]] = {}
             for key in scalar_keys:

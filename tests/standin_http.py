@@ -1,0 +1,41 @@
+"""The HTTP side of the stand-in engines (``sglang_standin.py``, ``lora_standin.py``): a threaded server on
+loopback that hands each request to ``handle(method, route, body)`` and sends its ``(status, answer)`` back, a
+string as plain text (as vLLM answers some successes), anything else as JSON."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+Handle = Callable[[str, str, dict[str, Any]], tuple[int, Any]]
+
+
+def serve(port: int, handle: Handle) -> None:
+    """Serve on ``127.0.0.1:port`` until killed; prints ``ready`` once it listens."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, method: str) -> None:
+            body = self.rfile.read(int(self.headers.get("Content-Length", 0)) or 0)
+            status, answer = handle(method, self.path.strip("/"), json.loads(body or b"{}"))
+            text = isinstance(answer, str)
+            data = answer.encode() if text else json.dumps(answer).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain" if text else "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:  # noqa: N802 (the names http.server calls)
+            self._answer("POST")
+
+        def do_GET(self) -> None:  # noqa: N802
+            self._answer("GET")
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    print("ready", flush=True)
+    server.serve_forever()
