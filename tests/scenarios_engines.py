@@ -263,13 +263,13 @@ def adapters_to_standins(cases: list[dict[str, Any]], urls: list[str], root: str
     return out
 
 
-def adapters_refused(engine_kind: str, urls: list[str], root: str) -> list[str]:
+def adapters_refused(engine_kind: str, urls: list[str], root: str, engine_ranks: int = 2) -> list[str]:
     """Two syncs to replicas of which the last refuses the load: what each raised on this rank."""
     from wrapkit.integrations.vllm import VLLMEngine
 
     wm = wrapkit.adapt(build("fsdp2", model=_adapted("llama")))
     engine: Any = (VLLMEngine(urls, timeout=10) if engine_kind == "vllm"
-                   else SGLangEngine(urls, timeout=10, engine_ranks=2))
+                   else SGLangEngine(urls, timeout=10, engine_ranks=engine_ranks))
     outcomes = []
     for _ in range(2):
         try:

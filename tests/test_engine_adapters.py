@@ -138,3 +138,12 @@ def test_an_engine_that_is_gone_fails_every_rank_at_once(group: Any, tmp_path: P
                          timeout=120)
     assert all(o.startswith("EngineError") and "did not answer" in o for rank in outcomes for o in rank), outcomes
     assert time.monotonic() - t0 < 30
+
+
+def test_too_few_copies_for_sglangs_tensor_parallel_ranks_says_so(group: Any, replicas: Replicas,
+                                                                  tmp_path: Path) -> None:
+    replicas.mode("sglang")  # the stand-ins run two tensor-parallel ranks, each reading its own copy
+    outcomes = group.run(se.adapters_refused, "sglang", replicas.urls, str(tmp_path), 1, timeout=120)
+    for rank in outcomes:
+        assert all(o.startswith("EngineError") and "pass the server's tensor-parallel size as engine_ranks" in o
+                   for o in rank), rank

@@ -195,7 +195,13 @@ class SGLangEngine:
                       {"lora_name": served, "config_dict": files.config, "pinned": False,
                        "serialized_named_tensors": [payload] * self.engine_ranks, "expected_checksums": checksums},
                       self.timeout)
-        return None if _ok(answer) else str(answer.get("error_message") or _said(answer))
+        if _ok(answer):
+            return None
+        said = str(answer.get("error_message") or _said(answer))
+        if "out of range" in said:  # a tensor-parallel rank found no copy of its own
+            said += f" (one copy was sent per engine rank, engine_ranks={self.engine_ranks}: pass the server's " \
+                    "tensor-parallel size as engine_ranks)"
+        return said
 
     def unload(self, url: str, served: str) -> str | None:
         answer = call(url, "unload_lora_adapter", {"lora_name": served}, self.timeout)
