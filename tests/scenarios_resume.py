@@ -192,3 +192,47 @@ def foreign_checkpoint(tmp: str, kind: str, target: str) -> dict[str, Any]:
     report = wm.load_state(path, opt2)
     return {"diff": _diff(want, _full_state(wm, opt2)), "before": before, "skipped": report.skipped,
             "lrs": sorted(g["lr"] for g in opt2.param_groups)}
+
+
+class _FusedQKV(torch.nn.Module):
+    """torchtitan's ``FusedQKVLinear`` in small: one ``wqkv`` parameter that its ``state_dict()`` hooks save as
+    ``wq`` / ``wk`` / ``wv`` and load back."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.wqkv = torch.nn.Linear(dim, 3 * dim, bias=False)
+        self.register_state_dict_post_hook(self._split)
+        self.register_load_state_dict_pre_hook(self._merge)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(self.wqkv(x).chunk(3, dim=-1))  # type: ignore[return-value]
+
+    @staticmethod
+    def _split(module: torch.nn.Module, state: dict[str, Any], prefix: str, meta: Any) -> None:
+        for name, part in zip(("wq", "wk", "wv"), state.pop(f"{prefix}wqkv.weight").chunk(3), strict=True):
+            state[f"{prefix}{name}.weight"] = part
+
+    @staticmethod
+    def _merge(module: torch.nn.Module, state: dict[str, Any], prefix: str, *args: Any) -> None:
+        if f"{prefix}wq.weight" in state:
+            state[f"{prefix}wqkv.weight"] = torch.cat([state.pop(f"{prefix}{n}.weight") for n in ("wq", "wk", "wv")])
+
+
+def hooked_foreign_checkpoint(tmp: str) -> str:
+    """A model whose state-dict hooks rename a parameter, saved with torchtitan's keys from FSDP2 and read into
+    DDP: what ``load_state`` raises (the renamed tensor is refused as missing, never loaded under another name)."""
+    from torch.distributed.checkpoint import save
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    src = torch.nn.Sequential(_FusedQKV(), torch.nn.Linear(8, 8))
+    fully_shard(src, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    path = os.path.join(tmp, "hooked", "step-1")
+    save(src.state_dict(), checkpoint_id=path)  # the module's own: its hooks split wqkv (torch's reader cannot)
+    wm = wrapkit.adapt(build("ddp", model=torch.nn.Sequential(_FusedQKV(), torch.nn.Linear(8, 8))))
+    try:
+        wm.load_state(path)
+    except wrapkit.StateDictError as exc:
+        return str(exc)
+    return "no error"

@@ -220,3 +220,8 @@ def test_another_models_foreign_checkpoint_is_refused_on_every_rank(group: Any, 
     for obs in group.run(sc.foreign_checkpoint, str(tmp_path), "torchtitan", "other", timeout=180):
         assert obs["error"] is not None and "missing from the torchtitan checkpoint" in obs["error"], obs
         assert "model.layers.2" in obs["error"], obs["error"]
+
+
+def test_a_tensor_renamed_by_state_dict_hooks_is_refused_not_misread(group: Any, tmp_path: Path) -> None:
+    for error in group.run(sc.hooked_foreign_checkpoint, str(tmp_path), timeout=120):
+        assert "missing from the torchtitan checkpoint" in error and "0.wqkv.weight" in error, error
