@@ -5,6 +5,8 @@ a bf16 wire), FSDP2 on two gloo ranks, timed alternately in one run:
   snapshot; the changed positions and values reach rank 0, which applies them to the engine's copy as vLLM's
   sparse receiver does) against a dense sync of the same stream (every bucket loaded into the engine's copy).
   Two rows: the bytes that cross to the engine, and the time. The note gives the fraction of values that changed.
+* **dense round vs full**: the bytes of a dense round through the sparse backend (every position with its
+  value), against the dense stream: what the first sync costs (goal: the positions' own cost, 3x on bf16).
 * **adapter vs merged**: the LoRA adapter alone (saved in PEFT's layout and read back by rank 0: what
   ``sync_adapters`` hands an engine) against a merged sync of the whole model into the engine's copy; bytes and
   time.
@@ -57,7 +59,7 @@ def _times(reps: int) -> dict[str, Any]:
                     held[p.name].view(-1)[p.indices.long()] = p.values
 
     delta = DeltaSync(wm, dtype=torch.bfloat16, bucket_bytes=BUCKET, dense_every=None)
-    delta.send(Apply())  # the dense first sync
+    dense = delta.send(Apply())  # the dense first sync
     primed = {k: v.clone() for k, v in delta._snapshot.items()}
     _step(wm, opt)
     reports = []
@@ -78,7 +80,8 @@ def _times(reps: int) -> dict[str, Any]:
 
     times = _alternate({"sparse": sparse, "full": full}, reps, untimed=restore)
     full_bytes = sum(b.flat.numel() for b in wm.stream_full_parameters(BUCKET, torch.bfloat16))
-    out: dict[str, Any] = {"times": times, "full_bytes": full_bytes, "delta": reports[-1]._asdict()}
+    out: dict[str, Any] = {"times": times, "full_bytes": full_bytes, "delta": reports[-1]._asdict(),
+                           "dense": dense._asdict()}
 
     from peft import LoraConfig, get_peft_model
 
@@ -141,6 +144,9 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
             note=f"{what}; positions (int32) and values (bf16), against the bf16 stream"),
         row("delta vs full, time", median(t["sparse"]), median(t["full"]), GOAL_TIME,
             samples=(t["sparse"], t["full"]), note=f"median of {reps}; the trainer's side, FSDP2 on 2 ranks"),
+        row("dense round vs full, bytes", obs["dense"]["bytes"], obs["full_bytes"], 3.0, unit="B",
+            note="the first (and every dense_every-th) sync through the sparse backend: every position, int32, "
+                 "beside every bf16 value"),
         row("adapter vs merged, bytes", obs["adapter_bytes"], obs["merged_bytes"], GOAL_ADAPTER, unit="B",
             note="LoRA r=16 on q/k/v/o in fp32, against the merged model on a bf16 wire"),
         row("adapter vs merged, time", median(a["adapter"]), median(a["merged"]), 1.0,
