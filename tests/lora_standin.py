@@ -25,7 +25,6 @@ test inputs; ``/standin_calls`` answers the calls received.
 
 from __future__ import annotations
 
-import argparse
 import base64
 import copy
 import hashlib
@@ -177,10 +176,6 @@ class Engine:
 
 
 if __name__ == "__main__":
-    from standin_http import serve  # run as a script: its own folder is on the path
+    from standin_http import main  # run as a script: its own folder is on the path
 
-    p = argparse.ArgumentParser()
-    p.add_argument("--port", type=int, required=True)
-    a = p.parse_args()
-    torch.set_num_threads(1)
-    serve(a.port, Engine().handle)
+    main(lambda: Engine().handle)

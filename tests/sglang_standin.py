@@ -18,7 +18,6 @@ whose tensors are dropped while success is still answered (as SGLang does for na
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import threading
 from typing import Any
@@ -121,12 +120,12 @@ class Engine:
         return 200, {"success": True, "calls": self.calls}
 
 
-if __name__ == "__main__":
-    from standin_http import serve  # run as a script: its own folder is on the path
-
-    p = argparse.ArgumentParser()
-    p.add_argument("--port", type=int, required=True)
-    a = p.parse_args()
-    torch.set_num_threads(1)
+def _post_only() -> Any:
     engine = Engine()
-    serve(a.port, lambda method, route, req: engine.handle(route, req) if method == "POST" else (404, {}))
+    return lambda method, route, req: engine.handle(route, req) if method == "POST" else (404, {})
+
+
+if __name__ == "__main__":
+    from standin_http import main  # run as a script: its own folder is on the path
+
+    main(_post_only)

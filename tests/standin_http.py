@@ -4,10 +4,13 @@ string as plain text (as vLLM answers some successes), anything else as JSON."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import torch
 
 Handle = Callable[[str, str, dict[str, Any]], tuple[int, Any]]
 
@@ -39,3 +42,12 @@ def serve(port: int, handle: Handle) -> None:
     server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     print("ready", flush=True)
     server.serve_forever()
+
+
+def main(handle: Callable[[], Handle]) -> None:
+    """A stand-in's command line: ``--port P``; one torch thread (two run beside the test's ranks)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--port", type=int, required=True)
+    a = p.parse_args()
+    torch.set_num_threads(1)
+    serve(a.port, handle())
