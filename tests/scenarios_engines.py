@@ -333,12 +333,15 @@ def deltas_through_standin(cases: list[dict[str, Any]], ports: list[int]) -> dic
 
 
 def syncs_refused(spec: str, topology: str, root: str) -> list[str]:
-    """What ``DeltaSync`` and an adapter sync of a ``spec`` model on ``topology`` raise on this rank."""
+    """What ``DeltaSync``, an adapter sync and SGLang's dense sync of a ``spec`` model on ``topology`` raise on
+    this rank."""
     from wrapkit.integrations.vllm import DeltaSync, VLLMEngine
 
     wm = wrapkit.adapt(build(spec, model=_adapted("llama"), topology=topology))
     out = []
-    for attempt in (lambda: DeltaSync(wm), lambda: VLLMEngine("http://127.0.0.1:9").sync_adapters(wm, root)):
+    dense = SGLangEngine("http://127.0.0.1:9", master_port=9)  # refused before it needs connect()
+    for attempt in (lambda: DeltaSync(wm), lambda: VLLMEngine("http://127.0.0.1:9").sync_adapters(wm, root),
+                    lambda: dense.sync(wm)):
         try:
             attempt()
             out.append("no error")

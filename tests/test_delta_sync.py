@@ -81,8 +81,8 @@ def test_a_patch_the_engine_drops_is_served_until_the_next_dense_sync(group: Any
 @pytest.mark.parametrize("spec, topology", [("fsdp2", "submesh"), ("ddp", "subgroup")])
 def test_a_model_in_sub_groups_is_refused_on_every_rank(group4: Any, tmp_path: Any, spec: str, topology: str) -> None:
     """Two models of a job, each on two ranks: the snapshot's shares are cut over the job's ranks and an engine
-    sync's outcome is agreed over them, so a model held by some of them only is refused, by the delta and by the
-    adapter sync alike (never diffed against, or agreed with, another model)."""
+    sync's outcome is agreed over them, so a model held by some of them only is refused, by the delta, the adapter
+    sync and SGLang's dense sync alike (never diffed against, or agreed with, another model)."""
     for outcomes in group4.run(se.syncs_refused, spec, topology, str(tmp_path), timeout=120):
-        assert len(outcomes) == 2 and all(o.startswith("UnsupportedModelError") and "lies over 2 of the job's 4 ranks"
+        assert len(outcomes) == 3 and all(o.startswith("UnsupportedModelError") and "lies over 2 of the job's 4 ranks"
                                           in o for o in outcomes), outcomes

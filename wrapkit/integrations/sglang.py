@@ -21,11 +21,11 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .._errors import ArgumentError, EngineError
+from .._errors import ArgumentError, EngineError, UnsupportedModelError
 from .._results import Bucket, entry_bytes
 from ..base.process_groups import join_weight_group
 from ._adapters import AdapterFiles, AdapterSync, Versions, check_arguments, sync_adapters, temporary_root
-from ._engine_wire import call
+from ._engine_wire import call, partial_span
 
 __all__ = ["SGLangEngine", "EngineSync", "AdapterSync", "flattened_bucket"]
 
@@ -123,6 +123,11 @@ class SGLangEngine:
         ``bucket_bytes``, ``dtype``, ``merge_adapters`` and ``keep_dtype``). Every trainer rank calls it.
         ``pause``: generation is paused (in-flight requests retracted) for the update and continued after.
         Raises ``EngineError`` on every rank if the engine refused or failed any step, quoting its answer."""
+        span = partial_span(wm)
+        if span is not None:  # its outcome is agreed over every rank of the job
+            raise UnsupportedModelError(f"SGLangEngine.sync(): the model lies over {span} of the job's "
+                                        f"{dist.get_world_size()} ranks; a sync is agreed over every rank of the job, "
+                                        "so it serves a model held by all of them (one copy, or replicas of it)")
         if not self._connected:
             raise ArgumentError("SGLangEngine.sync() before connect(): call connect() on every rank first")
         t0 = time.perf_counter()
