@@ -286,6 +286,15 @@ def _replicas_of(*wms: Ranks) -> list[Any]:
     return next((wm.outer_groups() for wm in wms if wm.distributed), [])
 
 
+def span(wm: Ranks) -> int:
+    """How many ranks hold a distributed model: its group's, times each group around it (HSDP's replicas,
+    pipeline stages beside another backend)."""
+    n = wm.world_size
+    for g in wm.outer_groups():
+        n *= dist.get_world_size(g)
+    return n
+
+
 def first_replica(wm: Ranks) -> bool:
     """Whether this rank belongs to the first copy of a model replicated across groups (HSDP):
     the copy whose rank 0 writes files for all of them. True without replicas."""

@@ -22,11 +22,10 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
-import torch.distributed as dist
 
-from .._errors import ArgumentError, EngineError, UnsupportedModelError
+from .._errors import ArgumentError, EngineError
 from .._imports import require
-from ._engine_wire import partial_span, request
+from ._engine_wire import rank, refuse_partial, request, share
 
 __all__ = ["AdapterSync", "AdapterFiles", "Versions", "sync_adapters", "listed", "temporary_root", "check_arguments"]
 
@@ -101,13 +100,9 @@ def sync_adapters(wm: Any, routes: Routes, urls: Sequence[str], versions: Versio
     same path on every rank, a directory the engines read where they load from files); the sending rank removes
     a version's files once it is unloaded, or was refused."""
     t0 = time.perf_counter()
-    span = partial_span(wm)
-    if span is not None:
-        raise UnsupportedModelError(f"{where}: the model lies over {span} of the job's {dist.get_world_size()} ranks; "
-                                    "an adapter sync is agreed over every rank of the job, so it serves a model "
-                                    "held by all of them (one copy, or replicas of it)")
+    refuse_partial(wm, where, "an adapter sync is agreed over every rank of the job")
     adapter = _adapter(wm, adapter_name, where)
-    sends = _rank() == src_rank
+    sends = rank() == src_rank
     error: str | None = None
     if versions.next is None:  # the first sync goes on after the versions the engines already serve
         found: list[str] = []
@@ -116,7 +111,7 @@ def sync_adapters(wm: Any, routes: Routes, urls: Sequence[str], versions: Versio
                 found = _earlier(urls, name, timeout)
             except EngineError as exc:
                 error = str(exc)
-        error, found = _share((error, found), src_rank)
+        error, found = share((error, found), src_rank)
         _raise(error, where)
         versions.served = found
         versions.next = 1 + max((_number(v, name) for v in found), default=0)
@@ -124,24 +119,25 @@ def sync_adapters(wm: Any, routes: Routes, urls: Sequence[str], versions: Versio
     versions.next += 1
     served = f"{name}-v{version}"
     wm.save_pretrained(os.path.join(root, served), adapters_only=True, adapter_names=[adapter])  # raises alike
-    result: tuple[Any, ...] = (served, version, 0, 0, 0.0, len(urls), [])
+    result = AdapterSync(served, version, 0, 0, 0.0, len(urls), [])
     if sends:
         try:
-            error, result = _load_everywhere(routes, urls, versions.served, root, served, adapter, keep, timeout,
-                                             result)
+            error, result = _load_everywhere(routes, urls, versions.served, root, keep, timeout, adapter, result)
         except Exception as exc:  # reading the saved files back: nothing was loaded anywhere
             error = f"{type(exc).__name__}: {exc}"
             _remove(root, served)
-    error, result = _share((error, result), src_rank)
-    if error is None or result[2]:  # a version loaded everywhere is served, even where an old one stayed
-        versions.served = [v for v in versions.served if v not in result[6]] + [served]
+    error, agreed = share((error, result), src_rank)
+    result = AdapterSync(*agreed)
+    if error is None or result.tensors:  # a version loaded everywhere is served, even where an old one stayed
+        versions.served = [v for v in versions.served if v not in result.unloaded] + [served]
     _raise(error, where)
-    served, version, tensors, size, _, replicas, unloaded = result
-    return AdapterSync(served, version, tensors, size, time.perf_counter() - t0, replicas, unloaded)
+    return AdapterSync(result.name, result.version, result.tensors, result.bytes, time.perf_counter() - t0,
+                       result.replicas, result.unloaded)
 
 
-def _load_everywhere(routes: Routes, urls: Sequence[str], before: list[str], root: str, served: str, adapter: str,
-                     keep: int, timeout: float, result: tuple[Any, ...]) -> tuple[str | None, tuple[Any, ...]]:
+def _load_everywhere(routes: Routes, urls: Sequence[str], before: list[str], root: str, keep: int, timeout: float,
+                     adapter: str, result: AdapterSync) -> tuple[str | None, AdapterSync]:
+    served = result.name
     files = _read(os.path.join(root, served), adapter)
     size = sum(t.numel() * t.element_size() for t in files.tensors.values())
     loaded: list[str] = []
@@ -167,7 +163,7 @@ def _load_everywhere(routes: Routes, urls: Sequence[str], before: list[str], roo
         else:
             unloaded.append(old)
             _remove(root, old)
-    result = (served, result[1], len(files.tensors), size, 0.0, len(urls), unloaded)
+    result = AdapterSync(served, result.version, len(files.tensors), size, 0.0, result.replicas, unloaded)
     if stuck:
         return (f"version {served!r} is served by every replica, but older versions could not be unloaded: "
                 + "; ".join(stuck) + ". They are tried again on the next sync"), result
@@ -176,7 +172,7 @@ def _load_everywhere(routes: Routes, urls: Sequence[str], before: list[str], roo
 
 def temporary_root(src_rank: int) -> str:
     """A directory made by the sending rank for versions the engine takes as tensors, its path on every rank."""
-    return str(_share(tempfile.mkdtemp(prefix="wrapkit-adapters-") if _rank() == src_rank else "", src_rank))
+    return str(share(tempfile.mkdtemp(prefix="wrapkit-adapters-") if rank() == src_rank else "", src_rank))
 
 
 def _remove(root: str, served: str) -> None:
@@ -215,18 +211,6 @@ def _earlier(urls: Sequence[str], name: str, timeout: float) -> list[str]:
 def _number(served: str, name: str) -> int:
     match = re.fullmatch(re.escape(name) + r"-v(\d+)", served)
     return int(match.group(1)) if match else 0
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _share(value: Any, src_rank: int) -> Any:
-    if dist.is_available() and dist.is_initialized():
-        box = [value]
-        dist.broadcast_object_list(box, src=src_rank)
-        value = box[0]
-    return value
 
 
 def _raise(error: str | None, where: str) -> None:

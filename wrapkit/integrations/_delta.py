@@ -20,8 +20,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .._errors import ArgumentError, EngineError, UnsupportedModelError
-from ._engine_wire import partial_span
+from .._errors import ArgumentError, EngineError
+from ._engine_wire import rank, refuse_partial, share, world_size
 
 __all__ = ["DeltaSync", "DeltaReport", "SparsePatch"]
 
@@ -68,12 +68,8 @@ class DeltaSync:
         if dense_every is not None and (isinstance(dense_every, bool) or not isinstance(dense_every, int)
                                         or dense_every < 1):
             raise ArgumentError(f"DeltaSync(): dense_every={dense_every!r}: pass a positive number of syncs, or None")
-        span = partial_span(wm)
-        if span is not None:
-            raise UnsupportedModelError(
-                f"DeltaSync(): the model lies over {span} of the job's {_world_size()} ranks; its shares of the "
-                "snapshot are cut over every rank of the job, so it serves a model held by all of them (one copy, or "
-                "replicas of it, as HSDP's). Send each model of a job in sub-groups with stream_full_parameters")
+        refuse_partial(wm, "DeltaSync()", "its shares of the snapshot are cut over every rank of the job",
+                       ". Send each model of a job in sub-groups with stream_full_parameters")
         self.wm, self.dtype, self.keep_dtype, self.merge_adapters = wm, dtype, keep_dtype, merge_adapters
         self.bucket_bytes, self.dense_every, self.src_rank = bucket_bytes, dense_every, src_rank
         self.snapshot_device = torch.device(snapshot_device)
@@ -96,7 +92,7 @@ class DeltaSync:
         anything with ``send_weights(patches)``, given the round's patches at once. Raises ``EngineError`` on
         every rank where the send failed (the next sync is then dense)."""
         t0 = time.perf_counter()
-        dense, me, world = self._dense, _rank(), _world_size()
+        dense, me, world = self._dense, rank(), world_size()
         sends = me == self.src_rank
         chunked = sends and callable(getattr(sender, "send_weight_chunk", None)) and hasattr(sender, "client")
         error: str | None = None
@@ -143,10 +139,7 @@ class DeltaSync:
         if sends and error is None:
             error = _attempt(sender.client.finish_weight_update) if chunked else _attempt(sender.send_weights, held)
         held.clear()
-        box: list[Any] = [(error, tensors, changed, size)]
-        if dist.is_available() and dist.is_initialized():
-            dist.broadcast_object_list(box, src=self.src_rank)
-        error, tensors, changed, size = box[0]
+        error, tensors, changed, size = share((error, tensors, changed, size), self.src_rank)
         if error is not None:
             self._dense = True  # what the engine holds is unknown: the next sync sends everything
             raise EngineError(f"DeltaSync.send(): the {'dense' if dense else 'sparse'} update failed: {error}. "
@@ -177,7 +170,7 @@ def _to_sender(local: list[tuple[str, tuple[int, ...], torch.dtype, torch.Tensor
     dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device))
     padded = torch.zeros(int(max(int(t) for t in sizes)), dtype=torch.uint8, device=device)
     padded[:mine.numel()] = mine
-    into = [torch.empty_like(padded) for _ in range(world)] if _rank() == src else None
+    into = [torch.empty_like(padded) for _ in range(world)] if rank() == src else None
     dist.gather(padded, into, dst=src)
     if into is None:
         return []
@@ -226,11 +219,3 @@ def _attempt(fn: Callable[..., Any], *args: Any) -> str | None:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -11,9 +11,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .._errors import EngineError
+from .._agree import broadcast_object, span
+from .._errors import EngineError, UnsupportedModelError
 
-__all__ = ["call", "request", "partial_span"]
+__all__ = ["call", "request", "refuse_partial", "distributed", "rank", "world_size", "share"]
 
 
 def call(base_url: str, route: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -55,18 +56,35 @@ def request(base_url: str, route: str, payload: dict[str, Any] | None, timeout: 
     return status, answer
 
 
-def partial_span(wm: Any) -> int | None:
-    """How many ranks hold ``wm`` (its group with those around it), where that is not every rank of the job: an
-    engine's sync agrees over the job's ranks, so it serves a model that all of them hold (1: each rank's own
-    unsharded copy in a multi-rank job)."""
+def distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's global rank (0 outside a distributed job)."""
+    return dist.get_rank() if distributed() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if distributed() else 1
+
+
+def share(value: Any, src_rank: int) -> Any:
+    """``value`` as global rank ``src_rank`` has it, on every rank (itself outside a distributed job)."""
+    return broadcast_object(value, src_rank, None) if distributed() else value
+
+
+def refuse_partial(wm: Any, where: str, why: str, fix: str = "") -> None:
+    """An engine sync agrees over the job's ranks, so it serves a model that all of them hold: raise
+    ``UnsupportedModelError`` (``where``, then ``why`` it needs them all, then ``fix``) for one held by some of them
+    only, or for each rank's own unsharded copy in a multi-rank job. The same on every rank, before any collective."""
     from .._registry import as_adapter
 
     below = as_adapter(wm, "an engine sync")
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    if not below.distributed:  # each rank's own copy: nothing says they are alike
-        return 1
-    span = below.world_size
-    for g in below.outer_groups():
-        span *= dist.get_world_size(g)
-    return span if span != dist.get_world_size() else None
+    if world_size() == 1:
+        return
+    held_by = span(below) if below.distributed else 1  # 1: each rank's own copy, nothing says they are alike
+    if held_by == world_size():
+        return
+    raise UnsupportedModelError(f"{where}: the model lies over {held_by} of the job's {world_size()} ranks; {why}, "
+                                f"so it serves a model held by all of them (one copy, or replicas of it){fix}")

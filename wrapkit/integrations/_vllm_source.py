@@ -20,11 +20,11 @@ from functools import cached_property
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .._errors import ArgumentError, EngineError
 from .._imports import is_available
 from .._results import Bucket
+from ._engine_wire import rank, share, world_size
 
 __all__ = ["ParamMeta", "weight_source", "vllm_interface"]
 
@@ -85,10 +85,7 @@ class HubSource:
         for bucket in self._stream():
             entries += [(e.name, tuple(e.shape), e.dtype) for e in bucket.entries]
             del bucket
-        if _distributed():
-            box: list[Any] = [entries]
-            dist.broadcast_object_list(box, src=self._src)
-            entries = box[0]
+        entries = share(entries, self._src)
         if not entries:
             raise EngineError("weight_source(): the model gave nothing to send; the engine would be told of no "
                               "weights and keep its own")
@@ -112,7 +109,7 @@ class HubSource:
         gathers). At the end every rank learns whether the pass matched ``metadata`` and raises
         ``EngineError`` alike where it did not (a model whose parameters changed since the source was built)."""
         meta = self.metadata
-        sends = _rank() == self._src
+        sends = rank() == self._src
         at, error = 0, None
         held: dict[str, torch.Tensor] = {}
         tail = {m.name for m in meta[_first_ragged(meta):]}
@@ -166,10 +163,7 @@ class HubSource:
                                                     keep_dtype=self._keep, dst_rank=self._src))
 
     def _agree(self, error: str | None, raise_here: bool = True) -> None:
-        if _distributed():
-            box: list[Any] = [error]
-            dist.broadcast_object_list(box, src=self._src)
-            error = box[0]
+        error = share(error, self._src)
         self.last_error = error
         if error is not None and raise_here:
             raise EngineError(f"weight source: {error}. Build a new weight_source() after changing the model")
@@ -195,7 +189,7 @@ def weight_source(wm: Any, *, bucket_bytes: int = 512 * 2**20, dtype: torch.dtyp
     """
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ArgumentError(f"weight_source(bucket_bytes={bucket_bytes!r}): pass a positive int (bytes)")
-    world = dist.get_world_size() if _distributed() else 1
+    world = world_size()
     if isinstance(src_rank, bool) or not isinstance(src_rank, int) or not 0 <= src_rank < world:
         raise ArgumentError(f"weight_source(src_rank={src_rank!r}): pass the global rank that sends, in "
                             f"0..{world - 1}")
@@ -235,11 +229,3 @@ def _mismatch(meta: list[Any], at: int, name: str, value: torch.Tensor) -> str |
         return (f"tensor {at} was declared {m.name} {m.dtype} {tuple(m.shape)} and came as {name} {value.dtype} "
                 f"{tuple(value.shape)}")
     return None
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rank() -> int:
-    return dist.get_rank() if _distributed() else 0

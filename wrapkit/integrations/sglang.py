@@ -21,11 +21,11 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .._errors import ArgumentError, EngineError, UnsupportedModelError
+from .._errors import ArgumentError, EngineError
 from .._results import Bucket, entry_bytes
 from ..base.process_groups import join_weight_group
 from ._adapters import AdapterFiles, AdapterSync, Versions, check_arguments, sync_adapters, temporary_root
-from ._engine_wire import call, partial_span
+from ._engine_wire import call, rank, refuse_partial, share
 
 __all__ = ["SGLangEngine", "EngineSync", "AdapterSync", "flattened_bucket"]
 
@@ -123,11 +123,7 @@ class SGLangEngine:
         ``bucket_bytes``, ``dtype``, ``merge_adapters`` and ``keep_dtype``). Every trainer rank calls it.
         ``pause``: generation is paused (in-flight requests retracted) for the update and continued after.
         Raises ``EngineError`` on every rank if the engine refused or failed any step, quoting its answer."""
-        span = partial_span(wm)
-        if span is not None:  # its outcome is agreed over every rank of the job
-            raise UnsupportedModelError(f"SGLangEngine.sync(): the model lies over {span} of the job's "
-                                        f"{dist.get_world_size()} ranks; a sync is agreed over every rank of the job, "
-                                        "so it serves a model held by all of them (one copy, or replicas of it)")
+        refuse_partial(wm, "SGLangEngine.sync()", "a sync is agreed over every rank of the job")
         if not self._connected:
             raise ArgumentError("SGLangEngine.sync() before connect(): call connect() on every rank first")
         t0 = time.perf_counter()
@@ -163,10 +159,7 @@ class SGLangEngine:
             except Exception as exc:
                 error = error or _why(exc)
         self._raise_agreed(error, "sync")
-        box: list[Any] = [(len(sent), buckets, moved, verified)]
-        if dist.is_available() and dist.is_initialized():
-            dist.broadcast_object_list(box, src=self.src_rank)
-        tensors, buckets, moved, verified = box[0]
+        tensors, buckets, moved, verified = share((len(sent), buckets, moved, verified), self.src_rank)
         return EngineSync(tensors, buckets, moved, time.perf_counter() - t0, verified)
 
     # -- LoRA adapters alone ----------------------------------------------------------------------
@@ -214,7 +207,7 @@ class SGLangEngine:
 
     # -- the sending rank -----------------------------------------------------------------------
     def _sends(self) -> bool:
-        return (dist.get_rank() if dist.is_available() and dist.is_initialized() else 0) == self.src_rank
+        return rank() == self.src_rank
 
     def _call(self, route: str, payload: dict[str, Any]) -> dict[str, Any]:
         return call(self.url, route, payload, self.timeout)
@@ -311,10 +304,7 @@ class SGLangEngine:
     def _raise_agreed(self, error: str | None, what: str) -> None:
         """Every trainer rank learns the sending rank's outcome, and raises alike. Where the group fell out of
         step every rank leaves it, so that each needs ``connect()`` again, together."""
-        if dist.is_available() and dist.is_initialized():
-            box: list[Any] = [(error, self._broken)]
-            dist.broadcast_object_list(box, src=self.src_rank)
-            error, self._broken = box[0]
+        error, self._broken = share((error, self._broken), self.src_rank)
         if self._broken:
             self.close()
             self._broken = False

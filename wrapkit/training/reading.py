@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from .._agree import any_over_models, models_group
+from .._agree import any_over_models, models_group, span
 from .._errors import StateDictError
 
 if TYPE_CHECKING:
@@ -38,13 +38,11 @@ def dcp_group(wm: Adapter, problems: list[str]) -> tuple[bool, Any]:
     use, group = models_group(wm)
     if not use:
         return True, None
-    span = wm.world_size
-    for g in wm.outer_groups():
-        span *= dist.get_world_size(g)
-    if span == dist.get_world_size():
+    held_by = span(wm)
+    if held_by == dist.get_world_size():
         return False, None
     if wm.outer_groups():
-        problems.append(f"the model lies over {span} of the job's {dist.get_world_size()} ranks in more than one "
+        problems.append(f"the model lies over {held_by} of the job's {dist.get_world_size()} ranks in more than one "
                         "group; save_state and load_state serve a model over every rank, or over one group")
     return False, group
 
