@@ -24,7 +24,7 @@ import torch
 
 from .._agree import Call, enter, raise_agreed
 from .._results import StateLoad
-from .held import Holding, state_tensors
+from .held import Holding, put_scalar, state_tensors, unplaced
 
 if TYPE_CHECKING:
     from ..adapters.core.base import Adapter
@@ -141,10 +141,9 @@ def load_foreign(wm: Adapter, directory: str, found: Foreign, optimizer: Any, sc
                 name, _, k = key.removeprefix("optim/").rpartition("/")
                 optim[f"optimizer.state.{name}.{k}"] = blocks
         steps: dict[str, tuple[Any, str, torch.Tensor]] = {}
+        if optimizer is not None:
+            absent += unplaced(held, keys)
         for h in held if optimizer is not None else []:
-            lost = sorted(k for k, spec in keys.get(h.name, {}).items() if spec[0] == "element" and k not in h.state)
-            if lost:
-                absent.append(f"{h.name}'s optimizer state {lost} has no place in this optimizer")
             for k, spec in keys.get(h.name, {}).items():
                 if spec[0] == "tensor":
                     value = torch.zeros(tuple(spec[2]), dtype=getattr(torch, spec[1].rpartition(".")[2]))
@@ -167,11 +166,7 @@ def load_foreign(wm: Adapter, directory: str, found: Foreign, optimizer: Any, sc
             parts.append((optim, found.optim_dir, found.optim_meta))
         read(wm, directory, parts, no_dist, group, _FIX)
         for h, k, value in steps.values():
-            have = h.scalars.get(k, optimizer.state[h.owner].get(k))
-            if torch.is_tensor(have):
-                have.copy_(value)
-            else:
-                optimizer.state[h.owner][k] = value
+            put_scalar(optimizer, h, k, value)
         source.loaded()
     skipped = [f"RNG states, the data loader and the scheduler: a {found.kind} checkpoint keeps them in its own "
                "form; they are left as they were"]

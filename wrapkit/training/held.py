@@ -16,7 +16,7 @@ from .optimizers import unwrap_optimizer
 if TYPE_CHECKING:
     from ..adapters.core.base import Adapter
 
-__all__ = ["Holding", "hyper", "scalars", "specs", "state_tensors"]
+__all__ = ["Holding", "hyper", "put_scalar", "scalars", "specs", "state_tensors", "unplaced"]
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]
 
@@ -144,6 +144,26 @@ def scalars(held: list[Held]) -> dict[str, dict[str, Any]]:
         if h.scalars and h.name not in out:
             out[h.name] = {k: v.detach().cpu().clone() if torch.is_tensor(v) else v for k, v in h.scalars.items()}
     return out
+
+
+def unplaced(held: list[Held], saved: dict[str, dict[str, list[Any]]]) -> list[str]:
+    """Never a silent restart from zero: each held parameter's per-element state that the checkpoint has (its
+    ``saved`` keys by name, as ``specs`` gives them) and this optimizer has no place for."""
+    out = []
+    for h in held:
+        lost = sorted(k for k, spec in saved.get(h.name, {}).items() if spec[0] == "element" and k not in h.state)
+        if lost:
+            out.append(f"{h.name}'s optimizer state {lost} has no place in this optimizer")
+    return out
+
+
+def put_scalar(optimizer: Any, h: Held, key: str, value: Any) -> None:
+    """A loaded scalar state (Adam's ``step``) into ``h``'s optimizer state: in place where it holds a tensor."""
+    have = h.scalars.get(key, optimizer.state[h.owner].get(key))
+    if torch.is_tensor(have) and torch.is_tensor(value):
+        have.copy_(value)
+    else:
+        optimizer.state[h.owner][key] = value
 
 
 def specs(held: list[Held]) -> dict[str, dict[str, list[Any]]]:

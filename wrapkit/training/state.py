@@ -34,7 +34,7 @@ from .._agree import Call, any_over_models, enter, raise_agreed, writes_files
 from .._errors import ArgumentError, StateDictError
 from .._results import StateLoad
 from ..formats.directory import commit_directory, open_directory
-from .held import Holding, hyper, scalars, state_tensors
+from .held import Holding, hyper, put_scalar, scalars, state_tensors, unplaced
 from .held import specs as held_specs
 from .manifest import (
     FORMAT,
@@ -206,12 +206,8 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
         held = source.held()
         state: dict[str, Any] = dict(state_tensors(held))
         absent = sorted(k for k in state if k not in saved)
-        # Never a silent restart from zero: every per-element state saved for a parameter held here has a place.
-        for h in held if optimizer is not None else []:
-            lost = sorted(k for k, spec in keys.get(h.name, {}).items()
-                          if spec[0] == "element" and k not in h.state)
-            if lost:
-                absent.append(f"{h.name}'s optimizer state {lost} has no place in this optimizer")
+        if optimizer is not None:
+            absent += unplaced(held, keys)
         if optimizer is not None and "optim/param_groups" not in saved:
             absent.append("optim/param_groups (saved without an optimizer: pass optimizer=None)")
         # Every rank takes part: one whose layout the checkpoint does not cover raises on all.
@@ -235,11 +231,7 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
                 scalars.update(state[key].value)
             for h in held:
                 for k, value in scalars.get(h.name, {}).items():
-                    have = h.scalars.get(k, optimizer.state[h.owner].get(k))
-                    if torch.is_tensor(have) and torch.is_tensor(value):
-                        have.copy_(value)
-                    else:
-                        optimizer.state[h.owner][k] = value
+                    put_scalar(optimizer, h, k, value)
         source.loaded()
 
     if optimizer is not None:
