@@ -1,13 +1,17 @@
 """The HTTP side of the stand-in engines (``sglang_standin.py``, ``lora_standin.py``): a threaded server on
 loopback that hands each request to ``handle(method, route, body)`` and sends its ``(status, answer)`` back, a
-string as plain text (as vLLM answers some successes), anything else as JSON."""
+string as plain text (as vLLM answers some successes), anything else as JSON; and ``Servers``, which the tests
+start them with."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,3 +55,25 @@ def main(handle: Callable[[], Handle]) -> None:
     a = p.parse_args()
     torch.set_num_threads(1)
     serve(a.port, handle())
+
+
+class Servers:
+    """``count`` copies of a stand-in ``script``, each a process of its own on a free loopback port, all started
+    before any is waited for; ``urls`` once each has said it listens."""
+
+    def __init__(self, script: Path, count: int = 1) -> None:
+        from wrapkit.cli._workers import free_port
+
+        ports = [free_port() for _ in range(count)]
+        self.urls = [f"http://127.0.0.1:{p}" for p in ports]
+        self.procs = [subprocess.Popen([sys.executable, str(script), "--port", str(p)], stdout=subprocess.PIPE,
+                                       text=True) for p in ports]
+        for proc in self.procs:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()  # "ready" once it listens (or nothing if it died)
+            assert line.strip() == "ready", f"the stand-in {script.name} did not start: {line!r}"
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.wait(timeout=30)

@@ -5,8 +5,6 @@ over a transformers model. Two servers: every data-parallel replica is told."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,24 +13,18 @@ from typing import Any
 import pytest
 
 from tests import scenarios_engines as se
+from tests.standin_http import Servers
 from wrapkit.cli._workers import free_port
 from wrapkit.integrations._engine_wire import call
 
 STANDIN = Path(__file__).with_name("lora_standin.py")
 
 
-class Replicas:
+class Replicas(Servers):
     """Two stand-in servers, started once for the session; ``mode()`` gives both a fresh base model."""
 
     def __init__(self) -> None:
-        self.ports = [free_port() for _ in range(2)]
-        self.urls = [f"http://127.0.0.1:{p}" for p in self.ports]
-        self.procs = [subprocess.Popen([sys.executable, str(STANDIN), "--port", str(p)], stdout=subprocess.PIPE,
-                                       text=True) for p in self.ports]
-        for proc in self.procs:
-            assert proc.stdout is not None
-            line = proc.stdout.readline()  # "ready" once it listens (or nothing if it died)
-            assert line.strip() == "ready", f"the stand-in did not start: {line!r}"
+        super().__init__(STANDIN, 2)
 
     def mode(self, engine: str, family: str = "llama", refuse_last: str | None = None) -> Replicas:
         for i, url in enumerate(self.urls):
@@ -40,11 +32,6 @@ class Replicas:
             req = {"engine": engine, "family": family, "seed": 0, "tp": 2, "refuse": refuse}
             assert call(url, "standin_mode", req, 60)["success"]
         return self
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            proc.kill()
-            proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="session")

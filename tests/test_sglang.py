@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +14,7 @@ import torch
 
 from tests import _matrix as matrix
 from tests import scenarios_engines as se
+from tests.standin_http import Servers
 from wrapkit.cli._workers import free_port
 from wrapkit.integrations._engine_wire import call
 from wrapkit.integrations.sglang import flattened_bucket
@@ -23,25 +22,16 @@ from wrapkit.integrations.sglang import flattened_bucket
 STANDIN = Path(__file__).with_name("sglang_standin.py")
 
 
-class Standin:
+class Standin(Servers):
     """The stand-in server, started once for the session; ``mode()`` gives it a fresh model and behaviour."""
 
     def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen([sys.executable, str(STANDIN), "--port", str(self.port)],
-                                     stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()  # "ready" once it listens (or nothing if it died)
-        assert line.strip() == "ready", f"the stand-in did not start: {line!r}"
+        super().__init__(STANDIN)
+        self.url = self.urls[0]
 
     def mode(self, family: str = "llama", refuse: str | None = None, skip: str | None = None) -> Standin:
         assert call(self.url, "standin_mode", {"family": family, "refuse": refuse, "skip": skip}, 60)["success"]
         return self
-
-    def stop(self) -> None:
-        self.proc.kill()
-        self.proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="session")
