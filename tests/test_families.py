@@ -80,6 +80,7 @@ def test_family_references(request: pytest.FixtureRequest, group: Any, case: dic
         tol = 0.0 if case["precision"] == "fp32" else 0.05
         assert obs["diff"] <= tol, f"rank {obs['rank']}: the reference's logits differ by {obs['diff']}"
         assert obs["frozen"]
+        assert obs.get("refused", True) is True, f"rank {obs['rank']}: a modified model's reference: {obs['refused']}"
 
 
 MIXTURES = ("qwen3-moe", "gpt-oss", "deepseek-v3")

@@ -57,6 +57,81 @@ def build(fuse_qkv: bool, seed: int) -> nn.Module:
     return model
 
 
+def qwen3(moe: bool, seed: int) -> nn.Module:
+    """torchtitan's Qwen3 debug model (tied, q/k norms) or its mixture of experts, two blocks, attending through
+    SDPA, the mixture cut to 8 experts (top 2)."""
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+    from torchtitan.models.qwen3 import qwen3_configs
+
+    config = qwen3_configs["debugmodel_moe" if moe else "debugmodel"](attn_backend="flex")
+    config.layers = config.layers[:2]
+    for layer in config.layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        if moe:
+            experts, router = layer.moe.routed_experts, layer.moe.router
+            layer.moe.num_experts = router.num_experts = router.gate.out_features = 8
+            experts.inner_experts.num_experts = experts.token_dispatcher.num_experts = 8
+            router.top_k = experts.token_dispatcher.top_k = 2
+    torch.manual_seed(seed)
+    model = config.build()
+    model.init_states()
+    return model
+
+
+def sharded(model: nn.Module) -> nn.Module:
+    """``model`` sharded by torchtitan's own FSDP recipe over every rank."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+    apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+    for m in model.modules():  # torchtitan sums gradients; gloo has no PREMUL_SUM
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def hub_checks(make: Any, out: str) -> dict[str, Any]:
+    """One torchtitan model sharded by torchtitan, in the Hub's layout, against torchtitan's own ``to_hf`` of the
+    unsharded model's state dict and transformers' model of the ``config.json`` written beside it."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    from wrapkit.formats.torchtitan import titan_layout
+
+    whole = make(0)
+    wm = wrapkit.adapt(sharded(make(0)))
+    layout = titan_layout(whole)
+    adapter = type(layout.to_hub.__self__)(whole.config, None)  # torchtitan's own adapter, built as its trainer does
+    want = adapter.to_hf(dict(whole.state_dict()))
+    obs: dict[str, Any] = {}
+    saved = os.path.join(out, "saved")
+    wm.save_pretrained(saved)
+    files = {k: v for f in sorted(os.listdir(saved)) if f.endswith(".safetensors")
+             for k, v in load_file(os.path.join(saved, f)).items()}
+    obs["save_keys"] = sorted(files) == sorted(want)
+    obs["save_values"] = all(torch.equal(files[k], want[k]) for k in want if k in files)
+    streamed = {n: t.clone() for b in wm.stream_full_parameters(bucket_bytes=2**20) for n, t in b.named_tensors()}
+    obs["stream"] = sorted(streamed) == sorted(want) and all(torch.equal(streamed[k], want[k]) for k in want)
+    tokens = TOKENS % whole.config.vocab_size
+    hub = transformers.AutoModelForCausalLM.from_pretrained(saved)
+    with torch.no_grad():
+        obs["hf_logits"] = float((hub(tokens).logits - whole(tokens)).abs().max())
+    # A Hub directory written by torchtitan's own to_hf (another model's weights) loaded into the sharded one.
+    theirs = os.path.join(out, "theirs")
+    other = make(7)
+    if dist.get_rank() == 0:
+        os.makedirs(theirs, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in adapter.to_hf(dict(other.state_dict())).items()},
+                  os.path.join(theirs, "model.safetensors"))
+    dist.barrier()
+    obs["load"] = list(wm.load(theirs))
+    got = wm.full_state_dict(rank0_only=False)
+    obs["loaded_equal"] = all(torch.equal(got[k], v) for k, v in other.state_dict().items())
+    return obs
+
+
 def trained(fuse_qkv: bool, directory: str) -> tuple[nn.Module, Any]:
     """The model sharded and stepped as torchtitan's trainer does, saved as its CheckpointManager saves."""
     import torch.distributed.checkpoint as dcp
@@ -115,16 +190,55 @@ def main(out: str) -> None:
         torch.equal(theirs[k][s], mine[k][s]) for k in theirs for s in ("exp_avg", "exp_avg_sq", "step"))
     obs["lr"] = [g["lr"] for g in opt.param_groups]
     obs["skipped"] = report.skipped
-    # The fused attention projection: its state-dict hooks save wqkv as wq/wk/wv, which wrapkit does not follow
-    # yet; a load is refused, never misread.
+    # The fused attention projection: its state-dict hooks save wqkv as wq/wk/wv. wrapkit's exports are the
+    # module's own state dict (the hooks run on the gathered wqkv), and its loads take that state dict.
     fused_dir = os.path.join(out, "fused", "step-1")
-    trained(True, fused_dir)
+    fused, fused_optimizers = trained(True, fused_dir)
+    # torch's get_optimizer_state_dict cannot read the hooked model: each parameter's moments, by name, directly,
+    # read before a forward leaves FSDP2's last unit unsharded (its parameters then are other objects).
+    def moments(module: nn.Module, optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
+        return {name: {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in optimizer.state[p].items()}
+                for name, p in module.named_parameters()}
+
+    theirs = moments(fused, fused_optimizers.optimizers[0])
+    fused_wm = wrapkit.adapt(fused)
+    whole = build(True, seed=2)
+    fsd = fused_wm.full_state_dict(rank0_only=False)
+    obs["fused_keys"] = sorted(fsd) == sorted(whole.state_dict())
+    obs["fused_named"] = sorted(n for n, _ in fused_wm.named_full_parameters()) == sorted(
+        n for n in whole.state_dict() if "freqs" not in n)
+    whole.load_state_dict(fsd)  # torch's own load, through the hooks
+    with torch.no_grad():
+        obs["fused_logits"] = float((whole(TOKENS) - fused_wm(TOKENS)).abs().max())
+    again = wrapkit.adapt(DistributedDataParallel(build(True, seed=3)))
+    obs["fused_load"] = list(again.load_full_state_dict(fsd))
+    back = again.full_state_dict(rank0_only=False)
+    obs["fused_round_trip"] = all(torch.equal(back[k], fsd[k]) for k in fsd)
+    saved = os.path.join(out, "fused.safetensors")
+    fused_wm.save(saved)
+    from_file = wrapkit.adapt(build(True, seed=4))
+    from_file.load(saved)
+    with torch.no_grad():
+        obs["fused_file_logits"] = float((from_file(TOKENS) - fused_wm(TOKENS)).abs().max())
+    # torchtitan's own checkpoint of the fused model: its weights in the hooks' names (wq/wk/wv), its optimizer
+    # state in the parameters' (wqkv). load_state builds wqkv through the model's own load hooks.
     other = wrapkit.adapt(DistributedDataParallel(build(True, seed=1)))
-    try:
-        other.load_state(fused_dir)
-        obs["fused"] = "no error"
-    except wrapkit.StateDictError as exc:
-        obs["fused"] = str(exc)
+    opt = torch.optim.AdamW(other.module.parameters(), lr=0.5)
+    other.load_state(fused_dir, opt)
+    got = other.full_state_dict(rank0_only=False)
+    obs["fused_resumed"] = all(torch.equal(got[k], v) for k, v in fsd.items())
+    mine = moments(other.module.module, opt)
+    obs["fused_no_state"] = sorted([f"theirs {k}" for k, v in theirs.items() if not v] +
+                                   [f"mine {k}" for k, v in mine.items() if not v])
+    obs["fused_moments"] = theirs.keys() == mine.keys() and not obs["fused_no_state"] and all(
+        torch.equal(theirs[k][s].cpu(), mine[k][s].cpu()) for k in theirs for s in ("exp_avg", "exp_avg_sq", "step"))
+    obs["fused_moment_keys"] = sorted(k for k in mine if "wqkv" in k)
+    # The Hub's layout of torchtitan's Llama3 (fused), tied Qwen3 and Qwen3-MoE, found from torchtitan's adapters.
+    for name, make in [("llama3", partial(build, True)), ("qwen3", partial(qwen3, False)),
+                       ("qwen3_moe", partial(qwen3, True))]:
+        where = os.path.join(out, "hub", name)
+        os.makedirs(where, exist_ok=True)
+        obs[f"hub_{name}"] = hub_checks(lambda seed, make=make: make(seed=seed), where)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(obs, f)
     dist.barrier()

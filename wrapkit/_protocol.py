@@ -224,6 +224,13 @@ class WrappedModel(Protocol):
         ``adapters_only``: PEFT's adapter layout, every rank's rows in it."""
         ...
 
+    def set_hub_layout(self, to_hub: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None,
+                       from_hub: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None, *,
+                       config: Any = None) -> WrappedModel:
+        """Give the model its Hub layout as two functions on state dicts (torchtitan's ``to_hf`` / ``from_hf``);
+        exports and loads in the Hub's layout use it, a layer at a time."""
+        ...
+
     def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None,
              adapter_name: str | None = None) -> LoadResult:
         """Load a safetensors file, a ``save_pretrained`` directory or a PEFT adapter directory, each rank

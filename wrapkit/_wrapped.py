@@ -23,6 +23,7 @@ from .adapters import Adapter
 from .base import args as _args
 from .exchange import checkpoint, pretrained, reading, state_dict
 from .exchange import peft as peft_checkpoint
+from .formats.mapped import MappedLayout, give_layout
 from .references import placement
 from .sync import copy_to as sync
 from .sync import gathering as full_parameters
@@ -249,6 +250,25 @@ class Wrapped(Handle):
                                 "alone and for them folded into the base weights; pass one of the two")
         names = _args.names(adapter_names, "adapter_names", where)
         peft_checkpoint.save_adapters(self._below, path, names)
+
+    def set_hub_layout(self, to_hub: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None,
+                       from_hub: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None, *,
+                       config: Any = None) -> Wrapped:
+        """Give the model its Hub layout: ``to_hub(state_dict)`` returns the Hub checkpoint's tensors for some of
+        the model's state dict (``unwrap().state_dict()``'s names and tensors), ``from_hub(hub_state_dict)`` the
+        reverse (torchtitan's ``StateDictAdapter.to_hf`` / ``from_hf`` are such a pair); ``config`` (a
+        transformers config) is written beside the weights. ``save_pretrained``, the default
+        ``stream_full_parameters()``, the engine syncs and ``load`` of a Hub directory then use it, a layer at a
+        time: each call gets one layer's tensors (names with ``layers.N.``) or one other tensor. torchtitan's
+        models get their family's adapter without this. ``None, None`` goes back to the layout found. Every rank
+        gives the same layout. Returns ``self``."""
+        if (to_hub is None) != (from_hub is None) or any(f is not None and not callable(f) for f in (to_hub, from_hub)):
+            raise ArgumentError("set_hub_layout(to_hub, from_hub) takes two functions from a dict of tensors to a "
+                                "dict of tensors (or None, None to go back to the layout found); got "
+                                f"{type(to_hub).__name__} and {type(from_hub).__name__}")
+        give_layout(self._below.unwrap(keep_peft=False),
+                    None if to_hub is None or from_hub is None else MappedLayout(to_hub, from_hub, config))
+        return self
 
     def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None,
              adapter_name: str | None = None) -> LoadResult:

@@ -18,7 +18,8 @@ import torch
 from .._names import canonical_name
 
 __all__ = ["assign", "assign_named", "child_slots", "parameter_slots", "swap_parameter_slots", "forward_hook_dicts",
-           "own_parameters", "own_buffers", "is_persistent", "live_entries", "init_weights", "lerp_all_"]
+           "own_parameters", "own_buffers", "is_persistent", "live_entries", "init_weights", "lerp_all_",
+           "state_dict_hooks", "load_state_dict_pre_hooks", "state_dict_version"]
 
 
 def child_slots(mod: torch.nn.Module) -> dict[str, torch.nn.Module | None]:
@@ -44,6 +45,25 @@ def swap_parameter_slots(mod: torch.nn.Module, slots: dict[str, Any]) -> dict[st
 def forward_hook_dicts(mod: torch.nn.Module) -> tuple[dict[int, Any], dict[int, Any]]:
     """``mod``'s forward pre-hooks and forward hooks, the live dicts keyed by handle id."""
     return mod._forward_pre_hooks, mod._forward_hooks
+
+
+def state_dict_hooks(mod: torch.nn.Module) -> list[tuple[Callable[..., Any], bool]]:
+    """``mod``'s state-dict post-hooks, in the order ``state_dict()`` runs them, each with whether it came
+    through the public API (its result must be None) or the private one (a dict it returns replaces the
+    state dict)."""
+    return [(hook, bool(getattr(hook, "_from_public_api", False))) for hook in mod._state_dict_hooks.values()]
+
+
+def load_state_dict_pre_hooks(mod: torch.nn.Module) -> list[Callable[..., Any]]:
+    """``mod``'s load pre-hooks, in the order ``load_state_dict()`` runs them; each is called as
+    ``hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)`` (torch binds
+    the module where it was registered with one)."""
+    return list(mod._load_state_dict_pre_hooks.values())
+
+
+def state_dict_version(mod: torch.nn.Module) -> Any:
+    """The version ``state_dict()`` records in a module's metadata, which hooks may read."""
+    return getattr(mod, "_version", None)
 
 
 def own_parameters(mod: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:

@@ -4,7 +4,9 @@
 Each family stands for a layout transformers treats apart: tied embeddings (Qwen2, Gemma 3, T5), experts
 fused at run time and stored per expert on the Hub (Qwen3-MoE, DeepSeek-V3) or fused in both (gpt-oss),
 vision-language prefixes that differ between run time and the Hub (Qwen2-VL, Llava), an encoder-decoder
-(T5), and a sequence-classification head (a reward model).
+(T5), a sequence-classification head (a reward model), and a model whose ``state_dict()`` differs from its
+parameters by hooks of its own (a Llama with fused SwiGLU projections, as torchtitan's and fused-kernel models
+hold them).
 """
 
 from __future__ import annotations
@@ -73,6 +75,46 @@ def _t5(tf: Any) -> Any:
                                                      num_heads=4, decoder_start_token_id=0, dropout_rate=0.0))
 
 
+class FusedSwiGLU(torch.nn.Module):
+    """A Llama MLP whose gate and up projections are one matrix (``gate_up_proj``: the gate rows, then the up
+    rows), as fused SwiGLU kernels hold them; its state-dict hooks split it into transformers' ``gate_proj`` and
+    ``up_proj`` on save and join them on load, so its checkpoints are a Llama's."""
+
+    def __init__(self, gate: torch.nn.Linear, up: torch.nn.Linear, down: torch.nn.Linear) -> None:
+        super().__init__()
+        self.gate_up_proj = torch.nn.Linear(gate.in_features, 2 * gate.out_features, bias=False)
+        self.down_proj = down
+        with torch.no_grad():
+            self.gate_up_proj.weight.copy_(torch.cat([gate.weight, up.weight]))
+        self.register_state_dict_post_hook(_split_gate_up)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(_join_gate_up)  # type: ignore[no-untyped-call]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(torch.nn.functional.silu(gate) * up)  # type: ignore[no-any-return]
+
+
+def _split_gate_up(module: torch.nn.Module, state: dict[str, Any], prefix: str, metadata: Any) -> None:
+    fused = state.pop(f"{prefix}gate_up_proj.weight", None)
+    if fused is not None:
+        gate, up = fused.chunk(2, dim=0)
+        state[f"{prefix}gate_proj.weight"], state[f"{prefix}up_proj.weight"] = gate.clone(), up.clone()
+
+
+def _join_gate_up(module: torch.nn.Module, state: dict[str, Any], prefix: str, *rest: Any) -> None:
+    keys = (f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight")
+    if all(k in state for k in keys):
+        state[f"{prefix}gate_up_proj.weight"] = torch.cat([state.pop(k) for k in keys])
+
+
+def _llama_fused(tf: Any) -> Any:
+    model = _llama(tf)
+    for layer in model.model.layers:
+        mlp = layer.mlp
+        layer.mlp = FusedSwiGLU(mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    return model
+
+
 def _llama_reward(tf: Any) -> Any:
     return tf.LlamaForSequenceClassification(tf.LlamaConfig(**_TEXT, num_labels=1, pad_token_id=0))
 
@@ -80,6 +122,7 @@ def _llama_reward(tf: Any) -> Any:
 FAMILIES: dict[str, Callable[[Any], Any]] = {
     "llama": _llama, "qwen2-tied": _qwen2_tied, "gemma3": _gemma3, "qwen3-moe": _qwen3_moe, "gpt-oss": _gpt_oss,
     "deepseek-v3": _deepseek_v3, "qwen2-vl": _qwen2_vl, "llava": _llava, "t5": _t5, "llama-reward": _llama_reward,
+    "llama-fused": _llama_fused,
 }
 
 # The families the doctor's tensor-parallel recipe (``_models.tensor_parallel``: attention heads and MLP

@@ -114,9 +114,11 @@ def _config_files(wm: Adapter, tmp: str, base_keys: bool) -> None:
     """config.json and generation_config.json, where the model has them and the keys are its own."""
     if not base_keys:
         return  # a PEFT model's keys are not the base model's: its config would mislead from_pretrained
-    own = wm.hub_layout()
-    if own is not None:  # the backend's model is not transformers': its layout says which model it is
-        own.hub_config().save_pretrained(tmp)
+    # A model that is not transformers' (Megatron-Core's, torchtitan's, one given a layout): its layout says
+    # which Hub model it is.
+    made = getattr(layout_of(wm, strict=False), "hub_config", lambda: None)()
+    if made is not None:
+        made.save_pretrained(tmp)
         return
     inner = wm.unwrap(keep_peft=False)
     for obj in (getattr(inner, "config", None), getattr(inner, "generation_config", None)):

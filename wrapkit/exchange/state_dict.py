@@ -25,7 +25,7 @@ from .._names import canonical_name
 from .._results import LoadResult
 from ..adapters import Written
 from ..adapters.stages.parts import stage_buffers
-from ..adapters.stages.plan import buffer_shapes, every_stage, state_keys
+from ..adapters.stages.plan import buffer_shapes, every_stage, state_hooks, state_keys
 from ..base.module_internals import assign, assign_named, live_entries
 from ..layers.lora_fold import LoraFoldPlan, fold_plan, fold_state_dict
 from ..sync.gathering import gathered
@@ -141,9 +141,11 @@ def gather_state_dict(wm: Adapter, rank0_only: bool, merge_adapters: bool = Fals
     # (the whole model's, where a pipeline stage holds some of its modules).
     order = dict.fromkeys(state_keys(wm))
     out = {k: out[k] for k in order if k in out} | {k: v for k, v in out.items() if k not in order}
+    merged = False
     if merge_adapters and plan is not None:
-        out = fold_state_dict(out, plan)
-    return out
+        out, merged = fold_state_dict(out, plan), True
+    hooks = state_hooks(wm, merged)  # the module's own state dict: its hooks' names and tensors
+    return out if hooks is None else dict(hooks.export(out.items()))
 
 
 # -- PEFT merge (the folding itself is layers/peft.py's) ------------------------------------------
@@ -210,6 +212,13 @@ def load_full_state_dict(wm: Adapter, sd: Mapping[str, torch.Tensor], strict: bo
     expected = expected_shapes(wm)
     if not isinstance(sd, Mapping):
         problems.append(f"expected a mapping of name -> tensor, got {type(sd).__name__}")
+    if not problems:
+        hooks = state_hooks(wm)  # in the module's own state-dict names: its load hooks make its tensors
+        if hooks is not None:
+            try:
+                sd = hooks.to_runtime(sd)
+            except Exception as exc:  # a hook that refuses these tensors, reported on every rank
+                problems.append(f"the model's own load_state_dict hooks refused the state dict: {exc}")
     if not problems:
         problems = check_entries(_shapes_of(sd), expected, strict)
     [agreed] = enter(Call.of("load_full_state_dict", strict=strict), wm, flags=[bool(problems)], invalid=1)

@@ -67,6 +67,11 @@ class Blocks(torch.Tensor):
     def __init__(self, shape: Sequence[int], parts: list[tuple[Box, torch.Tensor]], dtype: torch.dtype) -> None:
         super().__init__()
 
+    def fill_from(self, full: torch.Tensor) -> None:
+        """Write each box's values from ``full`` (the whole tensor)."""
+        for (offsets, sizes), values in self._parts:
+            values.copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, sizes, strict=True))])
+
     def __repr__(self) -> str:  # type: ignore[override]
         return f"Blocks(shape={tuple(self.shape)}, boxes={[b for b, _ in self._parts]})"
 

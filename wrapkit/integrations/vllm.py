@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from .._errors import StateDictError, UnsupportedModelError
+from ..formats.hooks import HookLayout
 from ..formats.hub import HubLayout
 from ..sync.streaming import Bucket
 from ._adapters import AdapterSync
@@ -77,9 +78,10 @@ def _feeder(target: Any) -> tuple[Callable[[Pairs], list[str]], Callable[[], lis
     if isinstance(target, torch.nn.Module):
         own = dict(target.named_parameters(remove_duplicate=False)) | dict(target.named_buffers(remove_duplicate=False))
         # A transformers module takes the Hub's layout too: renamed, and per-expert tensors fused once
-        # the last of a group is in.
-        layout = HubLayout.of(target)
-        importer = layout.importer({n: tuple(t.shape) for n, t in own.items()}) if layout is not None else None
+        # the last of a group is in; a module with state-dict hooks of its own takes its state dict's names.
+        shapes = {n: tuple(t.shape) for n, t in own.items()}
+        layout: Any = HubLayout.of(target) or HookLayout.of(target)
+        importer = layout.importer(shapes) if layout is not None else None
 
         def by_name(pairs: Pairs) -> list[str]:
             if importer is not None:

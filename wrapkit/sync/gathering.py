@@ -21,6 +21,7 @@ import torch
 from .._agree import Call, check_modifier_rank, enter
 from .._errors import ArgumentError, PlacementError, UnsupportedModelError
 from .._gather import bypassed, generation_modes, restore_modes, shared_rng, synced_generate
+from ..adapters.stages.plan import state_hooks
 from ..adapters.stages.whole import whole_in_hub_layout, whole_of_stages, whole_problem
 from ..base.memory import BUDGET_ENV, format_bytes, memory_budget
 from ..base.torch_ops import torch_ops
@@ -146,4 +147,5 @@ def _refuse_stages(wm: Adapter, op: str, modifier_rank: int | None) -> None:
 def named_full_parameters(wm: Adapter) -> Iterator[tuple[str, torch.Tensor]]:
     """``gather_each`` behind the operation's entry (taken at the first ``next()``)."""
     enter(Call.of("named_full_parameters"), wm)
-    yield from wm.gatherer.each()
+    hooks = state_hooks(wm)  # the module's own state-dict names and tensors, where its hooks make them
+    yield from wm.gatherer.each() if hooks is None else hooks.export(wm.gatherer.each())

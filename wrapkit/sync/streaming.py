@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from .._agree import Call, enter
 from .._errors import ArgumentError, WrapkitError
-from ..adapters.stages.plan import layout_of
+from ..adapters.stages.plan import layout_of, state_hooks
 from ..exchange.state_dict import joined_fold_plan, lora_fold_plan
 from ..layers.lora_fold import LoraFoldPlan, lora_fold_stream, lora_layer_keys
 
@@ -125,9 +125,12 @@ def stream_full_parameters(wm: Adapter, bucket_bytes: int = DEFAULT_BUCKET_BYTES
             return own
         return dtype
 
-    # The Hub's names and tensors where the names are the base model's (merged, or without PEFT).
-    hub = layout_of(wm) if layout == "hub" and (
+    # The Hub's names and tensors where the names are the base model's (merged, or without PEFT); else the
+    # module's own state-dict names (its hooks').
+    hub: Any = layout_of(wm) if layout == "hub" and (
         plan is not None or wm.merge_root() is None) else None
+    if hub is None:
+        hub = state_hooks(wm, plan is not None)
 
     def converted(values: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(values) if hub is None else hub.export(values)

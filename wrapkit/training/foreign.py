@@ -24,6 +24,8 @@ import torch
 
 from .._agree import Call, enter, raise_agreed
 from .._results import StateLoad
+from ..exchange.state_dict import expected_shapes
+from ..formats.dcp import Blocks
 from .held import Holding, put_scalar, state_tensors, unplaced
 
 if TYPE_CHECKING:
@@ -61,8 +63,9 @@ class Foreign:
     def tensors(self, meta: Any) -> dict[str, Any]:
         return {k: v for k, v in meta.state_dict_metadata.items() if hasattr(v, "size")}
 
-    def state_keys(self) -> dict[str, dict[str, list[Any]]]:
-        """Name -> {optimizer state key: its kind}: per element where it has the parameter's shape, else whole."""
+    def state_keys(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, dict[str, list[Any]]]:
+        """Name -> {optimizer state key: its kind}: per element where it has the parameter's shape (the saved
+        weight's, else the model's: a weight saved split by state-dict hooks), else whole."""
         if self.optim_meta is None:
             return {}
         out: dict[str, dict[str, list[Any]]] = {}
@@ -72,8 +75,9 @@ class Foreign:
                 continue
             name, _, k = key.removeprefix("optimizer.state.").rpartition(".")
             dtype = str(m.properties.dtype)
-            full = weights.get(self.prefix + name)
-            per_element = full is not None and tuple(m.size) == tuple(full.size) and len(m.size) > 0
+            saved = weights.get(self.prefix + name)
+            full = tuple(saved.size) if saved is not None else shapes.get(name)
+            per_element = full is not None and tuple(m.size) == full and len(m.size) > 0
             out.setdefault(name, {})[k] = ["element", dtype] if per_element else ["tensor", dtype, list(m.size)]
         return out
 
@@ -105,6 +109,19 @@ class Foreign:
         return by_name
 
 
+def _hooked(wm: Adapter, found: Foreign, weights: dict[str, Any]) -> dict[str, Any]:
+    """The model's tensors its own load hooks build from tensors the checkpoint holds split (torchtitan's fused
+    ``wqkv`` from ``wq``/``wk``/``wv``), by name."""
+    from ..adapters.stages.plan import state_hooks
+
+    hooks = state_hooks(wm)
+    if hooks is None:
+        return {}
+    entries = {k.removeprefix(found.prefix): (tuple(m.size), "") for k, m in weights.items()
+               if k.startswith(found.prefix)}
+    return hooks.imports(entries, expected_shapes(wm))[1]
+
+
 def load_foreign(wm: Adapter, directory: str, found: Foreign, optimizer: Any, scheduler: Any) -> StateLoad:
     """``load_state`` of another trainer's checkpoint (see the module docstring)."""
     from .reading import Object, dcp_group, read
@@ -113,8 +130,9 @@ def load_foreign(wm: Adapter, directory: str, found: Foreign, optimizer: Any, sc
     source = Holding(wm, optimizer, "load_state", problems)
     optimizer = source.optimizer
     no_dist, group = dcp_group(wm, problems)
-    keys = found.state_keys() if optimizer is not None else {}
+    keys = found.state_keys(expected_shapes(wm)) if optimizer is not None else {}
     weights = found.tensors(found.model_meta)
+    built = _hooked(wm, found, weights)
     if optimizer is not None and found.optim_meta is None:
         problems.append(f"the {found.kind} checkpoint has no optimizer state: pass optimizer=None")
     call = Call.of("load_state", optimizer=type(optimizer).__name__ if optimizer is not None else None,
@@ -129,10 +147,19 @@ def load_foreign(wm: Adapter, directory: str, found: Foreign, optimizer: Any, sc
         model: dict[str, Any] = {}
         optim: dict[str, Any] = {}
         absent: list[str] = []
+        split: list[tuple[Any, Blocks]] = []  # weights the model's hooks build from tensors saved split
         for key, blocks in state_tensors(held).items():
             if key.startswith("model/"):
                 name = key.removeprefix("model/")
                 saved = weights.get(found.prefix + name)
+                conv = built.get(name)
+                if saved is None and conv is not None and conv.shape == tuple(blocks.shape):
+                    # Every rank reads the sources whole, and keeps its own boxes of what the hooks make of them.
+                    for k in conv.keys():
+                        model[found.prefix + k] = torch.empty(tuple(weights[found.prefix + k].size),
+                                                              dtype=weights[found.prefix + k].properties.dtype)
+                    split.append((conv, blocks))
+                    continue
                 if saved is None or tuple(saved.size) != tuple(blocks.shape):
                     absent.append(f"{name} {tuple(blocks.shape)}" + (
                         "" if saved is None else f" (saved as {tuple(saved.size)})"))
@@ -165,6 +192,8 @@ def load_foreign(wm: Adapter, directory: str, found: Foreign, optimizer: Any, sc
             assert found.optim_dir is not None
             parts.append((optim, found.optim_dir, found.optim_meta))
         read(wm, directory, parts, no_dist, group, _FIX)
+        for conv, blocks in split:
+            blocks.fill_from(conv.full(lambda k: model[found.prefix + k]))
         for h, k, value in steps.values():
             put_scalar(optimizer, h, k, value)
         source.loaded()

@@ -73,7 +73,9 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     "FSDP1 ShardingStrategy": ("_HYBRID_SHARD_ZERO2",),
     # torch's own module internals and namespaces, stable across every torch release wrapkit supports.
     "torch.nn.Module": ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks",
-                        "_non_persistent_buffers_set"),
+                        "_non_persistent_buffers_set", "_state_dict_hooks", "_load_state_dict_pre_hooks", "_version"),
+    # Set by torch on a state-dict post-hook registered through the public API (its result must be None).
+    "torch state-dict hook": ("_from_public_api",),
     # _make_wrapper_subclass: how a tensor subclass that only carries other tensors is made (torch's docs).
     "torch": ("_C", "_nn", "_foreach_add_", "_foreach_mul_", "_make_wrapper_subclass"),
     "torch.compile OptimizedModule": ("_orig_mod",),

@@ -89,7 +89,35 @@ def skeleton(adapter: AdapterView, initialise: bool = True) -> torch.nn.Module:
         tie = getattr(model, "tie_weights", None)
         if callable(tie):
             tie()
+    differs = _other_modules(inner, model)
+    if differs is not None:
+        raise ReferenceModelError(
+            f"cannot build a reference for this sharded {adapter.backend} policy without gathering it, because its "
+            f"modules are not those its config builds ({differs}: replaced after the model was built); pass "
+            "ref_model (a copy of the policy's model, or the model loaded again and modified the same way).")
     return model.to(dtype)
+
+
+def _own_class(mod: torch.nn.Module) -> type:
+    """``mod``'s class, not the subclass FSDP2 makes of it when it shards the module."""
+    return next(c for c in type(mod).__mro__ if not c.__module__.startswith("torch.distributed"))
+
+
+def _other_modules(policy: torch.nn.Module, built: torch.nn.Module) -> str | None:
+    """Where the model built from the config differs from the policy's (a module of another class, or missing),
+    or None. Wrappers of the backends' own (FSDP1 units, checkpoint wrappers) are not the model's modules."""
+    def tree(m: torch.nn.Module) -> dict[str, type]:
+        # A wrapper's own class is torch.distributed's alone: nothing of it but Module is the model's.
+        return {canonical_name(n): cls for n, c in m.named_modules() if (cls := _own_class(c)) is not torch.nn.Module}
+
+    mine, theirs = tree(policy), tree(built)
+    for name, cls in mine.items():
+        if theirs.get(name) is not cls:
+            other = theirs.get(name)
+            return (f"{name or 'the root'} is a {cls.__name__} where the config builds "
+                    f"{'none' if other is None else 'a ' + other.__name__}")
+    extra = next((n for n in theirs if n not in mine), None)
+    return None if extra is None else f"the config builds {extra}, which the policy lacks"
 
 
 def skip_init() -> Any:

@@ -20,7 +20,10 @@ import torch.distributed as dist
 
 from ..._errors import UnsupportedModelError
 from ..._imports import lookup
+from ...formats.hooks import Chained, HookLayout
 from ...formats.hub import HubLayout, Layout
+from ...formats.mapped import given_layout
+from ...formats.torchtitan import titan_layout
 from ...layers.peft import saved_key_map
 from ..core.foreign import CUT_STAGE, TRANSFORMERS_STAGES
 from ..core.parts import Weights
@@ -29,7 +32,8 @@ if TYPE_CHECKING:
     from ..core.primitives import AdapterView
 
 __all__ = ["Stage", "StagePlan", "plan_of", "recorded_stage", "adopt_torch_stage", "record", "buffer_shapes",
-           "state_keys", "is_stage", "transformers_stage", "layout_of", "every_stage", "stage_adapter_keys"]
+           "state_keys", "is_stage", "transformers_stage", "layout_of", "every_stage", "stage_adapter_keys",
+           "state_hooks"]
 
 Shape = tuple[int, ...]
 
@@ -243,7 +247,28 @@ def layout_of(model: AdapterView, strict: bool = True) -> Layout | None:
     if own is not None:
         return own  # type: ignore[no-any-return]
     plan = plan_of(model)
-    return HubLayout.of(model.unwrap(keep_peft=False), plan.tied_keys if plan is not None else None)
+    inner = model.unwrap(keep_peft=False)
+    # A layout given to the model first; else transformers' (read from transformers) or torchtitan's (its own
+    # state-dict adapter).
+    hub: Layout | None = given_layout(inner) or HubLayout.of(inner, plan.tied_keys if plan is not None else None) or \
+        titan_layout(inner)
+    # The model's own state-dict hooks come first (its state dict is what the Hub layout converts).
+    hooks = HookLayout.of(inner)
+    if hooks is None:
+        return hub
+    return hooks if hub is None else Chained(hooks, hub)
+
+
+def state_hooks(model: AdapterView, merged: bool = False) -> HookLayout | None:
+    """The model's own state-dict hooks (``formats.hooks``) over the tree its names are relative to: the base
+    model's where LoRA is merged, else the unwrapped model's. None where none has hooks, or where the backend
+    names the tensors itself (its own Hub layout: Megatron-Core's)."""
+    try:
+        if model.hub_layout() is not None:
+            return None
+    except UnsupportedModelError:
+        return None
+    return HookLayout.of(model.unwrap(keep_peft=not merged))
 
 
 def stage_adapter_keys(model: AdapterView, adapter: str) -> dict[str, str]:
