@@ -76,3 +76,19 @@ def test_torchtitans_own_adapter_gives_the_hub_layout(ranks: list[dict[str, Any]
         assert got["save_keys"] and got["save_values"] and got["stream"], got
         assert got["hf_logits"] < (1e-3 if family == "qwen3_moe" else 1e-5), got
         assert got["load"] == [[], []] and got["loaded_equal"], got
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
+def test_qwen3_checkpoints_resume_and_references_are_sharded_alike(ranks: list[dict[str, Any]], family: str) -> None:
+    """torchtitan's tied Qwen3 and Qwen3-MoE, sharded and stepped by torchtitan: its CheckpointManager checkpoint
+    resumes on DDP with every weight and Adam moment equal, and a reference is sharded at the policy's units."""
+    for obs in ranks:
+        got = obs[f"resume_{family}"]
+        assert got["weights_equal"] and got["moments_equal"] and got["units"], got
+
+
+def test_torchtitans_expert_parallelism_is_refused_at_adapt(ranks: list[dict[str, Any]]) -> None:
+    """Its experts split over ep ranks as shards of a one-rank efsdp mesh, nothing on them saying which experts a
+    rank holds: refused at adapt() with the parameter named, never read as the whole."""
+    for obs in ranks:
+        assert "inner_experts.w1_EFD" in obs["expert_parallel"] and "efsdp" in obs["expert_parallel"], obs

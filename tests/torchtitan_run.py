@@ -132,27 +132,77 @@ def hub_checks(make: Any, out: str) -> dict[str, Any]:
     return obs
 
 
-def trained(fuse_qkv: bool, directory: str) -> tuple[nn.Module, Any]:
-    """The model sharded and stepped as torchtitan's trainer does, saved as its CheckpointManager saves."""
+def trained(model: nn.Module, directory: str) -> tuple[nn.Module, Any]:
+    """``model`` sharded and stepped as torchtitan's trainer does, saved as its CheckpointManager saves."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FSDPModule
     from torchtitan.components.checkpointer.base import ModelWrapper
     from torchtitan.components.optimizer import default_adamw
-    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
-    model = build(fuse_qkv, seed=0)
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
-    apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
-    for m in model.modules():  # torchtitan sums gradients; gloo has no PREMUL_SUM
-        if isinstance(m, FSDPModule):
-            m.set_force_sum_reduction_for_comms(True)
+    model = sharded(model)
     optimizers = default_adamw(lr=1e-3, implementation="foreach").build(model_parts=[model])
-    model(TOKENS).float().pow(2).mean().backward()
+    model(TOKENS % model.config.vocab_size).float().pow(2).mean().backward()
     optimizers.step()
     optimizers.zero_grad()
     dcp.save({**ModelWrapper([model]).state_dict(), "optimizer": optimizers}, checkpoint_id=directory)
     return model, optimizers
+
+
+def moments(module: nn.Module, optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's optimizer state by name, whole (torch's get_optimizer_state_dict cannot read a model with
+    state-dict hooks). Read before a forward: one leaves FSDP2's last unit unsharded, its parameters other
+    objects than the optimizer's."""
+    return {name: {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in optimizer.state[p].items()}
+            for name, p in module.named_parameters()}
+
+
+def same_moments(theirs: dict[str, dict[str, torch.Tensor]], mine: dict[str, dict[str, torch.Tensor]]) -> bool:
+    return theirs.keys() == mine.keys() and all(v for v in theirs.values()) and all(
+        torch.equal(theirs[k][s].cpu(), mine[k][s].cpu()) for k in theirs for s in ("exp_avg", "exp_avg_sq", "step"))
+
+
+def resumes(make: Any, out: str) -> dict[str, Any]:
+    """A model of torchtitan's sharded and stepped by torchtitan, its CheckpointManager checkpoint read into DDP
+    by load_state (weights and moments against torchtitan's), and a reference sharded at its units."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from wrapkit.adapters.dtensor.sharding import unit_groups
+
+    model, optimizers = trained(make(0), out)
+    theirs = moments(model, optimizers.optimizers[0])
+    wm = wrapkit.adapt(model)
+    target = wrapkit.adapt(DistributedDataParallel(make(1)))
+    opt = torch.optim.AdamW(target.module.parameters(), lr=0.5)
+    target.load_state(out, opt)
+    want, got = wm.full_state_dict(rank0_only=False), target.full_state_dict(rank0_only=False)
+    ref = wrapkit.prepare_reference(wm, make(0))
+    return {"weights_equal": want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want),
+            "moments_equal": same_moments(theirs, moments(target.module.module, opt)),
+            "units": sorted(sorted(g) for g in unit_groups(ref.module)) == sorted(
+                sorted(g) for g in unit_groups(model))}
+
+
+def expert_parallel() -> str:
+    """torchtitan's expert parallelism (its Qwen3-MoE's ``parallelize`` over ``ep`` = 2, then its FSDP recipe with
+    the experts' own ``efsdp`` mesh): what ``adapt()`` says of it. The experts end up as plain shards of an
+    ``efsdp`` mesh of one rank, each rank holding other experts, with nothing on the parameter saying which; wrapkit
+    refuses the model rather than read each rank's experts as the whole."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+
+    # torchtitan builds its meshes on "cuda" where it finds no accelerator: on this CPU machine, on "cpu".
+    parallel_dims.device_type = "cpu"
+    dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, world_size=2)
+    dims.build_mesh()
+    model = qwen3(True, seed=0)
+    model.parallelize(dims)
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+
+    apply_fsdp_to_decoder(model, dims.get_mesh(["dp_shard"]), param_dtype=torch.float32, reduce_dtype=torch.float32,
+                          pp_enabled=False, ep_degree=2, edp_mesh=dims.get_optional_mesh(["efsdp"]))
+    try:
+        wrapkit.adapt(model)
+        return "adapted"
+    except wrapkit.UnsupportedModelError as exc:
+        return str(exc)
 
 
 def main(out: str) -> None:
@@ -165,7 +215,7 @@ def main(out: str) -> None:
     rank = dist.get_rank()
     obs: dict[str, Any] = {}
     ckpt = os.path.join(out, "checkpoint", "step-1")
-    model, optimizers = trained(False, ckpt)
+    model, optimizers = trained(build(False, seed=0), ckpt)
     wm = wrapkit.adapt(model)
     obs["backend"] = wm.backend
     # A reference sharded where the policy is (its embedding, each block, [norm, lm_head] together, the root).
@@ -193,13 +243,7 @@ def main(out: str) -> None:
     # The fused attention projection: its state-dict hooks save wqkv as wq/wk/wv. wrapkit's exports are the
     # module's own state dict (the hooks run on the gathered wqkv), and its loads take that state dict.
     fused_dir = os.path.join(out, "fused", "step-1")
-    fused, fused_optimizers = trained(True, fused_dir)
-    # torch's get_optimizer_state_dict cannot read the hooked model: each parameter's moments, by name, directly,
-    # read before a forward leaves FSDP2's last unit unsharded (its parameters then are other objects).
-    def moments(module: nn.Module, optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
-        return {name: {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in optimizer.state[p].items()}
-                for name, p in module.named_parameters()}
-
+    fused, fused_optimizers = trained(build(True, seed=0), fused_dir)
     theirs = moments(fused, fused_optimizers.optimizers[0])
     fused_wm = wrapkit.adapt(fused)
     whole = build(True, seed=2)
@@ -228,17 +272,18 @@ def main(out: str) -> None:
     got = other.full_state_dict(rank0_only=False)
     obs["fused_resumed"] = all(torch.equal(got[k], v) for k, v in fsd.items())
     mine = moments(other.module.module, opt)
-    obs["fused_no_state"] = sorted([f"theirs {k}" for k, v in theirs.items() if not v] +
-                                   [f"mine {k}" for k, v in mine.items() if not v])
-    obs["fused_moments"] = theirs.keys() == mine.keys() and not obs["fused_no_state"] and all(
-        torch.equal(theirs[k][s].cpu(), mine[k][s].cpu()) for k in theirs for s in ("exp_avg", "exp_avg_sq", "step"))
+    obs["fused_moments"] = same_moments(theirs, mine)
     obs["fused_moment_keys"] = sorted(k for k in mine if "wqkv" in k)
+    # torchtitan's tied Qwen3 and Qwen3-MoE: their checkpoints resumed on DDP, their references.
+    for name, make in [("qwen3", partial(qwen3, False)), ("qwen3_moe", partial(qwen3, True))]:
+        obs[f"resume_{name}"] = resumes(lambda seed, make=make: make(seed=seed), os.path.join(out, name, "step-1"))
     # The Hub's layout of torchtitan's Llama3 (fused), tied Qwen3 and Qwen3-MoE, found from torchtitan's adapters.
     for name, make in [("llama3", partial(build, True)), ("qwen3", partial(qwen3, False)),
                        ("qwen3_moe", partial(qwen3, True))]:
         where = os.path.join(out, "hub", name)
         os.makedirs(where, exist_ok=True)
         obs[f"hub_{name}"] = hub_checks(lambda seed, make=make: make(seed=seed), where)
+    obs["expert_parallel"] = expert_parallel()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(obs, f)
     dist.barrier()
