@@ -67,24 +67,53 @@ def _times(backend: str, hidden: int, reps: int,
             barrier_timed(local_copy)
         through, base = interleaved(lambda: barrier_timed(sync), lambda: barrier_timed(local_copy), reps)
         by_hand = [barrier_timed(per_tensor) for _ in range(max(3, reps // 3))]
+        collectives = _collectives(sync)
     finally:
         os.environ.pop(CHECK_ENV, None)
-    return through, base, megabytes, by_hand
+    return through, base, megabytes, by_hand, collectives
+
+
+def _collectives(call: Any, calls: int = 4) -> dict[str, float]:
+    """The collectives one ``call`` makes, by kind, per call: gloo's own events in torch's profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            call()
+    counts: dict[str, float] = {}
+    for event in prof.events():
+        if event.name.startswith("gloo:"):
+            kind = event.name.removeprefix("gloo:")
+            counts[kind] = counts.get(kind, 0) + 1 / calls
+    return counts
+
+
+def _latency(reps: int) -> list[float]:
+    """One small all-reduce over the two ranks: the least an agreement between them costs."""
+    import torch.distributed as dist
+
+    flags = torch.zeros(3)
+    return [barrier_timed(lambda: dist.all_reduce(flags)) for _ in range(reps)]
 
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
     reps = 5 if quick else 30
     rows = []
     with two_ranks() as group:
+        # What bounds a checked sync of a small model: its one all-reduce, beside the copy it guards.
+        floor = median(group.run(_latency, reps, timeout=120)[0])
         for backend in ("zero3", "fsdp2"):
             for size, hidden in SIZES.items():
                 for checked in (True, False):
                     if quick and size != "S":
                         continue
-                    through, base, mb, by_hand = group.run(_times, backend, hidden, reps, checked, timeout=600)[0]
+                    through, base, mb, by_hand, counts = group.run(_times, backend, hidden, reps, checked,
+                                                                   timeout=600)[0]
                     case = f"{backend} {size}" + ("" if checked else " unchecked")
+                    made = ", ".join(f"{n:g} {kind}" for kind, n in sorted(counts.items())) or "none"
                     note = (f"EMA alpha={ALPHA}, {mb:.0f} MB of shards per rank, median of {reps}; "
-                            f"per-tensor EMA by hand {median(by_hand) * 1e3:.2f} ms")
+                            f"per-tensor EMA by hand {median(by_hand) * 1e3:.2f} ms; collectives per call: {made}"
+                            + (f" (one all-reduce alone: {floor * 1e3:.2f} ms)" if counts else ""))
                     rows.append(row(case, median(through), median(base), GOAL, note=note, samples=(through, base)))
     return rows
 

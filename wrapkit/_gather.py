@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ._agree import is_distributed
-from .base.module_internals import child_slots, forward_hook_dicts, parameter_slots, swap_parameter_slots
+from .base.module_internals import buffer_slots, child_slots, forward_hook_dicts, parameter_slots, swap_parameter_slots
 
 __all__ = [
     "all_gather_into",
@@ -63,6 +63,23 @@ def submodules(root: torch.nn.Module) -> list[torch.nn.Module]:
         seen.add(id(mod))
         out.append(mod)
         todo.extend(child for child in reversed(child_slots(mod).values()) if child is not None)
+    return out
+
+
+def walk_tensors(root: torch.nn.Module, shard: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
+    """``shard(p)`` of every parameter, then every buffer, module by module in ``submodules``' order, in one walk
+    of the modules' own dicts: a cached sync fingerprints both models with it at every call."""
+    out: list[torch.Tensor] = []
+    seen: set[int] = set()
+    todo = [root]
+    while todo:
+        mod = todo.pop()
+        if id(mod) in seen:
+            continue
+        seen.add(id(mod))
+        out += [shard(p) for p in parameter_slots(mod).values() if p is not None]
+        out += [b for b in buffer_slots(mod).values() if b is not None]
+        todo += [child for child in reversed(child_slots(mod).values()) if child is not None]
     return out
 
 

@@ -17,7 +17,8 @@ import torch
 
 from .._names import canonical_name
 
-__all__ = ["assign", "assign_named", "child_slots", "parameter_slots", "swap_parameter_slots", "forward_hook_dicts",
+__all__ = ["assign", "assign_named", "child_slots", "parameter_slots", "buffer_slots", "swap_parameter_slots",
+           "forward_hook_dicts",
            "own_parameters", "own_buffers", "is_persistent", "live_entries", "init_weights", "lerp_all_",
            "state_dict_hooks", "load_state_dict_pre_hooks", "state_dict_version"]
 
@@ -33,6 +34,12 @@ def parameter_slots(mod: torch.nn.Module) -> dict[str, Any]:
     """``mod``'s own parameters by name, the live dict (``None`` slots included)."""
     params: dict[str, Any] = mod._parameters
     return params
+
+
+def buffer_slots(mod: torch.nn.Module) -> dict[str, Any]:
+    """``mod``'s own buffers by name, the live dict (``None`` slots and non-persistent ones included)."""
+    buffers: dict[str, Any] = mod._buffers
+    return buffers
 
 
 def swap_parameter_slots(mod: torch.nn.Module, slots: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..._gather import submodules
+from ..._gather import walk_tensors
 from ..core.parts import flat_view, local_tensor
 from ..core.primitives import Piece, copy_into
 from .layout import is_dtensor, shard_key
@@ -82,11 +82,7 @@ def local_layout(root: torch.nn.Module) -> list[torch.Tensor]:
     """``layout_tensors``: this rank's shard of every parameter, then every buffer, module by module.
     Straight from each module's dicts: ``parameters()`` and ``buffers()`` cost several times more,
     and a cached sync reads this at every call."""
-    out: list[torch.Tensor] = []
-    for m in submodules(root):
-        out.extend(local_tensor(p) for p in m._parameters.values() if p is not None)
-        out.extend(b for b in m._buffers.values() if b is not None)
-    return out
+    return walk_tensors(root, local_tensor)
 
 
 def pieces(named: Iterable[tuple[str, torch.Tensor]]) -> list[Piece]:

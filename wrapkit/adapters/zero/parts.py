@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..._agree import settle
-from ..._gather import Bypass, submodules
+from ..._gather import Bypass, submodules, walk_tensors
 from ..._imports import require
 from ..._names import canonical_name
 from ..core.parts import Parts, Written, flat_view
@@ -67,6 +67,12 @@ def _first(n: int) -> Callable[[torch.Tensor], torch.Tensor]:
     return values
 
 
+def _partition(p: torch.Tensor) -> torch.Tensor:
+    """This rank's partition of a ZeRO-3 parameter (the parameter itself elsewhere)."""
+    part: torch.Tensor = getattr(p, "ds_tensor", p)
+    return part
+
+
 def _stage3(model: AdapterView) -> bool:
     return model.zero_stage == 3
 
@@ -106,11 +112,7 @@ class ZeroWeights(WholeWeights):
         if not _stage3(self.model):
             return None
         # Straight from each module's dicts: ``parameters()`` and ``buffers()`` cost several times more.
-        out: list[torch.Tensor] = []
-        for m in submodules(self.model.unwrap()):
-            out.extend(getattr(p, "ds_tensor", p) for p in m._parameters.values() if p is not None)
-            out.extend(b for b in m._buffers.values() if b is not None)
-        return out
+        return walk_tensors(self.model.unwrap(), _partition)
 
     def pieces(self) -> list[Piece]:
         # ZeRO-3: each rank's partition is a contiguous range of the flattened, padded parameter.
