@@ -88,7 +88,7 @@ def test_qwen3_checkpoints_resume_and_references_are_sharded_alike(ranks: list[d
 
 
 def test_torchtitans_expert_parallelism_is_refused_at_adapt(ranks: list[dict[str, Any]]) -> None:
-    """Its experts split over ep ranks as shards of a one-rank efsdp mesh, nothing on them saying which experts a
-    rank holds: refused at adapt() with the parameter named, never read as the whole."""
+    """Its experts stored whole on every rank (a one-rank efsdp mesh), each trained on the ep rank its tokens go
+    to, which only the dispatcher knows: refused at adapt() with the parameter named, never read from one rank."""
     for obs in ranks:
         assert "inner_experts.w1_EFD" in obs["expert_parallel"] and "efsdp" in obs["expert_parallel"], obs

@@ -183,9 +183,10 @@ def resumes(make: Any, out: str) -> dict[str, Any]:
 
 def expert_parallel() -> str:
     """torchtitan's expert parallelism (its Qwen3-MoE's ``parallelize`` over ``ep`` = 2, then its FSDP recipe with
-    the experts' own ``efsdp`` mesh): what ``adapt()`` says of it. The experts end up as plain shards of an
-    ``efsdp`` mesh of one rank, each rank holding other experts, with nothing on the parameter saying which; wrapkit
-    refuses the model rather than read each rank's experts as the whole."""
+    the experts' own ``efsdp`` mesh): what ``adapt()`` says of it. Every rank stores every expert (a DTensor on an
+    ``efsdp`` mesh of one rank) while the token dispatcher sends each expert's tokens to one ``ep`` rank: which
+    rank's copy of an expert is the trained one is known to the dispatcher alone. wrapkit refuses the model rather
+    than read one rank's copies as the model's."""
     import torchtitan.distributed.parallel_dims as parallel_dims
 
     # torchtitan builds its meshes on "cuda" where it finds no accelerator: on this CPU machine, on "cpu".
