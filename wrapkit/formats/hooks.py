@@ -21,6 +21,7 @@ import torch
 
 from .._names import canonical_name
 from ..base.module_internals import live_entries, load_state_dict_pre_hooks, state_dict_hooks, state_dict_version
+from .mapped import WholeBuild
 
 __all__ = ["HookLayout", "Chained"]
 
@@ -207,20 +208,12 @@ class HookLayout:
         return frozenset()
 
 
-class _Built:
+class _Built(WholeBuild):
     """One runtime tensor that a group's load pre-hooks make from several checkpoint tensors, read whole."""
 
     def __init__(self, layout: HookLayout, prefix: str, name: str, keys: list[str], shape: tuple[int, ...]) -> None:
-        self.layout, self.prefix, self.name, self._keys, self.shape = layout, prefix, name, keys, shape
-
-    def keys(self) -> list[str]:
-        return list(self._keys)
-
-    def stacks_rows(self) -> bool:
-        return False
-
-    def rows(self, read: Reader, first: int, last: int) -> torch.Tensor:
-        return self.full(read)[first:last]
+        super().__init__(keys, shape)
+        self.layout, self.prefix, self.name = layout, prefix, name
 
     def full(self, read: Reader) -> torch.Tensor:
         return self.layout.loaded(self.prefix, {k: read(k) for k in self._keys})[self.name]
@@ -316,21 +309,13 @@ class Chained:
         return None if fused is None else fused(key)  # type: ignore[no-any-return]
 
 
-class _Through:
+class _Through(WholeBuild):
     """A tensor the hooks build from state-dict tensors, each read from the Hub's through the outer layout."""
 
     def __init__(self, conv: _Built, by_state: Mapping[str, str], built: Mapping[str, Any]) -> None:
-        self.conv, self.by_state, self.built, self.shape = conv, by_state, built, conv.shape
-
-    def keys(self) -> list[str]:
-        return [k for n in self.conv.keys() for k in ([self.by_state[n]] if n in self.by_state
-                                                       else self.built[n].keys())]
-
-    def stacks_rows(self) -> bool:
-        return False
-
-    def rows(self, read: Reader, first: int, last: int) -> torch.Tensor:
-        return self.full(read)[first:last]
+        super().__init__([k for n in conv.keys() for k in ([by_state[n]] if n in by_state else built[n].keys())],
+                         conv.shape)
+        self.conv, self.by_state, self.built = conv, by_state, built
 
     def full(self, read: Reader) -> torch.Tensor:
         def state(name: str) -> torch.Tensor:

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MappedLayout", "give_layout", "given_layout"]
+__all__ = ["MappedLayout", "WholeBuild", "give_layout", "given_layout"]
 
 Entries = Mapping[str, tuple[tuple[int, ...], str]]
 Reader = Callable[[str], torch.Tensor]
@@ -119,14 +119,12 @@ class MappedLayout:
         return self.config
 
 
-class _Mapped:
-    """One state-dict tensor that ``from_hub`` makes from its ``sources``, read whole; the other keys its call
-    sees (``base``) are on the meta device."""
+class WholeBuild:
+    """One tensor a layout makes from several checkpoint tensors (``keys()``), read whole: what a load needs of
+    it beside ``HubLayout``'s ``Converted`` (its ``shape``, its rows)."""
 
-    def __init__(self, layout: MappedLayout, name: str, sources: list[str], base: list[str], entries: Entries,
-                 shape: tuple[int, ...]) -> None:
-        self.layout, self.name, self._keys, self.shape = layout, name, sources, shape
-        self._base = {k: entries[k] for k in base if k not in sources}
+    def __init__(self, keys: list[str], shape: tuple[int, ...] | None) -> None:
+        self._keys, self.shape = keys, shape
 
     def keys(self) -> list[str]:
         return list(self._keys)
@@ -136,6 +134,20 @@ class _Mapped:
 
     def rows(self, read: Reader, first: int, last: int) -> torch.Tensor:
         return self.full(read)[first:last]
+
+    def full(self, read: Reader) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class _Mapped(WholeBuild):
+    """One state-dict tensor that ``from_hub`` makes from its ``sources``, read whole; the other keys its call
+    sees (``base``) are on the meta device."""
+
+    def __init__(self, layout: MappedLayout, name: str, sources: list[str], base: list[str], entries: Entries,
+                 shape: tuple[int, ...]) -> None:
+        super().__init__(sources, shape)
+        self.layout, self.name = layout, name
+        self._base = {k: entries[k] for k in base if k not in sources}
 
     def full(self, read: Reader) -> torch.Tensor:
         from .safetensors import torch_dtype
