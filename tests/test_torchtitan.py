@@ -70,14 +70,16 @@ def test_the_fused_projection_exports_and_loads_as_its_own_state_dict(ranks: lis
 def test_torchtitans_own_adapter_gives_the_hub_layout(ranks: list[dict[str, Any]], family: str) -> None:
     """Sharded by torchtitan, the model saves and streams exactly what torchtitan's own StateDictAdapter.to_hf
     makes of the unsharded state dict; transformers' model of the config.json written beside it computes the same
-    logits (torchtitan's grouped experts run in bf16: 1e-3 there); a directory torchtitan's to_hf wrote loads.
+    logits (torchtitan's grouped experts run in bf16: 1e-3 there), and so does one fed the default stream by
+    load_into (a colocated engine's way in); a directory torchtitan's to_hf wrote loads.
     DeepSeek-V3 has no Hub config made here (its routing and rope scaling): its weights alone, no config.json."""
     for obs in ranks:
         got = obs[f"hub_{family}"]
         assert got["save_keys"] and got["save_values"] and got["stream"], got
         assert got["config"] == (family != "deepseek_v3"), got
         if got["config"]:
-            assert got["hf_logits"] < (1e-3 if family == "qwen3_moe" else 1e-5), got
+            tol = 1e-3 if family == "qwen3_moe" else 1e-5
+            assert got["hf_logits"] < tol and got["fed_logits"] < tol, got
         assert got["load"] == [[], []] and got["loaded_equal"], got
 
 

@@ -115,6 +115,7 @@ def hub_checks(make: Any, out: str) -> dict[str, Any]:
     from safetensors.torch import load_file, save_file
 
     from wrapkit.formats.torchtitan import titan_layout
+    from wrapkit.integrations.vllm import load_into
 
     whole = make(0)
     wm = wrapkit.adapt(sharded(make(0)))
@@ -138,8 +139,12 @@ def hub_checks(make: Any, out: str) -> dict[str, Any]:
     obs["config"] = os.path.exists(os.path.join(saved, "config.json"))
     if obs["config"]:
         hub = transformers.AutoModelForCausalLM.from_pretrained(saved)
+        # What a colocated engine gets: the default stream fed into a transformers model of that config.
+        fed = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(saved))
+        load_into(fed, wm.stream_full_parameters(bucket_bytes=2**20))
         with torch.no_grad():
             obs["hf_logits"] = float((hub(tokens).logits - whole(tokens)).abs().max())
+            obs["fed_logits"] = float((fed(tokens).logits - whole(tokens)).abs().max())
     # A Hub directory written by torchtitan's own to_hf (another model's weights) loaded into the sharded one.
     theirs = os.path.join(out, "theirs")
     other = make(7)
