@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from tests import _matrix as matrix
 from tests import scenarios_families as sc
@@ -164,3 +165,35 @@ def test_the_layout_is_looked_up_once_and_keeps_no_model_alive() -> None:
     del model, first, second
     gc.collect()
     assert gone() is None
+
+
+def test_a_hooked_model_with_lora_exports_merged_as_its_own_state_dict(tmp_path: Any) -> None:
+    """LoRA on the fused projection of llama-fused (and on q_proj): merged, full_state_dict, the stream and
+    save_pretrained give what PEFT's merge_and_unload().state_dict() gives (the model's hooks split the merged
+    gate_up_proj), and the saved directory loads into a fresh model; unmerged, the PEFT model's own state dict."""
+    import copy
+
+    import peft
+
+    import wrapkit
+    from wrapkit.cli._families import family_model
+
+    pm = peft.get_peft_model(family_model("llama-fused", 0), peft.LoraConfig(target_modules=["gate_up_proj", "q_proj"],
+                                                                            r=4))
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    want = copy.deepcopy(pm).merge_and_unload().state_dict()
+    wm = wrapkit.adapt(pm)
+    merged = wm.full_state_dict(merge_adapters=True)
+    assert sorted(merged) == sorted(want) and "model.layers.0.mlp.gate_proj.weight" in merged
+    assert all(torch.allclose(merged[k], want[k], atol=1e-6) for k in want)
+    streamed = {n: t.clone() for b in wm.stream_full_parameters(bucket_bytes=4096, merge_adapters=True)
+                for n, t in b.named_tensors()}
+    assert streamed and all(torch.allclose(streamed[k], want[k], atol=1e-6) for k in streamed)
+    wm.save_pretrained(tmp_path / "merged", merge_adapters=True)
+    fresh = family_model("llama-fused", 5)
+    wrapkit.adapt(fresh).load(tmp_path / "merged")
+    assert all(torch.allclose(fresh.state_dict()[k], want[k], atol=1e-6) for k in want)
+    assert sorted(wm.full_state_dict()) == sorted(pm.state_dict())

@@ -89,20 +89,40 @@ class HookLayout:
                     state = made
         return dict(state)
 
+    def group_of(self, name: str) -> str | None:
+        """The prefix of the saving group ``name`` is under (by its dotted prefixes: a merged stream's base names
+        are not the PEFT model's member names), or None."""
+        found = self.member.get(name)
+        if found is not None:
+            return found
+        parts = name.split(".")
+        for i in range(len(parts) - 1, -1, -1):
+            prefix = ".".join(parts[:i]) + "." if i else ""
+            if prefix in self.saving:
+                return prefix
+        return None
+
     def export(self, entries: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The state dict's ``(name, tensor)`` for a stream of runtime ones. A group's tensors wait for the
-        rest of the group (copied, since a gather may reuse their storage); what still waits when the stream
-        ends (a stream of parameters alone, without the group's buffers) goes through the hooks then."""
+        rest of the group (copied, since a gather may reuse their storage): until all its names have come, or
+        the run of its tensors ends (a stream of parameters alone, or one under a merged model's names), or the
+        stream does."""
         waiting: dict[str, dict[str, torch.Tensor]] = {}
+        current: str | None = None
         for name, tensor in entries:
-            prefix = self.member.get(name)
+            prefix = self.group_of(name)
+            if current is not None and prefix != current:
+                yield from self.saved(current, waiting.pop(current)).items()
+                current = None
             if prefix is None:
                 yield name, tensor
                 continue
             group = waiting.setdefault(prefix, {})
             group[name] = tensor.clone()
-            if len(group) == self.size[prefix]:
+            current = prefix
+            if len(group) == self.size[prefix] and all(n in self.member for n in group):
                 yield from self.saved(prefix, waiting.pop(prefix)).items()
+                current = None
         for prefix, group in waiting.items():
             yield from self.saved(prefix, group).items()
 
