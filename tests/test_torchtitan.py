@@ -92,8 +92,11 @@ def test_qwen3_checkpoints_resume_and_references_are_sharded_alike(ranks: list[d
         assert got["weights_equal"] and got["moments_equal"] and got["units"], got
 
 
-def test_torchtitans_expert_parallelism_is_refused_at_adapt(ranks: list[dict[str, Any]]) -> None:
-    """Its experts stored whole on every rank (a one-rank efsdp mesh), each trained on the ep rank its tokens go
-    to, which only the dispatcher knows: refused at adapt() with the parameter named, never read from one rank."""
+def test_torchtitans_expert_parallelism_is_read_whole(ranks: list[dict[str, Any]]) -> None:
+    """Its EP as its trainer sets it up (sharding config with EP, parallelize over ep=2, FSDP on the experts' efsdp
+    mesh): each rank holds 4 of 8 experts, its forward equals the unsharded model's, and wrapkit's full state dict
+    and Hub files equal the unsharded model's and torchtitan's to_hf."""
     for obs in ranks:
-        assert "inner_experts.w1_EFD" in obs["expert_parallel"] and "efsdp" in obs["expert_parallel"], obs
+        got = obs["expert_parallel"]
+        assert got["local_experts"] == 4 and got["forward"] == 0.0, got
+        assert got["full_state_dict"] and got["files"], got

@@ -57,7 +57,7 @@ def build(fuse_qkv: bool, seed: int) -> nn.Module:
     return model
 
 
-def qwen3(moe: bool, seed: int) -> nn.Module:
+def qwen3(moe: bool, seed: int, configure: Any = None) -> nn.Module:
     """torchtitan's Qwen3 debug model (tied, q/k norms) or its mixture of experts, two blocks, attending through
     SDPA, the mixture cut to 8 experts (top 2)."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
@@ -72,6 +72,8 @@ def qwen3(moe: bool, seed: int) -> nn.Module:
             layer.moe.num_experts = router.num_experts = router.gate.out_features = 8
             experts.inner_experts.num_experts = experts.token_dispatcher.num_experts = 8
             router.top_k = experts.token_dispatcher.top_k = 2
+    if configure is not None:  # what torchtitan's trainer sets on the config before building (sharding)
+        configure(config)
     torch.manual_seed(seed)
     model = config.build()
     model.init_states()
@@ -94,14 +96,17 @@ def deepseek_v3(seed: int) -> nn.Module:
     return model
 
 
-def sharded(model: nn.Module) -> nn.Module:
-    """``model`` sharded by torchtitan's own FSDP recipe over every rank."""
+def sharded(model: nn.Module, apply: Any = None) -> nn.Module:
+    """``model`` sharded by torchtitan's own FSDP recipe over every rank (``apply``: the recipe called otherwise)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
-    apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+    if apply is None:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("fsdp",))
+        apply_fsdp_to_decoder(model, mesh, param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False)
+    else:
+        apply(model)
     for m in model.modules():  # torchtitan sums gradients; gloo has no PREMUL_SUM
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
@@ -208,29 +213,46 @@ def resumes(make: Any, out: str) -> dict[str, Any]:
                 sorted(g) for g in unit_groups(model))}
 
 
-def expert_parallel() -> str:
-    """torchtitan's expert parallelism (its Qwen3-MoE's ``parallelize`` over ``ep`` = 2, then its FSDP recipe with
-    the experts' own ``efsdp`` mesh): what ``adapt()`` says of it. Every rank stores every expert (a DTensor on an
-    ``efsdp`` mesh of one rank) while the token dispatcher sends each expert's tokens to one ``ep`` rank: which
-    rank's copy of an expert is the trained one is known to the dispatcher alone. wrapkit refuses the model rather
-    than read one rank's copies as the model's."""
+def expert_parallel(out: str) -> dict[str, Any]:
+    """torchtitan's expert parallelism as its trainer sets it up: the Qwen3-MoE config given its sharding config
+    with EP on (``set_qwen3_sharding_config``), its ``parallelize`` over ``ep`` = 2 with the ``partial_dtensor``
+    backend, then its FSDP recipe with the experts' own ``efsdp`` mesh (each rank holds 4 of the 8 experts). Its
+    forward, and wrapkit's full state dict and Hub files, against the unsharded model and torchtitan's ``to_hf``."""
     import torchtitan.distributed.parallel_dims as parallel_dims
+    from safetensors.torch import load_file
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    from wrapkit.formats.torchtitan import titan_layout
 
     # torchtitan builds its meshes on "cuda" where it finds no accelerator: on this CPU machine, on "cpu".
     parallel_dims.device_type = "cpu"
-    dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, world_size=2)
+    set_spmd_backend("partial_dtensor")
+    dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, world_size=2,
+                                      spmd_backend="partial_dtensor")
     dims.build_mesh()
-    model = qwen3(True, seed=0)
+    whole = qwen3(True, seed=0)
+    model = qwen3(True, seed=0, configure=lambda c: set_qwen3_sharding_config(c, enable_sp=False, enable_ep=True))
     model.parallelize(dims)
-    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
-
-    apply_fsdp_to_decoder(model, dims.get_mesh(["dp_shard"]), param_dtype=torch.float32, reduce_dtype=torch.float32,
-                          pp_enabled=False, ep_degree=2, edp_mesh=dims.get_optional_mesh(["efsdp"]))
-    try:
-        wrapkit.adapt(model)
-        return "adapted"
-    except wrapkit.UnsupportedModelError as exc:
-        return str(exc)
+    model = sharded(model, apply=lambda m: apply_fsdp_to_decoder(
+        m, dims.get_mesh(["fsdp"]), param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False,
+        ep_degree=2, edp_mesh=dims.get_optional_mesh(["efsdp"])))
+    experts = model.layers["0"].moe.routed_experts.inner_experts.w1_EFD
+    tokens = TOKENS % whole.config.vocab_size
+    wm = wrapkit.adapt(model)
+    got, want = wm.full_state_dict(rank0_only=False), whole.state_dict()
+    saved = os.path.join(out, "ep")
+    wm.save_pretrained(saved)
+    files = {k: v for f in sorted(os.listdir(saved)) if f.endswith(".safetensors")
+             for k, v in load_file(os.path.join(saved, f)).items()}
+    layout = titan_layout(whole)
+    hub = type(layout.to_hub.__self__)(whole.config, None).to_hf(dict(want))
+    with torch.no_grad():
+        forward = float((wm(tokens) - whole(tokens)).abs().max())
+    return {"local_experts": experts.to_local().shape[0], "forward": forward,
+            "full_state_dict": sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want),
+            "files": sorted(files) == sorted(hub) and all(torch.equal(files[k], hub[k]) for k in hub)}
 
 
 def main(out: str) -> None:
@@ -311,7 +333,7 @@ def main(out: str) -> None:
         where = os.path.join(out, "hub", name)
         os.makedirs(where, exist_ok=True)
         obs[f"hub_{name}"] = hub_checks(lambda seed, make=make: make(seed=seed), where)
-    obs["expert_parallel"] = expert_parallel()
+    obs["expert_parallel"] = expert_parallel(out)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(obs, f)
     dist.barrier()
