@@ -34,6 +34,7 @@ from ..adapters.stages.plan import layout_of
 from ..base.memory import parse_size
 from ..formats import safetensors as _safetensors
 from ..formats.directory import commit_directory, open_directory
+from ..formats.hub import Layout
 from ..formats.safetensors import INDEX_NAME
 from ..layers.lora_fold import lora_fold_stream
 from .state_dict import joined_fold_plan, lora_fold_plan
@@ -110,13 +111,14 @@ class _Writer:
                    self.me, [k + 1 for k in self.written], n, self.peak)
 
 
-def _config_files(wm: Adapter, tmp: str, base_keys: bool) -> None:
-    """config.json and generation_config.json, where the model has them and the keys are its own."""
+def _config_files(wm: Adapter, tmp: str, base_keys: bool, layout: Layout | None) -> None:
+    """config.json and generation_config.json, where the model has them and the keys are its own (``layout``:
+    the model's Hub layout, as the files were written in it)."""
     if not base_keys:
         return  # a PEFT model's keys are not the base model's: its config would mislead from_pretrained
     # A model that is not transformers' (Megatron-Core's, torchtitan's, one given a layout): its layout says
     # which Hub model it is.
-    made = getattr(layout_of(wm, strict=False), "hub_config", lambda: None)()
+    made = getattr(layout, "hub_config", lambda: None)()
     if made is not None:
         made.save_pretrained(tmp)
         return
@@ -201,6 +203,6 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        _config_files(wm, tmp, base_keys)
+        _config_files(wm, tmp, base_keys, layout)
 
     commit_directory(wm, "save_pretrained", directory, tmp, error, finish)

@@ -21,7 +21,7 @@ import torch
 
 from .._names import canonical_name
 from ..base.module_internals import live_entries, load_state_dict_pre_hooks, state_dict_hooks, state_dict_version
-from .mapped import WholeBuild
+from .mapped import WholeBuild, row_segments
 
 __all__ = ["HookLayout", "Chained"]
 
@@ -249,13 +249,7 @@ class _RowBuilt(_Built):
 
     def row_segments(self, first: int, last: int) -> list[tuple[str, int, int]]:
         """Rows ``[first, last)`` as ``(source key, first row, last row)`` ranges of the sources, in order."""
-        segments: list[tuple[str, int, int]] = []
-        for key, at in self._rows[first:last]:
-            if segments and segments[-1][0] == key and segments[-1][2] == at:
-                segments[-1] = (key, segments[-1][1], at + 1)
-            else:
-                segments.append((key, at, at + 1))
-        return segments
+        return row_segments(self._rows[first:last])
 
 
 class HookImporter:
@@ -270,10 +264,11 @@ class HookImporter:
             metas = {n: torch.empty(s, device="meta") for n, s in shapes.items() if layout.member.get(n) == prefix}
             # The names the hooks make; the others arrive under a runtime name of their own and load as they are.
             self.expected[prefix] = {n for n in layout.saved(prefix, metas) if n not in shapes}
+        self.group = {n: prefix for prefix, names in self.expected.items() for n in names}
         self.waiting: dict[str, dict[str, torch.Tensor]] = {}
 
     def feed(self, key: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-        prefix = next((p for p, names in self.expected.items() if key in names), None)
+        prefix = self.group.get(key)
         if prefix is None:
             return [(key, tensor)]
         group = self.waiting.setdefault(prefix, {})

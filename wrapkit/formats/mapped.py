@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["MappedLayout", "WholeBuild", "give_layout", "given_layout"]
+__all__ = ["MappedLayout", "WholeBuild", "give_layout", "given_layout", "row_segments"]
 
 Entries = Mapping[str, tuple[tuple[int, ...], str]]
 Reader = Callable[[str], torch.Tensor]
@@ -117,6 +117,18 @@ class MappedLayout:
 
     def hub_config(self) -> Any:
         return self.config
+
+
+def row_segments(rows: Iterable[tuple[str, int]]) -> list[tuple[str, int, int]]:
+    """Consecutive ``(source key, source row)`` pairs merged into ``(source key, first row, last row)`` ranges,
+    in order: what a load reads of each source for a run of a built tensor's rows."""
+    segments: list[tuple[str, int, int]] = []
+    for key, at in rows:
+        if segments and segments[-1][0] == key and segments[-1][2] == at:
+            segments[-1] = (key, segments[-1][1], at + 1)
+        else:
+            segments.append((key, at, at + 1))
+    return segments
 
 
 class WholeBuild:

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from .mapped import row_segments
+
 __all__ = ["MegatronLayout", "hub_refusal", "megatron_settings"]
 
 Reader = Callable[[str], torch.Tensor]
@@ -325,14 +327,7 @@ class _Built:
     def row_segments(self, first: int, last: int) -> list[tuple[str, int, int]]:
         """Rows ``[first, last)`` of the runtime tensor as ``(source key, first row, last row)`` ranges of the
         sources, in order: a load reads only a rank's own rows of each source."""
-        segments: list[tuple[str, int, int]] = []
-        for row in range(first, last):
-            key, at = self._source_row(row)
-            if segments and segments[-1][0] == key and segments[-1][2] == at:
-                segments[-1] = (key, segments[-1][1], at + 1)
-            else:
-                segments.append((key, at, at + 1))
-        return segments
+        return row_segments(self._source_row(row) for row in range(first, last))
 
     def _source_row(self, row: int) -> tuple[str, int]:
         if len(self._keys) == 2:  # linear_fc1: the gate rows, then the up rows

@@ -22,11 +22,11 @@ from .mapped import MappedLayout
 __all__ = ["titan_layout", "titan_hub_config"]
 
 
-def _family(model: torch.nn.Module) -> tuple[str, type] | None:
-    """The package of the torchtitan family ``model`` belongs to (``torchtitan.models.llama3``) and its class."""
+def _family(model: torch.nn.Module) -> str | None:
+    """The package of the torchtitan family ``model`` belongs to (``torchtitan.models.llama3``)."""
     for cls in type(model).__mro__:
         if cls.__module__.startswith("torchtitan.models."):
-            return cls.__module__.rsplit(".", 1)[0], cls
+            return cls.__module__.rsplit(".", 1)[0]
     return None
 
 
@@ -60,11 +60,11 @@ def _made(model: torch.nn.Module) -> MappedLayout | None:
     config = getattr(model, "config", None)
     if family is None or config is None:
         return None
-    cls = _adapter_class(family[0])
+    cls = _adapter_class(family)
     if cls is None:
         return None
     adapter = cls(config, None)
-    return MappedLayout(adapter.to_hf, adapter.from_hf, titan_hub_config(family[0], config))
+    return MappedLayout(adapter.to_hf, adapter.from_hf, titan_hub_config(family, config))
 
 
 def _rope(rope: Any) -> dict[str, Any] | None:

@@ -109,9 +109,9 @@ class Foreign:
         return by_name
 
 
-def _hooked(wm: Adapter, found: Foreign, weights: dict[str, Any]) -> dict[str, Any]:
-    """The model's tensors its own load hooks build from tensors the checkpoint holds split (torchtitan's fused
-    ``wqkv`` from ``wq``/``wk``/``wv``), by name."""
+def _hooked(wm: Adapter, found: Foreign, weights: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+    """The model's tensors (``shapes``: the model's, by name) its own load hooks build from tensors the checkpoint
+    holds split (torchtitan's fused ``wqkv`` from ``wq``/``wk``/``wv``), by name."""
     from ..adapters.stages.plan import state_hooks
 
     hooks = state_hooks(wm)
@@ -119,7 +119,7 @@ def _hooked(wm: Adapter, found: Foreign, weights: dict[str, Any]) -> dict[str, A
         return {}
     entries = {k.removeprefix(found.prefix): (tuple(m.size), "") for k, m in weights.items()
                if k.startswith(found.prefix)}
-    return hooks.imports(entries, expected_shapes(wm))[1]
+    return hooks.imports(entries, shapes)[1]
 
 
 def load_foreign(wm: Adapter, directory: str, found: Foreign, optimizer: Any, scheduler: Any) -> StateLoad:
@@ -130,9 +130,10 @@ def load_foreign(wm: Adapter, directory: str, found: Foreign, optimizer: Any, sc
     source = Holding(wm, optimizer, "load_state", problems)
     optimizer = source.optimizer
     no_dist, group = dcp_group(wm, problems)
-    keys = found.state_keys(expected_shapes(wm)) if optimizer is not None else {}
+    shapes = expected_shapes(wm)
+    keys = found.state_keys(shapes) if optimizer is not None else {}
     weights = found.tensors(found.model_meta)
-    built = _hooked(wm, found, weights)
+    built = _hooked(wm, found, weights, shapes)
     if optimizer is not None and found.optim_meta is None:
         problems.append(f"the {found.kind} checkpoint has no optimizer state: pass optimizer=None")
     call = Call.of("load_state", optimizer=type(optimizer).__name__ if optimizer is not None else None,
