@@ -94,9 +94,35 @@ def test_qwen3_checkpoints_resume_and_references_are_sharded_alike(ranks: list[d
 
 def test_torchtitans_expert_parallelism_is_read_whole(ranks: list[dict[str, Any]]) -> None:
     """Its EP as its trainer sets it up (sharding config with EP, parallelize over ep=2, FSDP on the experts' efsdp
-    mesh): each rank holds 4 of 8 experts, its forward equals the unsharded model's, and wrapkit's full state dict
-    and Hub files equal the unsharded model's and torchtitan's to_hf."""
+    mesh): each rank holds 4 of 8 experts, its forward equals the unsharded model's; wrapkit's full state dict, Hub
+    files and stream equal the unsharded model's and torchtitan's to_hf; a reference split alike takes its
+    weights; a to_hf directory loads (each rank its experts) with that model's logits; torchtitan's checkpoint
+    of a step resumes on DDP and on EP again, weights and Adam moments."""
     for obs in ranks:
         got = obs["expert_parallel"]
         assert got["local_experts"] == 4 and got["forward"] == 0.0, got
-        assert got["full_state_dict"] and got["files"], got
+        assert got["full_state_dict"] and got["files"] and got["stream"] and got["reference"], got
+        assert got["load"] == [[], []] and got["loaded_equal"] and got["loaded_forward"] < 1e-5, got
+        assert got["resumed_ddp"] and got["moments_ddp"] and got["resumed_ep"] and got["moments_ep"], got
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe"])
+def test_torchtitans_pipeline_stages_are_read_whole(ranks: list[dict[str, Any]], family: str) -> None:
+    """Cut into two stages by torchtitan's pipeline_llm (1F1B, each stage parallelized by the family's own function):
+    the full state dict is the unsharded model's own state_dict() (its fused projections split by each stage's own
+    hooks), the Hub files and the stream are torchtitan's to_hf, gathered() computes its logits; a reference passed
+    in cut alike takes the policy's weights (rebuilt whole, it is refused); a to_hf directory loads into the
+    stages and the schedule's loss is then the loss of the model it came from; torchtitan's checkpoint of a
+    stepped pipeline resumes on DDP and on stages, weights and every stage's Adam moments."""
+    for obs in ranks:
+        got = obs[f"pipeline_{family}"]
+        assert got["stack"][:2] == ["pipeline", "fsdp2"], got
+        assert got["full_state_dict"] and got["files"] and got["stream"] and got["gathered"] == 0.0, got
+        assert "pass its PipelineStage as ref_model" in got["copy_refused"] and got["reference"], got
+        assert got["load"] == [[], []] and got["loaded_equal"], got
+        assert got["resumed_ddp"] and got["moments_ddp"] and got["resumed_stages"] and got["moments_stages"], got
+    last = ranks[1][f"pipeline_{family}"]
+    # Two microbatches' mean against the whole batch's: a rounding apart (torchtitan's grouped experts compute in
+    # bf16); the loss of the model the stages held before the load is far off.
+    assert ranks[0][f"pipeline_{family}"]["loss"] is None and last["loss"] is not None, last
+    assert last["loss_apart"] > 1e-2 and last["loss"] < last["loss_apart"] / 10, last

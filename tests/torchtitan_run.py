@@ -216,10 +216,15 @@ def resumes(make: Any, out: str) -> dict[str, Any]:
 def expert_parallel(out: str) -> dict[str, Any]:
     """torchtitan's expert parallelism as its trainer sets it up: the Qwen3-MoE config given its sharding config
     with EP on (``set_qwen3_sharding_config``), its ``parallelize`` over ``ep`` = 2 with the ``partial_dtensor``
-    backend, then its FSDP recipe with the experts' own ``efsdp`` mesh (each rank holds 4 of the 8 experts). Its
-    forward, and wrapkit's full state dict and Hub files, against the unsharded model and torchtitan's ``to_hf``."""
+    backend, then its FSDP recipe with the experts' own ``efsdp`` mesh (each rank holds 4 of the 8 experts). Every
+    operation against the unsharded model and torchtitan's ``to_hf``; a step of it and its checkpoint resumed on
+    DDP and on the same layout."""
+    import torch.distributed.checkpoint as dcp
     import torchtitan.distributed.parallel_dims as parallel_dims
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file, save_file
+    from torch.nn.parallel import DistributedDataParallel
+    from torchtitan.components.checkpointer.base import ModelWrapper
+    from torchtitan.components.optimizer import default_adamw
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
     from torchtitan.distributed.utils import set_spmd_backend
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
@@ -232,27 +237,205 @@ def expert_parallel(out: str) -> dict[str, Any]:
     dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, ep=2, world_size=2,
                                       spmd_backend="partial_dtensor")
     dims.build_mesh()
+
+    def built(seed: int) -> nn.Module:
+        model = qwen3(True, seed=seed, configure=lambda c: set_qwen3_sharding_config(c, enable_sp=False,
+                                                                                     enable_ep=True))
+        model.parallelize(dims)
+        return sharded(model, apply=lambda m: apply_fsdp_to_decoder(
+            m, dims.get_mesh(["fsdp"]), param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False,
+            ep_degree=2, edp_mesh=dims.get_optional_mesh(["efsdp"])))
+
     whole = qwen3(True, seed=0)
-    model = qwen3(True, seed=0, configure=lambda c: set_qwen3_sharding_config(c, enable_sp=False, enable_ep=True))
-    model.parallelize(dims)
-    model = sharded(model, apply=lambda m: apply_fsdp_to_decoder(
-        m, dims.get_mesh(["fsdp"]), param_dtype=torch.float32, reduce_dtype=torch.float32, pp_enabled=False,
-        ep_degree=2, edp_mesh=dims.get_optional_mesh(["efsdp"])))
+    model = built(0)
+    # Built first, as its trainer does: a no-grad forward leaves FSDP2's last unit unsharded, other objects.
+    optimizers = default_adamw(lr=1e-3, implementation="foreach").build(model_parts=[model])
     experts = model.layers["0"].moe.routed_experts.inner_experts.w1_EFD
     tokens = TOKENS % whole.config.vocab_size
     wm = wrapkit.adapt(model)
     got, want = wm.full_state_dict(rank0_only=False), whole.state_dict()
     saved = os.path.join(out, "ep")
     wm.save_pretrained(saved)
+    dist.barrier()
     files = {k: v for f in sorted(os.listdir(saved)) if f.endswith(".safetensors")
              for k, v in load_file(os.path.join(saved, f)).items()}
-    layout = titan_layout(whole)
-    hub = type(layout.to_hub.__self__)(whole.config, None).to_hf(dict(want))
+    adapter = type(titan_layout(whole).to_hub.__self__)(whole.config, None)
+    hub = adapter.to_hf(dict(want))
+    buffers = {n for n, _ in whole.named_buffers()}
+    hub_params = adapter.to_hf({k: v for k, v in want.items() if k not in buffers})
+    streamed = {n: t.clone() for b in wm.stream_full_parameters(bucket_bytes=2**20) for n, t in b.named_tensors()}
     with torch.no_grad():
         forward = float((wm(tokens) - whole(tokens)).abs().max())
-    return {"local_experts": experts.to_local().shape[0], "forward": forward,
-            "full_state_dict": sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want),
-            "files": sorted(files) == sorted(hub) and all(torch.equal(files[k], hub[k]) for k in hub)}
+    obs: dict[str, Any] = {
+        "local_experts": experts.to_local().shape[0], "forward": forward,
+        "full_state_dict": sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want),
+        "files": sorted(files) == sorted(hub) and all(torch.equal(files[k], hub[k]) for k in hub),
+        "stream": sorted(streamed) == sorted(hub_params) and all(torch.equal(streamed[k], hub_params[k])
+                                                                  for k in hub_params)}
+    # A reference split the same way (passed in: the experts' own mesh is no record a copy could follow).
+    ref = wrapkit.prepare_reference(wm, built(3))
+    wm.copy_to(ref)
+    back = ref.full_state_dict(rank0_only=False)
+    obs["reference"] = all(torch.equal(back[k], want[k]) for k in want)
+    # A Hub directory torchtitan's to_hf wrote, loaded: each rank its experts.
+    other = qwen3(True, seed=7)
+    theirs = os.path.join(out, "ep_theirs")
+    if dist.get_rank() == 0:
+        os.makedirs(theirs, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in adapter.to_hf(dict(other.state_dict())).items()},
+                  os.path.join(theirs, "model.safetensors"))
+    dist.barrier()
+    obs["load"] = list(wm.load(theirs))
+    got = wm.full_state_dict(rank0_only=False)
+    obs["loaded_equal"] = all(torch.equal(got[k], v) for k, v in other.state_dict().items())
+    with torch.no_grad():
+        obs["loaded_forward"] = float((wm(tokens) - other(tokens)).abs().max())
+    # A step, and torchtitan's checkpoint of it resumed on DDP and on expert parallelism again.
+    model(tokens).float().pow(2).mean().backward()
+    optimizers.step()
+    optimizers.zero_grad()
+    ckpt = os.path.join(out, "ep_checkpoint", "step-1")
+    dcp.save({**ModelWrapper([model]).state_dict(), "optimizer": optimizers}, checkpoint_id=ckpt)
+    theirs_moments = moments(model, optimizers.optimizers[0])
+    stepped = wm.full_state_dict(rank0_only=False)
+    target = wrapkit.adapt(DistributedDataParallel(qwen3(True, seed=1)))
+    opt = torch.optim.AdamW(target.module.parameters(), lr=0.5)
+    target.load_state(ckpt, opt)
+    got = target.full_state_dict(rank0_only=False)
+    obs["resumed_ddp"] = all(torch.equal(got[k], v) for k, v in stepped.items())
+    obs["moments_ddp"] = same_moments(theirs_moments, moments(target.module.module, opt))
+    again = built(2)
+    opt = torch.optim.AdamW(again.parameters(), lr=0.5)
+    wrapkit.adapt(again).load_state(ckpt, opt)
+    got = wrapkit.adapt(again).full_state_dict(rank0_only=False)
+    obs["resumed_ep"] = all(torch.equal(got[k], v) for k, v in stepped.items())
+    obs["moments_ep"] = same_moments(theirs_moments, moments(again, opt))
+    return obs
+
+
+def pipelined(make: Any, seed: int) -> tuple[Any, Any]:
+    """``make(seed)`` cut into two stages by torchtitan's ``pipeline_llm`` (its 1F1B schedule, a stage per rank,
+    each parallelized by the family's own function: FSDP2 over one rank, as without data parallelism): the
+    schedule and this rank's ``PipelineStage``."""
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+    from torchtitan.models.qwen3.parallelize import parallelize_qwen3
+
+    parallel_dims.device_type = "cpu"  # torchtitan's meshes go on "cuda" where it finds no accelerator
+    dims = parallel_dims.ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=2, ep=1, world_size=2)
+    dims.build_mesh()
+    model = make(seed)
+    family = type(model).__module__.split(".")[2]
+    fn = {"llama3": parallelize_llama, "qwen3": parallelize_qwen3}[family]
+    schedule, _, _, _ = pipeline_llm(
+        model, parallel_dims=dims, training=TrainingConfig(local_batch_size=2),
+        parallelism=ParallelismConfig(pipeline_parallel_degree=2), compile_config=CompileConfig(), ac_config=None,
+        dump_folder="", device=torch.device("cpu"), model_config=model.config, parallelize_fn=fn, loss_fn=_loss)
+    return schedule, schedule._stage
+
+
+def _loss(pred: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return nn.functional.cross_entropy(pred.flatten(0, 1).float(), labels.flatten()), None
+
+
+def _step(schedule: Any, stage: Any, tokens: torch.Tensor) -> float | None:
+    """One forward and backward of the schedule; the last stage's mean loss."""
+    losses: list[torch.Tensor] = []
+    labels = tokens.roll(-1, 1)
+    if stage.is_first:
+        schedule.step(tokens, target=labels if stage.is_last else None, losses=losses)
+    else:
+        schedule.step(target=labels, losses=losses)
+    return float(torch.stack(losses).detach().mean()) if losses else None
+
+
+def pipeline_checks(make: Any, out: str) -> dict[str, Any]:
+    """One torchtitan model cut into stages by torchtitan's pipeline: every operation against the unsharded model
+    and torchtitan's to_hf; a step of its schedule and its checkpoint, resumed on DDP and on stages again."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
+    from torch.nn.parallel import DistributedDataParallel
+    from torchtitan.components.checkpointer.base import ModelWrapper
+    from torchtitan.components.optimizer import default_adamw
+
+    from wrapkit.formats.torchtitan import titan_layout
+
+    whole = make(0)
+    tokens = TOKENS % whole.config.vocab_size
+    schedule, stage = pipelined(make, 0)
+    wm = wrapkit.adapt(stage)
+    want = whole.state_dict()
+    adapter = type(titan_layout(whole).to_hub.__self__)(whole.config, None)
+    hub = adapter.to_hf(dict(want))
+    obs: dict[str, Any] = {"stack": list(wm.stack)}
+    got = wm.full_state_dict(rank0_only=False)
+    obs["full_state_dict"] = sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    saved = os.path.join(out, "saved")
+    wm.save_pretrained(saved)
+    dist.barrier()
+    files = {k: v for f in sorted(os.listdir(saved)) if f.endswith(".safetensors")
+             for k, v in load_file(os.path.join(saved, f)).items()}
+    obs["files"] = sorted(files) == sorted(hub) and all(torch.equal(files[k], hub[k]) for k in hub)
+    streamed = {n: t.clone() for b in wm.stream_full_parameters(bucket_bytes=2**20) for n, t in b.named_tensors()}
+    obs["stream"] = len(streamed) > 0 and all(torch.equal(t, hub[n]) for n, t in streamed.items())
+    with torch.no_grad(), wm.gathered() as full:
+        obs["gathered"] = float((full(tokens) - whole(tokens)).abs().max())
+    # A reference: rebuilt whole it would not be cut as the policy is; cut and passed in, it takes the policy's.
+    try:
+        wrapkit.prepare_reference(wm)
+        obs["copy_refused"] = ""
+    except wrapkit.WrapkitError as exc:
+        obs["copy_refused"] = str(exc)
+    ref = wrapkit.prepare_reference(wm, pipelined(make, 3)[1])
+    wm.copy_to(ref)
+    back = ref.full_state_dict(rank0_only=False)
+    obs["reference"] = all(torch.equal(back[k], want[k]) for k in want)
+    # A Hub directory torchtitan's to_hf wrote, loaded: each stage its own layers, and the schedule's loss is then
+    # the loss of the model the directory came from.
+    other = make(7)
+    theirs = os.path.join(out, "theirs")
+    if dist.get_rank() == 0:
+        os.makedirs(theirs, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in adapter.to_hf(dict(other.state_dict())).items()},
+                  os.path.join(theirs, "model.safetensors"))
+    dist.barrier()
+    obs["load"] = list(wm.load(theirs))
+    got = wm.full_state_dict(rank0_only=False)
+    obs["loaded_equal"] = all(torch.equal(got[k], v) for k, v in other.state_dict().items())
+    loss = _step(schedule, stage, tokens)
+    with torch.no_grad():
+        other_loss = float(_loss(other(tokens), tokens.roll(-1, 1))[0])
+        first_loss = float(_loss(whole(tokens), tokens.roll(-1, 1))[0])
+    obs["loss"] = None if loss is None else abs(loss - other_loss)
+    obs["loss_apart"] = abs(first_loss - other_loss)  # what a load that wrote nothing would leave
+    # A step of torchtitan's pipeline and its checkpoint (every stage its own part), resumed on DDP (weights and
+    # each stage's Adam moments) and on stages again.
+    optimizers = default_adamw(lr=1e-3, implementation="foreach").build(model_parts=[stage.submod])
+    optimizers.step()
+    optimizers.zero_grad()
+    ckpt = os.path.join(out, "checkpoint", "step-1")
+    dcp.save({**ModelWrapper([stage.submod]).state_dict(), "optimizer": optimizers}, checkpoint_id=ckpt)
+    trained_state = wm.full_state_dict(rank0_only=False)
+    theirs_moments = moments(stage.submod, optimizers.optimizers[0])
+    target = wrapkit.adapt(DistributedDataParallel(make(1)))
+    opt = torch.optim.AdamW(target.module.parameters(), lr=0.5)
+    target.load_state(ckpt, opt)
+    got = target.full_state_dict(rank0_only=False)
+    mine = moments(target.module.module, opt)
+    obs["resumed_ddp"] = all(torch.equal(got[k], v) for k, v in trained_state.items())
+    obs["moments_ddp"] = len(theirs_moments) > 0 and all(
+        torch.equal(mine[k][s], v) for k, m in theirs_moments.items() for s, v in m.items())
+    _, again = pipelined(make, 2)
+    again_wm = wrapkit.adapt(again)
+    opt = torch.optim.AdamW(again.submod.parameters(), lr=0.5)
+    again_wm.load_state(ckpt, opt)
+    got = again_wm.full_state_dict(rank0_only=False)
+    obs["resumed_stages"] = all(torch.equal(got[k], v) for k, v in trained_state.items())
+    mine = moments(again.submod, opt)
+    obs["moments_stages"] = all(torch.equal(mine[k][s], v) for k, m in theirs_moments.items() for s, v in m.items())
+    return obs
 
 
 def main(out: str) -> None:
@@ -334,6 +517,15 @@ def main(out: str) -> None:
         os.makedirs(where, exist_ok=True)
         obs[f"hub_{name}"] = hub_checks(lambda seed, make=make: make(seed=seed), where)
     obs["expert_parallel"] = expert_parallel(out)
+    # torchtitan refuses a tied model in a pipeline: Qwen3 untied.
+    def untied(config: Any) -> None:
+        config.enable_weight_tying = False
+
+    for name, make in [("llama3", partial(build, True)), ("qwen3", partial(qwen3, False, configure=untied)),
+                       ("qwen3_moe", partial(qwen3, True, configure=untied))]:
+        where = os.path.join(out, "pipeline", name)
+        os.makedirs(where, exist_ok=True)
+        obs[f"pipeline_{name}"] = pipeline_checks(lambda seed, make=make: make(seed=seed), where)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(obs, f)
     dist.barrier()

@@ -131,7 +131,7 @@ def _staged(backend: type[Adapter]) -> type[Adapter]:
             inner = super().parts()
             plan = _plan(self, inner)
             return stage_parts(self, inner, plan).replace(
-                likeness=_StagedLikeness(inner, self._stage, self.is_sharded))
+                likeness=_StagedLikeness(inner, self._stage, copies_module=self.name == "ddp"))
 
         def frozen_form(self) -> Adapter:
             form: Adapter = super().frozen_form()
@@ -155,14 +155,15 @@ def _plan(model: Adapter, inner: Parts) -> StagePlan:
 
 class _StagedLikeness:
     """Copies of a stage inside another backend. A replicated one's (DDP) is the stage's module copied, a
-    pipeline of its own over the same stages. A sharded one's would be rebuilt whole from the config, which
-    this stage was cut from by code wrapkit cannot repeat: refused, as is wrapping a module another way."""
+    pipeline of its own over the same stages. An FSDP2 one's (sharded, or over one rank as torchtitan's stages
+    without data parallelism are) would be rebuilt whole from the config, which this stage was cut from by code
+    wrapkit cannot repeat: refused, as is wrapping a module another way."""
 
     takes_config = False
     own_ops = False
 
-    def __init__(self, inner: Parts, stage: Stage, sharded: bool) -> None:
-        self.inner, self.stage, self.sharded = inner.likeness, stage, sharded
+    def __init__(self, inner: Parts, stage: Stage, copies_module: bool) -> None:
+        self.inner, self.stage, self.copies_module = inner.likeness, stage, copies_module
 
     def start(self) -> torch.nn.Module | None:
         return None  # a reference passed in is used as it is when cut and wrapped as the policy is
@@ -171,7 +172,7 @@ class _StagedLikeness:
         raise UnsupportedModelError(_CUT_BY_HAND)
 
     def copy(self, ds_config: dict[str, Any] | None) -> torch.nn.Module:
-        if self.sharded or self.inner is None:
+        if not self.copies_module or self.inner is None:
             raise UnsupportedModelError(_CUT_BY_HAND)
         clone = self.inner.copy(ds_config)
         record(clone, self.stage)

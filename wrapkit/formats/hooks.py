@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -23,7 +23,7 @@ from .._names import canonical_name
 from ..base.module_internals import live_entries, load_state_dict_pre_hooks, state_dict_hooks, state_dict_version
 from .mapped import WholeBuild, row_segments
 
-__all__ = ["HookLayout", "Chained"]
+__all__ = ["HookLayout", "Chained", "StateHooks"]
 
 Entries = Mapping[str, tuple[tuple[int, ...], str]]
 Reader = Callable[[str], torch.Tensor]
@@ -281,11 +281,23 @@ class HookImporter:
         return sorted(self.waiting)
 
 
+class StateHooks(Protocol):
+    """What ``Chained`` needs of a model's hooks: ``HookLayout``, or a pipeline stage's view of every stage's."""
+
+    def export(self, entries: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def imports(self, entries: Entries, runtime: Iterable[str]) -> tuple[dict[str, str], dict[str, Any]]: ...
+
+    def state_names(self, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]: ...
+
+    def to_runtime(self, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+
 class Chained:
     """A model's own state-dict hooks (``hooks``: its parameters' names <-> its state dict's), then the Hub's
     layout of its state dict (``outer``: transformers' conversions, or a mapping of the model's own)."""
 
-    def __init__(self, hooks: HookLayout, outer: Any) -> None:
+    def __init__(self, hooks: StateHooks, outer: Any) -> None:
         self.hooks, self.outer = hooks, outer
 
     def export(self, entries: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

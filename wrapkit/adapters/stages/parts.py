@@ -106,7 +106,7 @@ class StageGatherer:
             else:
                 s = plan.owner[t]
                 mine = _take(local, names, waiting) if s == me else None
-                value = _broadcast(plan, s, mine, plan.shapes[t], dtypes[s][t], self.model.device)
+                value = plan.broadcast(s, mine, plan.shapes[t], dtypes[s][t], self.model.device)
                 if len(names) > 1:
                     kept[t] = value
             yield name, value
@@ -155,7 +155,7 @@ def stage_buffers(model: AdapterView) -> Iterator[tuple[str, torch.Tensor]]:
     local = dict(model.named_live(parameters=False))
     dtypes = _exchange(plan, {n: _dtype_name(local[n]) for n, s in plan.buffer_owner.items() if s == me})
     for name, s in plan.buffer_owner.items():
-        value = _broadcast(plan, s, local.get(name) if s == me else None, plan.buffer_shapes[name], dtypes[s][name],
+        value = plan.broadcast(s, local.get(name) if s == me else None, plan.buffer_shapes[name], dtypes[s][name],
                            model.device)
         yield name, value
 
@@ -169,19 +169,6 @@ def _exchange(plan: StagePlan, mine: dict[str, str]) -> list[dict[str, str]]:
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
-
-
-def _broadcast(plan: StagePlan, owner: int, value: torch.Tensor | None, shape: Shape, dtype: str,
-               device: torch.device) -> torch.Tensor:
-    """``value`` on the ``owner`` stage (returned as it is there), a copy of it received everywhere else."""
-    # gloo moves CPU tensors only; NCCL moves them on the model's device.
-    comm = torch.device("cpu") if dist.get_backend(plan.stage.group) == "gloo" else device
-    if value is not None:
-        sent = value.detach().to(comm).contiguous()
-    else:
-        sent = torch.empty(shape, dtype=getattr(torch, dtype), device=comm)
-    dist.broadcast(sent, src=plan.global_rank(owner), group=plan.stage.group)
-    return value.detach() if value is not None else sent
 
 
 def _take(local: Iterator[tuple[str, torch.Tensor]], names: list[str],

@@ -27,6 +27,7 @@ from ...formats.torchtitan import titan_layout
 from ...layers.peft import saved_key_map
 from ..core.foreign import CUT_STAGE, TRANSFORMERS_STAGES
 from ..core.parts import Weights
+from .hooks import HookGroup, StageHooks, own_hook_groups
 
 if TYPE_CHECKING:
     from ..core.primitives import AdapterView
@@ -101,6 +102,7 @@ class _Held(NamedTuple):
     tied_keys: dict[str, str]
     keys: list[str]  # its state dict's keys, in order
     adapters: dict[str, dict[str, str]]  # PEFT adapter -> its tensors' canonical keys -> the keys PEFT saves
+    hooks: dict[str, tuple[list[str], list[tuple[str, Shape]]]]  # its hooked modules (``own_hook_groups``)
 
 
 def _held(weights: Weights, root: torch.nn.Module, buffers: list[tuple[str, Shape]], keys: list[str],
@@ -109,8 +111,9 @@ def _held(weights: Weights, root: torch.nn.Module, buffers: list[tuple[str, Shap
     for name, p in params:
         ids.setdefault(id(p), []).append(name)
     tied_keys = dict(getattr(root, "all_tied_weights_keys", None) or {})
-    return _Held(list(weights.param_shapes().items()), [names for names in ids.values() if len(names) > 1], buffers,
-                 tied_keys, keys, _adapter_keys(root))
+    shapes = weights.param_shapes()
+    return _Held(list(shapes.items()), [names for names in ids.values() if len(names) > 1], buffers,
+                 tied_keys, keys, _adapter_keys(root), own_hook_groups(root, {**shapes, **dict(buffers)}))
 
 
 def _adapter_keys(root: torch.nn.Module) -> dict[str, dict[str, str]]:
@@ -198,6 +201,9 @@ class StagePlan:
         for h in held:
             for adapter, keys in h.adapters.items():
                 self.adapter_keys.setdefault(adapter, {}).update(keys)
+        # The model's own state-dict hooks, each run where its module is (``hooks.py``).
+        self.hook_groups = {prefix: HookGroup(s, members, state) for s, h in enumerate(held)
+                            for prefix, (members, state) in h.hooks.items()}
         self.names_of: dict[str, list[str]] = {}
         for name in self.order:
             self.names_of.setdefault(self.tensor_of[name], []).append(name)
@@ -214,6 +220,18 @@ class StagePlan:
 
     def global_rank(self, s: int) -> int:
         return dist.get_global_rank(self.stage.group, s)
+
+    def broadcast(self, owner: int, value: torch.Tensor | None, shape: Shape, dtype: str,
+                  device: torch.device) -> torch.Tensor:
+        """``value`` on the ``owner`` stage (returned as it is there), a copy of it received everywhere else."""
+        # gloo moves CPU tensors only; NCCL moves them on the model's device.
+        comm = torch.device("cpu") if dist.get_backend(self.stage.group) == "gloo" else device
+        if value is not None:
+            sent = value.detach().to(comm).contiguous()
+        else:
+            sent = torch.empty(shape, dtype=getattr(torch, dtype), device=comm)
+        dist.broadcast(sent, src=self.global_rank(owner), group=self.stage.group)
+        return value.detach() if value is not None else sent
 
     def tensors(self) -> Iterator[tuple[str, int]]:
         """(tensor, owning stage) once each, in the order every stage walks them."""
@@ -253,22 +271,26 @@ def layout_of(model: AdapterView, strict: bool = True) -> Layout | None:
     hub: Layout | None = given_layout(inner) or HubLayout.of(inner, plan.tied_keys if plan is not None else None) or \
         titan_layout(inner)
     # The model's own state-dict hooks come first (its state dict is what the Hub layout converts).
-    hooks = HookLayout.of(inner)
+    hooks = state_hooks(model, merged=True)
     if hooks is None:
         return hub
     return hooks if hub is None else Chained(hooks, hub)
 
 
-def state_hooks(model: AdapterView, merged: bool = False) -> HookLayout | None:
+def state_hooks(model: AdapterView, merged: bool = False) -> HookLayout | StageHooks | None:
     """The model's own state-dict hooks (``formats.hooks``) over the tree its names are relative to: the base
-    model's where LoRA is merged, else the unwrapped model's. None where none has hooks, or where the backend
-    names the tensors itself (its own Hub layout: Megatron-Core's)."""
+    model's where LoRA is merged, else the unwrapped model's; on a pipeline stage, every stage's. None where
+    none has hooks, or where the backend names the tensors itself (its own Hub layout: Megatron-Core's)."""
     try:
         if model.hub_layout() is not None:
             return None
     except UnsupportedModelError:
         return None
-    return HookLayout.of(model.unwrap(keep_peft=not merged))
+    local = HookLayout.of(model.unwrap(keep_peft=not merged))
+    plan = plan_of(model)
+    if plan is None or not plan.hook_groups:
+        return local
+    return StageHooks(plan, local, model.device)
 
 
 def stage_adapter_keys(model: AdapterView, adapter: str) -> dict[str, str]:
