@@ -49,7 +49,8 @@ def reader_class() -> Any:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     class Reader(FileSystemReader):  # type: ignore[misc]
-        """DCP's file reader, given the metadata already read (and checked) once."""
+        """DCP's file reader, given the metadata already read (and checked) once; a record that holds one plain
+        tensor is read straight into its destination (``formats/records.py``), the others as DCP reads them."""
 
         def __init__(self, path: str, metadata: Any) -> None:
             super().__init__(path)
@@ -57,7 +58,40 @@ def reader_class() -> Any:
 
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return self._known
+
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            return super().read_data(read_plain(self, plan, planner), planner)
     return Reader
+
+
+def read_plain(reader: Any, plan: Any, planner: Any) -> Any:
+    """Read the items of ``plan`` that are plain tensor records, file by file in the order they lie; the plan of
+    the rest (objects, transformed or other records) for DCP's own reader."""
+    import dataclasses
+
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    from ..formats.records import read_record
+
+    per_file: dict[str, list[Any]] = {}
+    rest: list[Any] = []
+    for item in plan.items:
+        info = reader.storage_data[item.storage_index]
+        if item.type == LoadItemType.BYTE_IO or info.transform_descriptors:
+            rest.append(item)
+        else:
+            per_file.setdefault(info.relative_path, []).append(item)
+    for relative, items in per_file.items():
+        items.sort(key=lambda i: reader.storage_data[i.storage_index].offset)
+        with open(os.path.join(reader.path, relative), "rb") as f:
+            for item in items:
+                info = reader.storage_data[item.storage_index]
+                target = planner.resolve_tensor(item).detach()
+                if read_record(f, info.offset, info.length, tuple(item.storage_offsets), tuple(item.lengths), target):
+                    planner.commit_tensor(item, target)
+                else:
+                    rest.append(item)
+    return dataclasses.replace(plan, items=rest)
 
 
 def read_manifest(directory: str, problems: list[str]) -> tuple[dict[str, Any] | None, Any]:
