@@ -291,10 +291,10 @@ def torch_pipeline_ops(tmp: str, wrap: str = "none") -> dict[str, Any]:
         schedule.step(mine_in)
     else:
         schedule.step(target=mine_out, losses=losses)
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
     optimizer.step()
     plain = whole.module
-    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1)
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
     # Each dp rank's loss is the mean of its two microbatches'; the gradients are averaged over the dp ranks.
     quarters = [loss_fn(plain(t), y) / (2 * dp) for t, y in zip(tokens.chunk(2 * dp), targets.chunk(2 * dp),
                                                                strict=True)]
@@ -304,6 +304,36 @@ def torch_pipeline_ops(tmp: str, wrap: str = "none") -> dict[str, Any]:
     out["trained"] = (list(mine) == list(want), max((mine[k] - want[k]).abs().max().item() for k in want))
     out["loss"] = (sum(x.item() for x in losses) / 2 - 2 * dp * sum(q.item() for q in quarters[2 * dp_rank:][:2])
                    / 2) if losses else None
+    out["state"] = _stage_state(tmp, wrap, wm, inner, optimizer, other)
+    return out
+
+
+def _momenta(module: torch.nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
+    return {n: (lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t)(optimizer.state[p]["momentum_buffer"])
+            for n, p in module.named_parameters() if p in optimizer.state}
+
+
+def _stage_state(tmp: str, wrap: str, wm: Any, inner: torch.nn.Module, optimizer: Any, other: Any) -> dict[str, Any]:
+    """save_state of the stages (each stage's optimizer its own layers), read into the whole model and back into the
+    stages after their weights changed: weights, momenta and the learning rate."""
+    directory = os.path.join(tmp, f"state-{wrap}")
+    wm.save_state(directory, optimizer)
+    saved, momenta = wm.full_state_dict(rank0_only=False), _momenta(inner, optimizer)
+    whole = wrapkit.adapt(_titan(5))
+    plain_opt = torch.optim.SGD(whole.module.parameters(), lr=0.5, momentum=0.9)
+    whole.load_state(directory, plain_opt)
+    theirs = _momenta(whole.module, plain_opt)
+    out: dict[str, Any] = {"whole": _same(whole.full_state_dict(rank0_only=False), saved),
+                           "whole_momenta": len(momenta) > 0 and all(torch.equal(theirs[n], m)
+                                                                     for n, m in momenta.items()),
+                           "whole_lr": [g["lr"] for g in plain_opt.param_groups]}
+    wm.load_full_state_dict(other.full_state_dict(rank0_only=False))
+    for m in optimizer.state.values():
+        m["momentum_buffer"].zero_()
+    wm.load_state(directory, optimizer)
+    mine = _momenta(inner, optimizer)
+    out["stages"] = _same(wm.full_state_dict(rank0_only=False), saved)
+    out["stage_momenta"] = all(torch.equal(mine[n], m) for n, m in momenta.items())
     return out
 
 

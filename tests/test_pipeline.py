@@ -82,6 +82,10 @@ def test_every_operation_on_torch_pipelining_stages(request: Any, tmp_path: Any,
         assert same_keys and diff < 1e-5, (rank, r["trained"])
     for r in results[-2 if wrap != "none" else -1:]:  # the last stage's ranks compute the loss
         assert abs(r["loss"]) < 1e-5, r["loss"]
+    for rank, r in enumerate(results):  # save_state of the stages, read into the whole model and the stages again
+        state = r["state"]
+        assert state["whole"] == [] and state["whole_momenta"] and state["whole_lr"] == [0.1], (rank, state)
+        assert state["stages"] == [] and state["stage_momenta"], (rank, state)
 
 
 def test_stages_it_cannot_read_are_refused(group: Any) -> None:

@@ -113,7 +113,8 @@ def test_torchtitans_pipeline_stages_are_read_whole(ranks: list[dict[str, Any]],
     hooks), the Hub files and the stream are torchtitan's to_hf, gathered() computes its logits; a reference passed
     in cut alike takes the policy's weights (rebuilt whole, it is refused); a to_hf directory loads into the
     stages and the schedule's loss is then the loss of the model it came from; torchtitan's checkpoint of a
-    stepped pipeline resumes on DDP and on stages, weights and every stage's Adam moments."""
+    stepped pipeline resumes on DDP and on stages, weights and every stage's Adam moments, and so does wrapkit's
+    own save_state of the stages."""
     for obs in ranks:
         got = obs[f"pipeline_{family}"]
         assert got["stack"][:2] == ["pipeline", "fsdp2"], got
@@ -121,6 +122,7 @@ def test_torchtitans_pipeline_stages_are_read_whole(ranks: list[dict[str, Any]],
         assert "pass its PipelineStage as ref_model" in got["copy_refused"] and got["reference"], got
         assert got["load"] == [[], []] and got["loaded_equal"], got
         assert got["resumed_ddp"] and got["moments_ddp"] and got["resumed_stages"] and got["moments_stages"], got
+        assert got["own_ddp"] and got["own_stages"], got  # wrapkit's own save_state of the stages
     last = ranks[1][f"pipeline_{family}"]
     # Two microbatches' mean against the whole batch's: a rounding apart (torchtitan's grouped experts compute in
     # bf16); the loss of the model the stages held before the load is far off.

@@ -435,6 +435,24 @@ def pipeline_checks(make: Any, out: str) -> dict[str, Any]:
     obs["resumed_stages"] = all(torch.equal(got[k], v) for k, v in trained_state.items())
     mine = moments(again.submod, opt)
     obs["moments_stages"] = all(torch.equal(mine[k][s], v) for k, m in theirs_moments.items() for s, v in m.items())
+    # wrapkit's own save_state of the stages (torchtitan's optimizer container), resumed on DDP and on stages.
+    own = os.path.join(out, "own_state")
+    wm.save_state(own, optimizers)
+    target = wrapkit.adapt(DistributedDataParallel(make(4)))
+    opt = torch.optim.AdamW(target.module.parameters(), lr=0.5)
+    target.load_state(own, opt)
+    got = target.full_state_dict(rank0_only=False)
+    mine = moments(target.module.module, opt)
+    obs["own_ddp"] = all(torch.equal(got[k], v) for k, v in trained_state.items()) and all(
+        torch.equal(mine[k][s], v) for k, m in theirs_moments.items() for s, v in m.items())
+    _, again = pipelined(make, 5)
+    again_wm = wrapkit.adapt(again)
+    opt = torch.optim.AdamW(again.submod.parameters(), lr=0.5)
+    again_wm.load_state(own, opt)
+    got = again_wm.full_state_dict(rank0_only=False)
+    mine = moments(again.submod, opt)
+    obs["own_stages"] = all(torch.equal(got[k], v) for k, v in trained_state.items()) and all(
+        torch.equal(mine[k][s], v) for k, m in theirs_moments.items() for s, v in m.items())
     return obs
 
 

@@ -10,6 +10,7 @@ import torch
 
 from .._errors import ArgumentError, StateDictError
 from ..adapters.core.parts import Held, Piece, Written
+from ..adapters.stages.plan import every_stage
 from ..formats.dcp import Blocks, boxes
 from .optimizers import unwrap_optimizer
 
@@ -53,9 +54,23 @@ class Holding:
         return any(id(piece.source) in held for piece in self.pieces)
 
     def group_names(self) -> list[list[str]]:
+        """The names of the parameters in each of the optimizer's groups (on a pipeline stage, this stage's)."""
         if self.resume is not None:
             return [sorted(g) for g in self.resume.group_names()]
         return _groups(self.optimizer, _param_names(self.wm, self.pieces))
+
+    def whole_group_names(self) -> list[list[str]]:
+        """``group_names`` of the whole model: on pipeline stages, whose optimizers each step their own layers,
+        group ``i`` of every stage's optimizer joined (a collective over the stages, entered by every rank)."""
+        mine = self.group_names()
+        every = every_stage(self.wm, mine)
+        if every is None:
+            return mine
+        joined: list[list[str]] = [[] for _ in range(max(len(groups) for groups in every))]
+        for groups in every:
+            for i, names in enumerate(groups):
+                joined[i].extend(n for n in names if n not in joined[i])
+        return [sorted(names) for names in joined]
 
     def held(self) -> list[Held]:
         out: list[Held] = []

@@ -151,7 +151,7 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
         "ranks": dist.get_world_size() if not no_dist else 1, "topology": wm.describe(),
         "versions": versions(wm), "parameters": {n: list(s) for n, s in wm.weights.param_shapes().items()},
         "optimizer": None if optimizer is None else {
-            "class": class_name(optimizer), "param_groups": source.group_names(), "state": specs},
+            "class": class_name(optimizer), "param_groups": source.whole_group_names(), "state": specs},
         "scheduler": None if scheduler is None else class_name(scheduler), "extra": extra is not None,
     }
 
@@ -235,10 +235,16 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
         source.loaded()
 
     if optimizer is not None:
-        by_names = {tuple(g): hyper for g, hyper in zip(manifest["optimizer"]["param_groups"],
-                                                        state["optim/param_groups"].value, strict=True)}
+        # Each group takes the hyperparameters of the saved group its parameters were in (a pipeline stage's
+        # groups hold its own layers of the whole model's).
+        saved_groups = manifest["optimizer"]["param_groups"]
+        hypers = state["optim/param_groups"].value
+        by_names = {tuple(names): i for i, names in enumerate(saved_groups)}
+        index = {n: i for i, names in enumerate(saved_groups) for n in names}
         for group_names, g in zip(source.group_names(), optimizer.param_groups, strict=True):
-            g.update(by_names[tuple(group_names)])
+            at = by_names.get(tuple(group_names), index.get(group_names[0]) if group_names else None)
+            if at is not None:
+                g.update(hypers[at])
     if scheduler is not None:
         scheduler.load_state_dict(state["scheduler"].value)
     skipped: list[str] = []
