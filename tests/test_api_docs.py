@@ -1,6 +1,6 @@
-"""README's protocol table and the code agree: every call written there has the signature the
-public object has (parameter names, defaults, keyword-only markers), on the adapters, the PEFT
-reference view and the ``WrappedModel`` protocol alike."""
+"""The protocol table (``docs/guide/protocol.md``) and every other table of README and the guide agree with the
+code: every call written there has the signature the public object has (parameter names, defaults, keyword-only
+markers), on the adapters, the PEFT reference view and the ``WrappedModel`` protocol alike."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import pytest
 import wrapkit
 from wrapkit._adapt import AdapterDisabledView
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 # `wm.name(args)` or `wrapkit.name(args)` in the first column of a table row.
 CALL = re.compile(r"^\| `(?:with )?(wm|wrapkit)\.(\w+)\(([^`]*?)\)")
 EXTRA_CALL = re.compile(r"`(wm|wrapkit)\.(\w+)\(([^`]*?)\)`")
@@ -22,7 +23,7 @@ EXTRA_CALL = re.compile(r"`(wm|wrapkit)\.(\w+)\(([^`]*?)\)`")
 
 def _documented() -> list[tuple[str, str, str]]:
     rows = []
-    for line in README.read_text().splitlines():
+    for line in (line for page in PAGES for line in page.read_text().splitlines()):
         if not line.startswith("| `"):
             continue
         first = line.split(" | ")[0]

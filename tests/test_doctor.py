@@ -38,8 +38,13 @@ def _doctor_run(tmp_path: Path) -> tuple[subprocess.CompletedProcess[str], dict[
     return out, (json.loads(report.read_text()) if report.exists() else {})
 
 
-def test_doctor_all_backends_pass(tmp_path: Path) -> None:
-    out, data = _doctor_run(tmp_path)
+@pytest.fixture(scope="module")
+def doctor_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    return _doctor_run(tmp_path_factory.mktemp("doctor"))
+
+
+def test_doctor_all_backends_pass(doctor_run: tuple[subprocess.CompletedProcess[str], dict[str, Any]]) -> None:
+    out, data = doctor_run
     assert out.returncode == 0, out.stdout + out.stderr
     assert list(data["results"]) == EXPECTED_ROWS
     for backend, cells in data["results"].items():
@@ -72,6 +77,30 @@ def test_doctor_all_backends_pass(tmp_path: Path) -> None:
     # Third-party warnings and notices from the workers are counted, not shown.
     assert "Warning" not in out.stdout + out.stderr and "accelerator" not in out.stdout + out.stderr, out.stderr
     assert f"{len(data['worker_output'])} lines of third-party output" in table and data["worker_output"]
+
+
+def test_readmes_table_of_what_works_where_is_the_doctors(
+        doctor_run: tuple[subprocess.CompletedProcess[str], dict[str, Any]]) -> None:
+    """README's table has the doctor's backends and operations, each cell what the doctor's run gave: passed,
+    refused as documented (n/a), or refused for want of CUDA (run where there is one, it passes)."""
+    _, data = doctor_run
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## What works where")[1].split("\n## ")[0]
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in section.splitlines()
+            if line.startswith("|") and not line.startswith("| ---")]
+    backends = rows[0][1:]
+    assert backends == list(data["results"]), backends
+    table = {row[0].strip("`"): dict(zip(backends, row[1:], strict=True)) for row in rows[1:]}
+    ops = [op for op in data["results"][backends[0]] if not op.startswith("_")]
+    assert list(table) == ops, list(table)
+    for backend in backends:
+        for op in ops:
+            cell, got = table[op][backend], data["results"][backend][op]
+            refused = got.get("refused", "")
+            if cell == "CUDA":
+                assert ("needs CUDA" in refused) if not torch.cuda.is_available() else got["ok"], (backend, op)
+            else:
+                assert cell == ("n/a" if refused else "✓") and got["ok"], (backend, op, cell, got)
 
 
 def test_a_refused_operation_is_shown_as_not_applicable() -> None:

@@ -1,5 +1,6 @@
-"""README's Python cannot drift from the code: the quick start is the example file, every Python block
-compiles, and the quick start runs under torchrun with each backend's ``wrap`` from README."""
+"""README's Python cannot drift from the code: the quick start is the example file, every Python block of README
+and the documentation's pages compiles, and the quick start runs under torchrun with each backend's ``wrap`` from
+README."""
 
 from __future__ import annotations
 
@@ -36,10 +37,13 @@ def test_quickstart_block_is_the_example() -> None:
 
 
 def test_every_python_block_compiles() -> None:
-    blocks = _blocks()
-    assert len(blocks) >= 5
-    for i, block in enumerate(blocks):
-        compile(block, f"README.md python block {i}", "exec")
+    pages = [README, *sorted((ROOT / "docs").rglob("*.md"))]
+    total = 0
+    for page in pages:
+        for i, block in enumerate(BLOCK.findall(page.read_text())):
+            compile(block, f"{page.relative_to(ROOT)} python block {i}", "exec")
+            total += 1
+    assert len(_blocks()) >= 3 and total >= 15, total
 
 
 def test_readme_shows_fsdp2_and_zero3_wraps() -> None:

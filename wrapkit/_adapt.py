@@ -106,7 +106,13 @@ def public(handle: Adapter | Handle) -> WrappedModel:
 
 def adapt(model: Any) -> WrappedModel:
     """Return the ``WrappedModel`` for ``model``: any ``nn.Module``, any supported
-    wrapper around one, or a ``WrappedModel`` (returned as is)."""
+    wrapper around one, or a ``WrappedModel`` (returned as is). Call on every rank.
+
+    :param model: the model, in whatever holds it (a wrapper, a DeepSpeed engine, a ``PipelineStage``).
+    :raises UnsupportedModelError: a model wrapkit cannot read whole (a layout, a library release or a
+        stack it does not know), naming what and the way out.
+    :raises MissingDependencyError: the wrapper's library is needed and not installed.
+    """
     if isinstance(model, Handle):
         # Wrapped and views fulfil the protocol; mypy cannot see it through the common base.
         return cast(WrappedModel, model)
@@ -128,5 +134,15 @@ def prepare_reference(policy: Any, ref_model: Any = None, *,
     adapter-disabled view (no parameter memory); any other policy a fresh frozen copy of its
     current weights. A ``ref_model`` that is the policy or shares its parameters is refused
     with ``ReferenceModelError``.
+
+    :param policy: the model in training (a ``WrappedModel``, or anything ``adapt()`` takes).
+    :param ref_model: the reference's own model (the policy's loaded again), sharded here as the policy is;
+        ``None``: a copy of the policy's current weights, or the adapter-disabled view.
+    :param ds_config: merged over the DeepSpeed config the reference engine gets under ZeRO-3.
+    :raises ReferenceModelError: a ``ref_model`` that shares the policy's parameters, or of another
+        architecture; a policy whose reference cannot be built without it (named, with the way).
+    :raises UnsupportedModelError: a backend whose frozen copy cannot be built (tensor parallelism applied
+        by hand).
+    :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
     """
     return public(reference.build_reference(policy, ref_model, ds_config=ds_config))

@@ -26,6 +26,9 @@ def canonical_name(name: str) -> str:
 
     >>> canonical_name("module._orig_mod.model.layers.0._fsdp_wrapped_module.mlp.up_proj.weight")
     'model.layers.0.mlp.up_proj.weight'
+
+    :param name: a parameter's name as ``named_parameters()`` of a wrapped model gives it.
+    :raises ArgumentError: ``name`` is not a string.
     """
     if not isinstance(name, str):
         raise ArgumentError(f"canonical_name() takes a parameter name (str), got {name!r} ({type(name).__name__})")

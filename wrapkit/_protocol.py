@@ -143,11 +143,21 @@ class WrappedModel(Protocol):
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
     def unwrap(self, keep_peft: bool = True, keep_compile: bool = False) -> torch.nn.Module:
-        """The innermost ``nn.Module``, optionally stopping at a PEFT or compile layer."""
+        """The innermost ``nn.Module``, optionally stopping at a PEFT or compile layer. No collective.
+
+        :param keep_peft: stop at the PEFT model (``PeftModel``) where there is one, rather than its base model.
+        :param keep_compile: stop at the ``torch.compile`` wrapper where there is one.
+        :raises ArgumentError: a flag that is not ``True`` or ``False``.
+        """
         ...
 
     def num_parameters(self, trainable_only: bool = False) -> int:
-        """Global parameter count: the same on every backend for the same model."""
+        """Global parameter count: the same on every backend for the same model.
+
+        :param trainable_only: count only parameters with ``requires_grad`` (a collective on pipeline stages,
+            where every stage counts its own).
+        :raises ArgumentError: a flag that is not ``True`` or ``False``.
+        """
         ...
 
     def resident_parameter_bytes(self) -> int:
@@ -160,96 +170,222 @@ class WrappedModel(Protocol):
 
     # -- placement and freezing --------------------------------------------------------
     def place(self, device: torch.device | str | int | None = None) -> WrappedModel:
-        """Move this rank's parameters/shards to ``device`` (``None``: the compute device), sharding kept;
-        verified afterwards (``PlacementError`` names the offenders). Call on every rank. Returns ``self``."""
+        """Move this rank's parameters/shards to ``device``, sharding kept, and verify it. Call on every rank.
+
+        :param device: where to put them; ``None``: the compute device (``wm.device``).
+        :returns: ``self``.
+        :raises PlacementError: a tensor is elsewhere afterwards (named), or the backend cannot move there.
+        :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
+        """
         ...
 
     def sleep(self, optimizer: Any = None, level: int = 1) -> SleepReport:
-        """Parameters, gradients (level 2: dropped) and optimizer state of this rank to the CPU, sharding kept,
-        for a colocated inference engine; the optimizer is the engine's under DeepSpeed. Collective."""
+        """This rank's parameters, gradients and optimizer state to the CPU, sharding kept, freeing the device
+        for a colocated inference engine. Collective.
+
+        :param optimizer: the torch optimizer whose state moves too (under DeepSpeed, the engine's own, found
+            without it).
+        :param level: 1 moves the gradients too, 2 drops them.
+        :returns: a ``SleepReport`` of the bytes moved and freed.
+        :raises ArgumentError: an unknown ``level``, or an optimizer over another model.
+        :raises UnsupportedModelError: a backend whose states cannot move (a DeepSpeed release without
+            ``offload_states``); nothing moved.
+        :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
+        """
         ...
 
     def wake(self) -> WrappedModel:
-        """Everything ``sleep()`` moved, back on the compute device, verified. Collective."""
+        """Everything ``sleep()`` moved, back on the compute device, verified. Collective.
+
+        :returns: ``self``.
+        :raises PlacementError: a tensor is not back on the compute device.
+        :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
+        """
         ...
 
     def to_eval_frozen(self) -> WrappedModel:
         """Eval mode, no parameter trainable, placed on ``device``; sharded stays sharded, DDP/DataParallel
-        wrappers are dropped. Idempotent."""
+        wrappers are dropped. Idempotent.
+
+        :returns: the frozen model (a new ``WrappedModel`` where a wrapper was dropped).
+        :raises PlacementError: a tensor could not be placed on the compute device.
+        """
         ...
 
     # -- full parameters -------------------------------------------------------------
     def gathered(self, modifier_rank: int | None = None) -> AbstractContextManager[torch.nn.Module]:
-        """Context yielding ``unwrap()`` with full parameters on every rank; writes persist only from
-        ``modifier_rank`` (on normal exit). Collective."""
+        """Context yielding ``unwrap()`` with full parameters on every rank. Collective on entry and exit.
+
+        :param modifier_rank: the rank whose writes to the full parameters persist (on normal exit, to every
+            shard and optimizer copy); ``None``: writes are discarded.
+        :raises ArgumentError: ``modifier_rank`` is not a rank of the model's group.
+        :raises UnsupportedModelError: the whole model cannot be built here (pipeline stages without a config).
+        :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
+        """
         ...
 
     def generation(self, gather: str = "auto") -> AbstractContextManager[torch.nn.Module]:
-        """Eval + no autograd + gradient checkpointing off, everything restored on exit; ``gather``:
-        ``"full"`` (``gathered()``, unsharded speed), ``"layerwise"`` (per-unit, for models bigger than
-        one device) or ``"auto"`` (full when it fits in memory)."""
+        """Eval + no autograd + gradient checkpointing off, everything restored on exit. Collective.
+
+        :param gather: ``"full"`` (``gathered()``, unsharded speed), ``"layerwise"`` (per-unit, for models
+            bigger than one device) or ``"auto"`` (full when it fits in memory).
+        :raises ArgumentError: an unknown ``gather``.
+        :raises UnsupportedModelError: ``"full"`` where the whole model cannot be built here.
+        :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
+        """
         ...
 
     def named_full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(canonical_name, full tensor)`` pairs, gathered one parameter (or FSDP1 unit) at a time. Collective."""
+        """``(canonical_name, full tensor)`` pairs in the module's own ``state_dict()`` names, gathered one
+        parameter (or FSDP1 unit) at a time. Collective: every rank iterates to the end.
+
+        :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
+        """
         ...
 
     def stream_full_parameters(self, bucket_bytes: int = 512 * 2**20, dtype: torch.dtype | None = None,
                                merge_adapters: bool = False, *, keep_dtype: Callable[[str], bool] | None = None,
                                dst_rank: int | None = None, layout: str = "hub") -> Iterator[Bucket]:
-        """Buckets ``(flat uint8 tensor, [(name, shape, dtype, offset)])`` of the full weights, each
-        gathered in one collective, in the Hub's layout (``layout="runtime"``: the module's names and tensors);
-        ``dtype`` converts (not where ``keep_dtype(name)``); ``merge_adapters`` folds LoRA layer by layer;
-        ``dst_rank``: only that global rank gets buckets. Every rank iterates to the end."""
+        """Buckets of the full weights (``Bucket``: one flat uint8 tensor and its entries), each gathered in
+        one collective. Every rank iterates to the end.
+
+        :param bucket_bytes: the most bytes of one bucket (a larger tensor comes alone).
+        :param dtype: convert floating tensors to it on the way (``None``: as they are).
+        :param merge_adapters: fold PEFT's LoRA into the base weights, layer by layer, under the base names.
+        :param keep_dtype: names for which ``dtype`` does not apply (routers, norms kept in fp32).
+        :param dst_rank: only that global rank gets the buckets (the others iterate over empty ones).
+        :param layout: ``"hub"`` (the Hub's names and tensors, as vLLM and SGLang load them) or ``"runtime"``
+            (the module's own ``state_dict()`` names and tensors).
+        :raises ArgumentError: a bad ``bucket_bytes``, ``dtype``, ``dst_rank`` or ``layout``.
+        :raises UnsupportedModelError: LoRA layers that cannot be merged, with ``merge_adapters``.
+        :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
+        """
         ...
 
     # -- weights in and out ----------------------------------------------------------
     def full_state_dict(self, rank0_only: bool = True, *, merge_adapters: bool = False) -> dict[str, torch.Tensor]:
-        """Parameters and persistent buffers under canonical names, CPU tensors; ``{}`` off rank 0 if ``rank0_only``."""
+        """Parameters and persistent buffers under canonical names (the module's own ``state_dict()``), CPU
+        tensors. Collective.
+
+        :param rank0_only: only rank 0 gets the tensors; the others get ``{}``.
+        :param merge_adapters: fold PEFT's LoRA into the base weights, under the base model's names.
+        :raises UnsupportedModelError: LoRA layers that cannot be merged, with ``merge_adapters``.
+        :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
+        """
         ...
 
     def load_full_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> LoadResult:
-        """The inverse of ``full_state_dict`` on any backend; every problem is reported before anything is written;
-        returns the keys a ``strict=False`` load left out."""
+        """The inverse of ``full_state_dict`` on any backend. Collective: every rank passes the same ``sd``.
+
+        :param sd: name -> full tensor, as ``full_state_dict`` gives.
+        :param strict: refuse missing and unexpected keys (never a wrong shape).
+        :returns: the keys a ``strict=False`` load left out (``LoadResult``).
+        :raises StateDictError: every missing, unexpected or mis-shaped key, listed before anything is written.
+        :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
+        """
         ...
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """One safetensors file, written atomically by rank 0."""
+        """One safetensors file of the full state dict, written atomically by rank 0. Collective.
+
+        :param path: the file to write (its directory must exist).
+        :raises StateDictError: the file cannot be written; nothing is left half-written.
+        :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
+        """
         ...
 
     def save_pretrained(self, directory: str | os.PathLike[str], max_shard_size: int | str = "5GB",
                         merge_adapters: bool = False, *, adapters_only: bool = False,
                         adapter_names: Sequence[str] | None = None) -> None:
-        """Sharded safetensors files + index in the Hugging Face layout, streamed, atomic per directory;
-        ``adapters_only``: PEFT's adapter layout, every rank's rows in it."""
+        """Sharded safetensors files + index (and ``config.json``) in the Hugging Face layout, streamed,
+        swapped in atomically. Collective.
+
+        :param directory: the directory to write (its parent must exist).
+        :param max_shard_size: the most bytes of one file (``"5GB"``, or an int).
+        :param merge_adapters: fold PEFT's LoRA into the base weights, under the base names.
+        :param adapters_only: write PEFT's adapter layout (``adapter_model.safetensors``) instead, every rank's
+            rows in it.
+        :param adapter_names: the adapters to write with ``adapters_only`` (default: the active ones).
+        :raises ArgumentError: a bad ``max_shard_size`` or ``adapter_names``, or options that exclude each
+            other.
+        :raises StateDictError: the directory cannot be written; nothing is swapped in.
+        :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
+        """
         ...
 
     def set_hub_layout(self, to_hub: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None,
                        from_hub: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None, *,
                        config: Any = None) -> WrappedModel:
         """Give the model its Hub layout as two functions on state dicts (torchtitan's ``to_hf`` / ``from_hf``);
-        exports and loads in the Hub's layout use it, a layer at a time."""
+        exports and loads in the Hub's layout use it, a layer at a time. No collective.
+
+        :param to_hub: the module's state dict (one layer's tensors, or one other tensor) -> the Hub's.
+        :param from_hub: the inverse. ``None`` for both: back to the layout found.
+        :param config: written as ``config.json`` by ``save_pretrained``.
+        :returns: ``self``.
+        :raises ArgumentError: one function given without the other, or one that is not callable.
+        """
         ...
 
     def load(self, path: str | os.PathLike[str], strict: bool = True, *, src_rank: int | None = None,
              adapter_name: str | None = None) -> LoadResult:
-        """Load a safetensors file, a ``save_pretrained`` directory or a PEFT adapter directory, each rank
-        reading only its slices; returns the keys a ``strict=False`` load left out."""
+        """Load a safetensors file, a ``save_pretrained`` directory (in the Hub's layout or the model's own)
+        or a PEFT adapter directory, each rank reading only its slices. Collective.
+
+        :param path: the file or directory.
+        :param strict: refuse missing and unexpected keys (never a wrong shape).
+        :param src_rank: only this rank reads the files and sends the values to the others (storage that the
+            other ranks cannot see).
+        :param adapter_name: with an adapter directory, the PEFT adapter to load into.
+        :returns: the keys a ``strict=False`` load left out (``LoadResult``).
+        :raises StateDictError: every missing, unexpected or mis-shaped key, a truncated or unreadable file,
+            listed before anything is written.
+        :raises ArgumentError: a bad ``src_rank`` or ``adapter_name``.
+        :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
+        """
         ...
 
     def copy_to(self, target: WrappedModel, alpha: float = 1.0) -> None:
-        """Name-aligned weight sync into another model; ``alpha < 1`` is EMA (``alpha*self + (1-alpha)*target``)."""
+        """Name-aligned weight sync into another model, on any pair of backends. Collective over both.
+
+        :param target: the model to write (a reference, an EMA copy).
+        :param alpha: ``1`` copies; ``alpha < 1`` is EMA (``alpha * self + (1 - alpha) * target``).
+        :raises ArgumentError: ``alpha`` outside ``[0, 1]``.
+        :raises StateDictError: the models' names or shapes differ (listed), nothing written.
+        :raises ReferenceModelError: ``target`` is a view that cannot be written (a PEFT policy's base).
+        :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
+        """
         ...
 
     # -- training state --------------------------------------------------------------
     def save_state(self, directory: str | os.PathLike[str], optimizer: Any = None, *, scheduler: Any = None,
                    extra: Mapping[str, Any] | None = None) -> None:
         """Weights as the optimizer steps them, its state and param groups by canonical name, the scheduler,
-        each rank's RNG and ``extra``, into ``directory`` (DCP format, atomic). Collective."""
+        each rank's RNG and ``extra``, into ``directory`` (torch's distributed checkpoint, swapped in
+        atomically). Collective.
+
+        :param directory: the directory to write (its parent must exist, on storage every rank shares).
+        :param optimizer: the optimizer that steps the model (a DeepSpeed engine's is found without it; a
+            container's inner optimizers are read: torchtitan's, accelerate's).
+        :param scheduler: its state is saved too.
+        :param extra: a picklable dict saved beside (the step, the data position).
+        :raises ArgumentError: an optimizer or scheduler of the wrong kind, ``extra`` not a dict.
+        :raises StateDictError: the directory cannot be written; nothing is swapped in.
+        :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
+        """
         ...
 
     def load_state(self, directory: str | os.PathLike[str], optimizer: Any = None, *,
                    scheduler: Any = None) -> StateLoad:
-        """What ``save_state`` wrote, on any backend, topology and world size, checked whole first;
-        returns ``StateLoad(extra, skipped)``. Collective."""
+        """What ``save_state`` wrote (or a torchtitan or accelerate FSDP2 checkpoint), on any backend, topology
+        and world size, checked whole first. Collective.
+
+        :param directory: the checkpoint directory.
+        :param optimizer: the optimizer to restore, built as when it was saved.
+        :param scheduler: the scheduler to restore.
+        :returns: ``StateLoad(extra, skipped)``: the ``extra`` saved, and what was not restored.
+        :raises StateDictError: another model's checkpoint, another optimizer or param-group layout, other
+            state keys, a truncated directory: every problem listed before anything changes.
+        :raises DistributedStateError: the ranks called it with different arguments, or another rank failed.
+        """
         ...

@@ -55,6 +55,12 @@ def register_adapter(cls: type[Adapter], *, override: bool = False) -> type[Adap
     and implement ``matches`` (and ``inner`` unless it sets ``peels = False``).
     A name already taken is refused unless ``override=True``, which replaces the
     earlier registration (a built-in adapter can be shadowed, not removed).
+
+    :param cls: the ``Adapter`` subclass.
+    :param override: replace an adapter registered under the same name.
+    :returns: ``cls``.
+    :raises AdapterRegistrationError: not an ``Adapter`` subclass, no name or ``matches`` of its own, or a
+        name already taken without ``override``.
     """
     if not (isinstance(cls, type) and issubclass(cls, Adapter)):
         raise AdapterRegistrationError(

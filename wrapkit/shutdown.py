@@ -40,7 +40,11 @@ def shutdown(exit_code: int = 0) -> NoReturn:
     """End a distributed script: destroy the process group and exit with ``exit_code``, on every rank.
 
     Call it once, on every rank, after the last collective (it makes one more: a barrier). It never
-    returns. ``atexit`` handlers run and open files are flushed on every path."""
+    returns. ``atexit`` handlers run and open files are flushed on every path.
+
+    :param exit_code: the process's exit status, 0-255.
+    :raises ArgumentError: ``exit_code`` is not an int in 0-255 (before anything is torn down).
+    """
     if isinstance(exit_code, bool) or not isinstance(exit_code, int) or not 0 <= exit_code <= 255:
         raise ArgumentError(f"shutdown(exit_code={exit_code!r}): pass an int in 0..255 (0: success)")
     gc.collect()  # wrappers and tensors left in reference cycles go while the group still exists

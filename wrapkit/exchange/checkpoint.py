@@ -61,7 +61,13 @@ def save(wm: Adapter, path: str | os.PathLike[str]) -> None:
 
 
 def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """Read a safetensors file into CPU tensors; ``StateDictError`` if it is missing, truncated or corrupt."""
+    """Read a safetensors file into CPU tensors. No collective.
+
+    :param path: the ``.safetensors`` file.
+    :raises StateDictError: the file is missing, truncated or corrupt.
+    :raises ArgumentError: ``path`` is not a path.
+    :raises MissingDependencyError: safetensors is not installed.
+    """
     path = _args.path(path, "path", "read_checkpoint")
     st = require("safetensors.torch", feature="loading a safetensors checkpoint", extra="transformers")
     if not os.path.isfile(path):
