@@ -113,11 +113,33 @@ def sharded(model: nn.Module, apply: Any = None) -> nn.Module:
     return model
 
 
+def hub_files(directory: str) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors files in ``directory``, by name."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(os.listdir(directory)) if f.endswith(".safetensors")
+            for k, v in load_file(os.path.join(directory, f)).items()}
+
+
+def loads_theirs(wm: Any, adapter: Any, other: nn.Module, directory: str) -> dict[str, Any]:
+    """A Hub directory torchtitan's own ``to_hf`` wrote of ``other``'s state dict, loaded into ``wm``: what the
+    load reported, and whether ``wm`` then holds ``other``'s state dict."""
+    from safetensors.torch import save_file
+
+    if dist.get_rank() == 0:
+        os.makedirs(directory, exist_ok=True)
+        save_file({k: v.contiguous() for k, v in adapter.to_hf(dict(other.state_dict())).items()},
+                  os.path.join(directory, "model.safetensors"))
+    dist.barrier()
+    report = list(wm.load(directory))
+    got = wm.full_state_dict(rank0_only=False)
+    return {"load": report, "loaded_equal": all(torch.equal(got[k], v) for k, v in other.state_dict().items())}
+
+
 def hub_checks(make: Any, out: str) -> dict[str, Any]:
     """One torchtitan model sharded by torchtitan, in the Hub's layout, against torchtitan's own ``to_hf`` of the
     unsharded model's state dict and transformers' model of the ``config.json`` written beside it."""
     import transformers
-    from safetensors.torch import load_file, save_file
 
     from wrapkit.formats.torchtitan import titan_layout
     from wrapkit.integrations.vllm import load_into
@@ -130,8 +152,7 @@ def hub_checks(make: Any, out: str) -> dict[str, Any]:
     obs: dict[str, Any] = {}
     saved = os.path.join(out, "saved")
     wm.save_pretrained(saved)
-    files = {k: v for f in sorted(os.listdir(saved)) if f.endswith(".safetensors")
-             for k, v in load_file(os.path.join(saved, f)).items()}
+    files = hub_files(saved)
     obs["save_keys"] = sorted(files) == sorted(want)
     obs["save_values"] = all(torch.equal(files[k], want[k]) for k in want if k in files)
     # A stream carries the parameters (DeepSeek-V3's expert biases are buffers, which only the files hold).
@@ -151,16 +172,7 @@ def hub_checks(make: Any, out: str) -> dict[str, Any]:
             obs["hf_logits"] = float((hub(tokens).logits - whole(tokens)).abs().max())
             obs["fed_logits"] = float((fed(tokens).logits - whole(tokens)).abs().max())
     # A Hub directory written by torchtitan's own to_hf (another model's weights) loaded into the sharded one.
-    theirs = os.path.join(out, "theirs")
-    other = make(7)
-    if dist.get_rank() == 0:
-        os.makedirs(theirs, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in adapter.to_hf(dict(other.state_dict())).items()},
-                  os.path.join(theirs, "model.safetensors"))
-    dist.barrier()
-    obs["load"] = list(wm.load(theirs))
-    got = wm.full_state_dict(rank0_only=False)
-    obs["loaded_equal"] = all(torch.equal(got[k], v) for k, v in other.state_dict().items())
+    obs.update(loads_theirs(wm, adapter, make(7), os.path.join(out, "theirs")))
     return obs
 
 
@@ -221,7 +233,6 @@ def expert_parallel(out: str) -> dict[str, Any]:
     DDP and on the same layout."""
     import torch.distributed.checkpoint as dcp
     import torchtitan.distributed.parallel_dims as parallel_dims
-    from safetensors.torch import load_file, save_file
     from torch.nn.parallel import DistributedDataParallel
     from torchtitan.components.checkpointer.base import ModelWrapper
     from torchtitan.components.optimizer import default_adamw
@@ -257,8 +268,7 @@ def expert_parallel(out: str) -> dict[str, Any]:
     saved = os.path.join(out, "ep")
     wm.save_pretrained(saved)
     dist.barrier()
-    files = {k: v for f in sorted(os.listdir(saved)) if f.endswith(".safetensors")
-             for k, v in load_file(os.path.join(saved, f)).items()}
+    files = hub_files(saved)
     adapter = type(titan_layout(whole).to_hub.__self__)(whole.config, None)
     hub = adapter.to_hf(dict(want))
     buffers = {n for n, _ in whole.named_buffers()}
@@ -279,15 +289,7 @@ def expert_parallel(out: str) -> dict[str, Any]:
     obs["reference"] = all(torch.equal(back[k], want[k]) for k in want)
     # A Hub directory torchtitan's to_hf wrote, loaded: each rank its experts.
     other = qwen3(True, seed=7)
-    theirs = os.path.join(out, "ep_theirs")
-    if dist.get_rank() == 0:
-        os.makedirs(theirs, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in adapter.to_hf(dict(other.state_dict())).items()},
-                  os.path.join(theirs, "model.safetensors"))
-    dist.barrier()
-    obs["load"] = list(wm.load(theirs))
-    got = wm.full_state_dict(rank0_only=False)
-    obs["loaded_equal"] = all(torch.equal(got[k], v) for k, v in other.state_dict().items())
+    obs.update(loads_theirs(wm, adapter, other, os.path.join(out, "ep_theirs")))
     with torch.no_grad():
         obs["loaded_forward"] = float((wm(tokens) - other(tokens)).abs().max())
     # A step, and torchtitan's checkpoint of it resumed on DDP and on expert parallelism again.
@@ -351,11 +353,21 @@ def _step(schedule: Any, stage: Any, tokens: torch.Tensor) -> float | None:
     return float(torch.stack(losses).detach().mean()) if losses else None
 
 
+def resumed_into(target: Any, module: nn.Module, directory: str, weights: dict[str, torch.Tensor],
+                 theirs: dict[str, dict[str, torch.Tensor]]) -> bool:
+    """``load_state`` of ``directory`` into ``target`` (``module``: its model, whose parameters a fresh AdamW
+    steps): every weight of ``weights`` and every moment of ``theirs`` (by name) restored exactly."""
+    opt = torch.optim.AdamW(module.parameters(), lr=0.5)
+    target.load_state(directory, opt)
+    got, mine = target.full_state_dict(rank0_only=False), moments(module, opt)
+    return all(torch.equal(got[k], v) for k, v in weights.items()) and len(theirs) > 0 and all(
+        torch.equal(mine[k][s], v) for k, m in theirs.items() for s, v in m.items())
+
+
 def pipeline_checks(make: Any, out: str) -> dict[str, Any]:
     """One torchtitan model cut into stages by torchtitan's pipeline: every operation against the unsharded model
     and torchtitan's to_hf; a step of its schedule and its checkpoint, resumed on DDP and on stages again."""
     import torch.distributed.checkpoint as dcp
-    from safetensors.torch import load_file, save_file
     from torch.nn.parallel import DistributedDataParallel
     from torchtitan.components.checkpointer.base import ModelWrapper
     from torchtitan.components.optimizer import default_adamw
@@ -375,8 +387,7 @@ def pipeline_checks(make: Any, out: str) -> dict[str, Any]:
     saved = os.path.join(out, "saved")
     wm.save_pretrained(saved)
     dist.barrier()
-    files = {k: v for f in sorted(os.listdir(saved)) if f.endswith(".safetensors")
-             for k, v in load_file(os.path.join(saved, f)).items()}
+    files = hub_files(saved)
     obs["files"] = sorted(files) == sorted(hub) and all(torch.equal(files[k], hub[k]) for k in hub)
     streamed = {n: t.clone() for b in wm.stream_full_parameters(bucket_bytes=2**20) for n, t in b.named_tensors()}
     obs["stream"] = len(streamed) > 0 and all(torch.equal(t, hub[n]) for n, t in streamed.items())
@@ -395,15 +406,7 @@ def pipeline_checks(make: Any, out: str) -> dict[str, Any]:
     # A Hub directory torchtitan's to_hf wrote, loaded: each stage its own layers, and the schedule's loss is then
     # the loss of the model the directory came from.
     other = make(7)
-    theirs = os.path.join(out, "theirs")
-    if dist.get_rank() == 0:
-        os.makedirs(theirs, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in adapter.to_hf(dict(other.state_dict())).items()},
-                  os.path.join(theirs, "model.safetensors"))
-    dist.barrier()
-    obs["load"] = list(wm.load(theirs))
-    got = wm.full_state_dict(rank0_only=False)
-    obs["loaded_equal"] = all(torch.equal(got[k], v) for k, v in other.state_dict().items())
+    obs.update(loads_theirs(wm, adapter, other, os.path.join(out, "theirs")))
     loss = _step(schedule, stage, tokens)
     with torch.no_grad():
         other_loss = float(_loss(other(tokens), tokens.roll(-1, 1))[0])
@@ -419,40 +422,17 @@ def pipeline_checks(make: Any, out: str) -> dict[str, Any]:
     dcp.save({**ModelWrapper([stage.submod]).state_dict(), "optimizer": optimizers}, checkpoint_id=ckpt)
     trained_state = wm.full_state_dict(rank0_only=False)
     theirs_moments = moments(stage.submod, optimizers.optimizers[0])
-    target = wrapkit.adapt(DistributedDataParallel(make(1)))
-    opt = torch.optim.AdamW(target.module.parameters(), lr=0.5)
-    target.load_state(ckpt, opt)
-    got = target.full_state_dict(rank0_only=False)
-    mine = moments(target.module.module, opt)
-    obs["resumed_ddp"] = all(torch.equal(got[k], v) for k, v in trained_state.items())
-    obs["moments_ddp"] = len(theirs_moments) > 0 and all(
-        torch.equal(mine[k][s], v) for k, m in theirs_moments.items() for s, v in m.items())
+    ddp = wrapkit.adapt(DistributedDataParallel(make(1)))
+    obs["resumed_ddp"] = resumed_into(ddp, ddp.module.module, ckpt, trained_state, theirs_moments)
     _, again = pipelined(make, 2)
-    again_wm = wrapkit.adapt(again)
-    opt = torch.optim.AdamW(again.submod.parameters(), lr=0.5)
-    again_wm.load_state(ckpt, opt)
-    got = again_wm.full_state_dict(rank0_only=False)
-    obs["resumed_stages"] = all(torch.equal(got[k], v) for k, v in trained_state.items())
-    mine = moments(again.submod, opt)
-    obs["moments_stages"] = all(torch.equal(mine[k][s], v) for k, m in theirs_moments.items() for s, v in m.items())
+    obs["resumed_stages"] = resumed_into(wrapkit.adapt(again), again.submod, ckpt, trained_state, theirs_moments)
     # wrapkit's own save_state of the stages (torchtitan's optimizer container), resumed on DDP and on stages.
     own = os.path.join(out, "own_state")
     wm.save_state(own, optimizers)
-    target = wrapkit.adapt(DistributedDataParallel(make(4)))
-    opt = torch.optim.AdamW(target.module.parameters(), lr=0.5)
-    target.load_state(own, opt)
-    got = target.full_state_dict(rank0_only=False)
-    mine = moments(target.module.module, opt)
-    obs["own_ddp"] = all(torch.equal(got[k], v) for k, v in trained_state.items()) and all(
-        torch.equal(mine[k][s], v) for k, m in theirs_moments.items() for s, v in m.items())
+    ddp = wrapkit.adapt(DistributedDataParallel(make(4)))
+    obs["own_ddp"] = resumed_into(ddp, ddp.module.module, own, trained_state, theirs_moments)
     _, again = pipelined(make, 5)
-    again_wm = wrapkit.adapt(again)
-    opt = torch.optim.AdamW(again.submod.parameters(), lr=0.5)
-    again_wm.load_state(own, opt)
-    got = again_wm.full_state_dict(rank0_only=False)
-    mine = moments(again.submod, opt)
-    obs["own_stages"] = all(torch.equal(got[k], v) for k, v in trained_state.items()) and all(
-        torch.equal(mine[k][s], v) for k, m in theirs_moments.items() for s, v in m.items())
+    obs["own_stages"] = resumed_into(wrapkit.adapt(again), again.submod, own, trained_state, theirs_moments)
     return obs
 
 

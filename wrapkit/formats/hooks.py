@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import collections
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -23,7 +23,7 @@ from .._names import canonical_name
 from ..base.module_internals import live_entries, load_state_dict_pre_hooks, state_dict_hooks, state_dict_version
 from .mapped import WholeBuild, row_segments
 
-__all__ = ["HookLayout", "Chained", "StateHooks"]
+__all__ = ["HookLayout", "Chained", "StateHooks", "by_group", "group_of"]
 
 Entries = Mapping[str, tuple[tuple[int, ...], str]]
 Reader = Callable[[str], torch.Tensor]
@@ -45,6 +45,47 @@ def _outermost(model: torch.nn.Module, hooks: Callable[[torch.nn.Module], list[A
         if _own(mod, hooks) and not any(prefix.startswith(p) for p in found):
             found[prefix] = name
     return found
+
+
+def group_of(name: str, member: Mapping[str, str], prefixes: Container[str]) -> str | None:
+    """The group ``name`` is in: its own entry in ``member``, else the longest of its dotted prefixes that is one
+    of ``prefixes``; None where neither."""
+    found = member.get(name)
+    if found is not None:
+        return found
+    parts = name.split(".")
+    for i in range(len(parts) - 1, -1, -1):
+        prefix = ".".join(parts[:i]) + "." if i else ""
+        if prefix in prefixes:
+            return prefix
+    return None
+
+
+def by_group(entries: Iterable[tuple[str, torch.Tensor]], group_of: Callable[[str], str | None],
+             complete: Callable[[str, dict[str, torch.Tensor]], bool],
+             made: Callable[[str, dict[str, torch.Tensor]], Iterable[tuple[str, torch.Tensor]]]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``entries`` with each group's tensors (``group_of``) replaced by what ``made`` makes of them, once the
+    group is ``complete``, or its run of tensors ends, or the stream does; the others as they come. A tensor that
+    waits is copied: a gather may reuse its storage."""
+    waiting: dict[str, dict[str, torch.Tensor]] = {}
+    current: str | None = None
+    for name, tensor in entries:
+        prefix = group_of(name)
+        if current is not None and prefix != current:
+            yield from made(current, waiting.pop(current))
+            current = None
+        if prefix is None:
+            yield name, tensor
+            continue
+        group = waiting.setdefault(prefix, {})
+        group[name] = tensor.clone()
+        current = prefix
+        if complete(prefix, group):
+            yield from made(prefix, waiting.pop(prefix))
+            current = None
+    for prefix, group in waiting.items():
+        yield from made(prefix, group)
 
 
 # The groups of each model, found once: a stream every few steps would walk every module again. Weak on
@@ -92,39 +133,17 @@ class HookLayout:
     def group_of(self, name: str) -> str | None:
         """The prefix of the saving group ``name`` is under (by its dotted prefixes: a merged stream's base names
         are not the PEFT model's member names), or None."""
-        found = self.member.get(name)
-        if found is not None:
-            return found
-        parts = name.split(".")
-        for i in range(len(parts) - 1, -1, -1):
-            prefix = ".".join(parts[:i]) + "." if i else ""
-            if prefix in self.saving:
-                return prefix
-        return None
+        return group_of(name, self.member, self.saving)
 
     def export(self, entries: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The state dict's ``(name, tensor)`` for a stream of runtime ones. A group's tensors wait for the
         rest of the group (copied, since a gather may reuse their storage): until all its names have come, or
         the run of its tensors ends (a stream of parameters alone, or one under a merged model's names), or the
         stream does."""
-        waiting: dict[str, dict[str, torch.Tensor]] = {}
-        current: str | None = None
-        for name, tensor in entries:
-            prefix = self.group_of(name)
-            if current is not None and prefix != current:
-                yield from self.saved(current, waiting.pop(current)).items()
-                current = None
-            if prefix is None:
-                yield name, tensor
-                continue
-            group = waiting.setdefault(prefix, {})
-            group[name] = tensor.clone()
-            current = prefix
-            if len(group) == self.size[prefix] and all(n in self.member for n in group):
-                yield from self.saved(prefix, waiting.pop(prefix)).items()
-                current = None
-        for prefix, group in waiting.items():
-            yield from self.saved(prefix, group).items()
+        def complete(prefix: str, group: dict[str, torch.Tensor]) -> bool:
+            return len(group) == self.size[prefix] and all(n in self.member for n in group)
+
+        return by_group(entries, self.group_of, complete, lambda p, g: self.saved(p, g).items())
 
     # -- state dict -> runtime ----------------------------------------------------------------
     def loaded(self, prefix: str, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..._errors import UnsupportedModelError
 from ...base.module_internals import live_entries
-from ...formats.hooks import HookLayout
+from ...formats.hooks import HookLayout, by_group, group_of
 from ...formats.mapped import WholeBuild
 
 __all__ = ["HookGroup", "StageHooks", "own_hook_groups"]
@@ -81,38 +81,11 @@ class StageHooks:
         return ((p, g) for p, g in self.groups.items() if g.stage != self.me)
 
     # -- runtime -> state dict ----------------------------------------------------------------
-    def group_of(self, name: str) -> str | None:
-        found = self.member.get(name)
-        if found is not None:
-            return found
-        parts = name.split(".")
-        for i in range(len(parts) - 1, -1, -1):
-            prefix = ".".join(parts[:i]) + "." if i else ""
-            if prefix in self.groups:
-                return prefix
-        return None
-
     def export(self, entries: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """As ``HookLayout.export``, on every stage alike (``entries``: the whole model's, in the plan's order):
         a group completes by the plan's record of it, so every stage completes it at the same entry."""
-        waiting: dict[str, dict[str, torch.Tensor]] = {}
-        current: str | None = None
-        for name, tensor in entries:
-            prefix = self.group_of(name)
-            if current is not None and prefix != current:
-                yield from self._made(current, waiting.pop(current))
-                current = None
-            if prefix is None:
-                yield name, tensor
-                continue
-            group = waiting.setdefault(prefix, {})
-            group[name] = tensor.clone()  # a gather may reuse its storage
-            current = prefix
-            if set(group) == set(self.groups[prefix].members):
-                yield from self._made(prefix, waiting.pop(prefix))
-                current = None
-        for prefix, group in waiting.items():
-            yield from self._made(prefix, group)
+        return by_group(entries, lambda name: group_of(name, self.member, self.groups),
+                        lambda prefix, group: set(group) == set(self.groups[prefix].members), self._made)
 
     def _made(self, prefix: str, values: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """What the hooks of group ``prefix`` make of its full ``values``: run by the stage holding it, its
