@@ -232,12 +232,18 @@ class HookLayout:
         the meta device; a group whose hooks fail there keeps its own names)."""
         names = {n: s for n, s in shapes.items() if n not in self.member}
         for prefix in self.saving:
-            metas = {n: torch.empty(s, device="meta") for n, s in shapes.items() if self.member.get(n) == prefix}
-            try:
-                names.update({n: tuple(t.shape) for n, t in self.saved(prefix, metas).items()})
-            except Exception:  # hooks that need real values
-                names.update({n: tuple(t.shape) for n, t in metas.items()})
+            names.update(self.group_state(prefix, shapes))
         return names
+
+    def group_state(self, prefix: str, shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+        """The state dict's names and shapes that group ``prefix``'s hooks make of its tensors (``shapes``: by
+        runtime name; the other groups' are not looked at), the hooks run on the meta device; the group's own
+        names where they fail there."""
+        metas = {n: torch.empty(s, device="meta") for n, s in shapes.items() if self.member.get(n) == prefix}
+        try:
+            return {n: tuple(t.shape) for n, t in self.saved(prefix, metas).items()}
+        except Exception:  # hooks that need real values
+            return {n: tuple(t.shape) for n, t in metas.items()}
 
     def importer(self, shapes: Mapping[str, tuple[int, ...]]) -> HookImporter:
         """A ``HookImporter`` into a model whose runtime names have ``shapes``."""

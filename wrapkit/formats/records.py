@@ -137,7 +137,7 @@ def describe(f: IO[bytes], start: int, length: int) -> Record | None:
         return None
     found = entries.get(f"{archive}data/{key}")
     if found is None or found[1] != 0 or numel != math.prod(t.size) or \
-            found[2] != numel * torch.empty((), dtype=dtype).element_size():
+            found[2] != numel * dtype.itemsize:
         return None
     data = _data_at(f, start, found[0])
     return None if data is None else Record(dtype, t.size, data)

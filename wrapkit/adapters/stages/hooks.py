@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from ..._errors import UnsupportedModelError
-from ...base.module_internals import live_entries
 from ...formats.hooks import HookLayout, by_group, group_of
 from ...formats.mapped import WholeBuild
 
@@ -44,10 +43,9 @@ def own_hook_groups(root: torch.nn.Module, shapes: Mapping[str, Shape]) -> Group
     if layout is None:
         return {}
     out: Groups = {}
-    for prefix, mod in layout.saving.items():
-        members = [prefix + name for name, _ in live_entries(mod)]
-        made = layout.state_names({n: shapes[n] for n in members if n in shapes})
-        out[prefix] = (members, list(made.items()))
+    for prefix in layout.saving:
+        members = [n for n, group in layout.member.items() if group == prefix]
+        out[prefix] = (members, list(layout.group_state(prefix, shapes).items()))
     return out
 
 
