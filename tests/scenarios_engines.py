@@ -36,9 +36,32 @@ def _train_step(wm: Any, model: torch.nn.Module, lr: float = 0.1) -> None:
                 p.grad = None
 
 
-def sync_to_standin(cases: list[dict[str, Any]], url: str, ports: list[int], dump_dir: str) -> dict[str, Any]:
-    """For each case (``spec``, ``family``, ``precision``): sync, train a step, sync again; after each sync the
-    stand-in's weights against the model's full state dict."""
+def _engine(kind: str, url: str, port: int, name: str, timeout: float) -> Any:
+    """The engine of ``kind`` (``"sglang"``, ``"vllm"``) at the stand-in ``url``, its group's store at ``port``."""
+    if kind == "vllm":
+        from wrapkit.integrations.vllm import VLLMEngine
+
+        return VLLMEngine(url, master_port=port, backend="gloo", timeout=timeout, buffer_bytes=24 * 1024)
+    return SGLangEngine(url, master_port=port, group_name=f"{name}-{port}", timeout=timeout)
+
+
+def _split_model(tmp: str, case: dict[str, Any]) -> Any:
+    """transformers' own split of ``case["family"]``: two pipeline stages, or the experts split over the ranks."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from tests.scenarios_foreign import saved
+
+    directory = saved(tmp, f"{case['family']}-split", lambda: family_model(case["family"], 0))
+    split = DistributedConfig(pp_size=2) if case["split"] == "pipeline" else DistributedConfig(fsdp_size=2, ep_size=2)
+    return wrapkit.adapt(AutoModelForCausalLM.from_pretrained(directory, distributed_config=split))
+
+
+def sync_to_standin(cases: list[dict[str, Any]], url: str, ports: list[int], dump_dir: str,
+                    kind: str = "sglang") -> dict[str, Any]:
+    """For each case (``spec``, ``family``, ``precision``, ``topology``, ``merge``; or ``split``): sync to the
+    stand-in of ``kind``, train a step, sync again (a split model syncs once); after each sync the stand-in's
+    weights against the model's full state dict."""
     out: dict[str, Any] = {}
     for case, port in zip(cases, ports, strict=True):
         model = family_model(case["family"], seed=0)
@@ -47,12 +70,16 @@ def sync_to_standin(cases: list[dict[str, Any]], url: str, ports: list[int], dum
 
             config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
             model = fill_adapters(get_peft_model(model, config), seed=1)
-        wm = wrapkit.adapt(build(case["spec"], model=model, precision=case.get("precision", "fp32")))
-        engine = SGLangEngine(url, master_port=port, group_name=f"wk-{case['spec']}-{port}", timeout=60)
+        if case.get("split"):
+            wm = _split_model(dump_dir, case)
+        else:
+            wm = wrapkit.adapt(build(case["spec"], model=model, precision=case.get("precision", "fp32"),
+                                     topology=case.get("topology", "flat")))
+        engine = _engine(kind, url, port, f"wk-{case.get('spec', 'split')}", 60)
         engine.connect()
         syncs = []
         try:
-            for step in range(2):
+            for step in range(1 if case.get("split") else 2):
                 if step:
                     _train_step(wm, model)
                 merge = bool(case.get("merge"))
@@ -60,7 +87,7 @@ def sync_to_standin(cases: list[dict[str, Any]], url: str, ports: list[int], dum
                 want = wm.full_state_dict(merge_adapters=merge)
                 obs: dict[str, Any] = {"report": report._asdict()}
                 if dist.get_rank() == 0:
-                    path = os.path.join(dump_dir, f"{case['spec']}-{port}-{step}.pt")
+                    path = os.path.join(dump_dir, f"{case.get('spec')}-{port}-{step}.pt")
                     obs["calls"] = call(url, "standin_dump", {"path": path}, 60)["calls"]
                     held = torch.load(path)
                     obs["wrong"] = [k for k, v in held.items() if k not in want or not torch.equal(
@@ -74,11 +101,11 @@ def sync_to_standin(cases: list[dict[str, Any]], url: str, ports: list[int], dum
     return out
 
 
-def sync_expecting_failure(url: str, port: int, connect_only: bool = False) -> list[str]:
+def sync_expecting_failure(url: str, port: int, connect_only: bool = False, kind: str = "sglang") -> list[str]:
     """A sync to an engine that refuses or is gone, then another: what each raised on this rank (every rank
     must raise alike, and the second call must not hang where the first left the group out of step)."""
     wm = wrapkit.adapt(build("fsdp2", model=family_model("llama", seed=0)))
-    engine = SGLangEngine(url, master_port=port, group_name=f"wk-fail-{port}", timeout=10)
+    engine = _engine(kind, url, port, "wk-fail", 10)
     outcomes = []
     try:
         for _ in range(1 if connect_only else 2):

@@ -5,16 +5,34 @@ which models an engine sync serves (those held by every rank of the job, over wh
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
 from .._agree import broadcast_object, span
 from .._errors import EngineError, UnsupportedModelError
 
-__all__ = ["call", "request", "refuse_partial", "distributed", "rank", "world_size", "share"]
+__all__ = ["EngineSync", "call", "request", "refuse_partial", "distributed", "rank", "world_size", "share", "why",
+           "in_thread", "answer_of"]
+
+
+class EngineSync(NamedTuple):
+    """What one ``sync`` moved, the same on every trainer rank. ``buckets``: the broadcasts the engine received.
+    ``verified``: the tensors whose first row the engine echoed back equal to what was sent (SGLang's
+    ``get_weights_by_name``, for the first and last tensor of each bucket; empty where the engine's model cannot
+    echo a name). ``version``: the weight version the engine reported holding after the sync (vLLM), None where
+    the engine keeps none (SGLang)."""
+
+    tensors: int
+    buckets: int
+    bytes: int
+    seconds: float
+    verified: list[str]
+    version: str | None = None
 
 
 def call(base_url: str, route: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -88,3 +106,32 @@ def refuse_partial(wm: Any, where: str, why: str, fix: str = "") -> None:
         return
     raise UnsupportedModelError(f"{where}: the model lies over {held_by} of the job's {world_size()} ranks; {why}, "
                                 f"so it serves a model held by all of them (one copy, or replicas of it){fix}")
+
+
+def why(exc: BaseException) -> str:
+    """An exception as an engine sync reports it: an ``EngineError``'s own words, else its type and message."""
+    return str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
+
+
+def in_thread(fn: Callable[[], Any]) -> tuple[dict[str, Any], threading.Thread]:
+    """Run ``fn`` beside a blocking collective (an engine call, or the join of a group while the engine is
+    called): its ``"value"``, or its ``"error"``, lands in the returned dict."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except Exception as exc:
+            box["error"] = why(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return box, thread
+
+
+def answer_of(box: dict[str, Any]) -> dict[str, Any]:
+    """An engine call's answer from ``in_thread``'s box; a call that failed or is still waiting reads as a
+    refusal saying so."""
+    if "value" in box:
+        return dict(box["value"])
+    return {"success": False, "message": box.get("error", "nothing (still waiting when the timeout ran out)")}

@@ -1,4 +1,5 @@
-"""vLLM servers in other processes, told about a new LoRA adapter on each sync (vLLM 0.33's HTTP routes).
+"""vLLM servers in other processes (vLLM 0.33's HTTP routes): full weights over its weight-transfer wire
+(``connect`` / ``sync``, one server), and a new LoRA adapter on each ``sync_adapters``.
 
 vLLM takes adapters from files only (``/v1/load_lora_adapter`` with a path; no tensors over the wire), with
 ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`` set on the server. Each replica is its own server and is told alike.
@@ -6,12 +7,15 @@ vLLM takes adapters from files only (``/v1/load_lora_adapter`` with a path; no t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
+
+import torch
 
 from .._errors import ArgumentError
 from ._adapters import AdapterFiles, AdapterSync, Versions, check_arguments, sync_adapters
-from ._engine_wire import request
+from ._engine_wire import EngineSync, request
+from ._vllm_dense import DenseSender
 
 __all__ = ["VLLMEngine"]
 
@@ -19,18 +23,63 @@ __all__ = ["VLLMEngine"]
 class VLLMEngine:
     """vLLM servers at ``url`` (one url per data-parallel replica, each a server of its own).
 
-    ``timeout``: seconds for each call to a server. ``src_rank``: the trainer rank that talks to the servers (a
-    global rank); every other rank only takes part in the collective save and learns the outcome.
+    ``timeout``: seconds for each call to a server and, for ``sync``, each broadcast. ``src_rank``: the trainer
+    rank that talks to the servers (a global rank); every other rank only drives the gathers (or takes part in
+    the collective save) and learns the outcome.
+
+    For ``connect`` / ``sync`` (one server, started with ``--weight-transfer-config '{"backend":"nccl"}'`` and
+    ``VLLM_SERVER_DEV_MODE=1``): ``master_address`` / ``master_port``, where the sending rank hosts the transfer
+    group's rendezvous (the server's workers connect there); ``engine_ranks``, the server's workers (data x
+    tensor x pipeline parallel size); ``backend``, ``"nccl"`` (vLLM's own communicator, vLLM installed beside
+    the trainer) or ``"gloo"`` (a torch gloo group: vLLM has none; for receivers that speak it); ``buffer_bytes``,
+    the packed chunk size both ends cut the stream at.
     """
 
-    def __init__(self, url: str | Sequence[str], *, timeout: float = 120.0, src_rank: int = 0) -> None:
+    def __init__(self, url: str | Sequence[str], *, timeout: float = 120.0, src_rank: int = 0,
+                 master_port: int | None = None, master_address: str = "127.0.0.1", engine_ranks: int = 1,
+                 backend: str = "nccl", buffer_bytes: int = 2**30) -> None:
         self.urls = [url] if isinstance(url, str) else list(url)
         if not self.urls or not all(isinstance(u, str) and u for u in self.urls):
             raise ArgumentError(f"VLLMEngine(): url={url!r}: pass the url of each replica's server")
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ArgumentError(f"VLLMEngine(): timeout={timeout!r}: pass a positive number of seconds")
+        problem = _problem(timeout, master_port, engine_ranks, backend, buffer_bytes)
+        if problem is not None:
+            raise ArgumentError(f"VLLMEngine(): {problem}")
         self.timeout, self.src_rank = float(timeout), src_rank
         self._versions = Versions()
+        self._dense = DenseSender(self.urls[0], master_address, master_port or 0, engine_ranks, backend,
+                                  buffer_bytes, self.timeout, src_rank)
+
+    def connect(self) -> None:
+        """Join the server's weight-transfer group as its rank 0 (on every trainer rank; the sending rank joins,
+        the others learn the outcome). Raises ``EngineError`` on every rank where the server refused or its
+        workers did not join within the timeout."""
+        if self._dense.port == 0 or len(self.urls) != 1:
+            raise ArgumentError("VLLMEngine.connect(): the weight transfer needs master_port= and one server (its "
+                                f"data-parallel replicas share one group); got master_port={self._dense.port or None} "
+                                f"and {len(self.urls)} urls")
+        self._dense.connect()
+
+    def sync(self, wm: Any, *, bucket_bytes: int = 512 * 2**20, dtype: torch.dtype | None = None,
+             merge_adapters: bool = False, keep_dtype: Callable[[str], bool] | None = None,
+             pause: bool = True) -> EngineSync:
+        """Send ``wm``'s full weights in the Hub's layout (``stream_full_parameters`` with the same
+        ``bucket_bytes``, ``dtype``, ``merge_adapters`` and ``keep_dtype``, in ``weight_source``'s order) as one
+        update session. Every trainer rank calls it. ``pause``: the server pauses generation (``mode=keep``:
+        requests in flight wait) for the update and resumes after. The first sync of a model reads its metadata
+        with one pass of the stream. Returns what was sent, the same on every rank; ``version`` is the weight
+        version the server reported holding after it.
+
+        :raises EngineError: on every rank, quoting the server, where it refused or failed a step, did not
+            answer or receive within the timeout, or did not report this update's version after it. A sync
+            whose chunks did not all arrive also drops the transfer group: ``connect()`` again.
+        :raises ArgumentError: before ``connect()``.
+        :raises UnsupportedModelError: for a model held by some of the job's ranks only.
+        """
+        return self._dense.sync(wm, bucket_bytes, dtype, merge_adapters, keep_dtype, pause)
+
+    def close(self) -> None:
+        """Leave the transfer group (the server's side is closed by its ``/shutdown_weight_transfer_engine``)."""
+        self._dense.close()
 
     def sync_adapters(self, wm: Any, directory: str, *, name: str = "policy", adapter_name: str | None = None,
                       keep: int = 1) -> AdapterSync:
@@ -64,6 +113,23 @@ class VLLMEngine:
     def unload(self, url: str, served: str) -> str | None:
         status, answer = request(url, "v1/unload_lora_adapter", {"lora_name": served}, self.timeout)
         return None if status == 200 else _said(status, answer)
+
+
+def _problem(timeout: object, port: object, engine_ranks: object, backend: object, buffer: object) -> str | None:
+    def positive(v: object) -> bool:
+        return not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0
+
+    if not positive(timeout):
+        return f"timeout={timeout!r}: pass a positive number of seconds"
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+        return f"master_port={port!r}: pass a free TCP port"
+    if not positive(engine_ranks) or not isinstance(engine_ranks, int):
+        return f"engine_ranks={engine_ranks!r}: pass the server's worker count (data x tensor x pipeline size)"
+    if backend not in ("nccl", "gloo"):
+        return f"backend={backend!r}: pass 'nccl' (vLLM's own communicator) or 'gloo'"
+    if not positive(buffer) or not isinstance(buffer, int):
+        return f"buffer_bytes={buffer!r}: pass a positive int (bytes)"
+    return None
 
 
 def _said(status: int, answer: dict[str, Any]) -> str:

@@ -75,6 +75,7 @@ class HubSource:
         self._merge, self._keep, self._src = merge_adapters, keep_dtype, src_rank
         self._param_meta = param_meta
         self.last_error: str | None = None
+        self.raises = True  # False: a pass that failed only records it (a driver that agrees outcomes itself)
 
     # -- what the engine is told, once --------------------------------------------------------
     @cached_property
@@ -165,7 +166,7 @@ class HubSource:
     def _agree(self, error: str | None, raise_here: bool = True) -> None:
         error = share(error, self._src)
         self.last_error = error
-        if error is not None and raise_here:
+        if error is not None and raise_here and self.raises:
             raise EngineError(f"weight source: {error}. Build a new weight_source() after changing the model")
 
 

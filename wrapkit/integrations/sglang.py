@@ -13,10 +13,9 @@ from __future__ import annotations
 import base64
 import hashlib
 import pickle
-import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,21 +24,9 @@ from .._errors import ArgumentError, EngineError
 from .._results import Bucket, entry_bytes
 from ..base.process_groups import join_weight_group
 from ._adapters import AdapterFiles, AdapterSync, Versions, check_arguments, sync_adapters, temporary_root
-from ._engine_wire import call, rank, refuse_partial, share
+from ._engine_wire import EngineSync, answer_of, call, in_thread, rank, refuse_partial, share, why
 
 __all__ = ["SGLangEngine", "EngineSync", "AdapterSync", "flattened_bucket"]
-
-
-class EngineSync(NamedTuple):
-    """What one ``sync`` moved, the same on every trainer rank. ``verified``: the tensors (the first and last
-    of each bucket) whose first row the engine echoed back (``get_weights_by_name``) equal to what was sent;
-    empty where the engine's model cannot echo a name (SGLang implements it for some architectures only)."""
-
-    tensors: int
-    buckets: int
-    bytes: int
-    seconds: float
-    verified: list[str]
 
 
 def flattened_bucket(bucket: Bucket) -> tuple[torch.Tensor, list[str], list[str], list[list[int]]]:
@@ -102,7 +89,7 @@ class SGLangEngine:
             try:
                 self._group = self._join()
             except Exception as exc:  # any failure: the other ranks wait for the outcome below
-                error = _why(exc)
+                error = why(exc)
         self._raise_agreed(error, "connect")
         self._connected = True
 
@@ -133,7 +120,7 @@ class SGLangEngine:
             try:
                 error = self._begin(pause)
             except Exception as exc:
-                error = _why(exc)
+                error = why(exc)
         self._raise_agreed(error, "sync")
         sent: list[str] = []
         probes: dict[str, torch.Tensor] = {}
@@ -148,7 +135,7 @@ class SGLangEngine:
                     moved += n
                     buckets += 1
                 except Exception as exc:  # the stream is still read to its end: the gathers stay matched
-                    error = _why(exc)
+                    error = why(exc)
             del bucket
         verified: list[str] = []
         if sends:
@@ -157,7 +144,7 @@ class SGLangEngine:
             try:
                 error, verified = self._end(error, probes, pause)
             except Exception as exc:
-                error = error or _why(exc)
+                error = error or why(exc)
         self._raise_agreed(error, "sync")
         tensors, buckets, moved, verified = share((len(sent), buckets, moved, verified), self.src_rank)
         return EngineSync(tensors, buckets, moved, time.perf_counter() - t0, verified)
@@ -219,7 +206,7 @@ class SGLangEngine:
         # Both sides build the group at once: the engine's call returns once its workers joined it. The join
         # runs in a thread, so that a refusal or an engine that is gone is reported at once (the join then
         # ends by its own timeout).
-        joined, thread = _in_thread(lambda: join_weight_group(
+        joined, thread = in_thread(lambda: join_weight_group(
             self.master_address, port, 1 + self.engine_ranks, 0, self.group_name, self.backend,
             self.timeout))
         answer = self._call("init_weights_update_group", payload)
@@ -245,20 +232,20 @@ class SGLangEngine:
             return [], 0
         payload = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.group_name,
                    "flush_cache": True, "load_format": "flattened_bucket"}
-        box, thread = _in_thread(lambda: self._call("update_weights_from_distributed", payload))
+        box, thread = in_thread(lambda: self._call("update_weights_from_distributed", payload))
         try:
             dist.broadcast(flat, src=0, group=self._group)
         except Exception as exc:  # the group's timeout: the engine never took its part
             thread.join(self.timeout)
             self._broken = True
             raise EngineError(f"sending {len(names)} tensors ({names[0]}, ...) failed: {exc}; the engine "
-                              f"answered: {_said(_answer(box))}. The group is out of step: connect() again") from exc
+                              f"answered: {_said(answer_of(box))}. The group is out of step: connect() again") from exc
         thread.join(self.timeout)
         if thread.is_alive():
             self._broken = True
             raise EngineError(f"update_weights_from_distributed did not answer within {self.timeout:.0f} s after "
                               f"its {flat.numel()} bytes were sent")
-        answer = _answer(box)
+        answer = answer_of(box)
         if not _ok(answer):
             raise EngineError(f"update_weights_from_distributed refused {len(names)} tensors ({names[0]}, ...): "
                               f"{_said(answer)}")
@@ -324,34 +311,6 @@ def _problem(engine_ranks: object, group_name: object, backend: object, timeout:
     if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
         return f"master_port={port!r}: pass a free TCP port"
     return None
-
-
-def _why(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
-
-
-def _in_thread(fn: Callable[[], Any]) -> tuple[dict[str, Any], threading.Thread]:
-    """Run ``fn`` beside a blocking collective (an engine call, or the join of a group while the engine is
-    called): its ``"value"``, or its ``"error"``, lands in the returned dict."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except Exception as exc:
-            box["error"] = _why(exc)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return box, thread
-
-
-def _answer(box: dict[str, Any]) -> dict[str, Any]:
-    """An engine call's answer from ``_in_thread``'s box; a call that failed or is still waiting reads as a
-    refusal saying so."""
-    if "value" in box:
-        return dict(box["value"])
-    return {"success": False, "message": box.get("error", "nothing (still waiting when the timeout ran out)")}
 
 
 def _ok(answer: dict[str, Any]) -> bool:

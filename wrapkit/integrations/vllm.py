@@ -21,11 +21,12 @@ from ..formats.hub import HubLayout
 from ..sync.streaming import Bucket
 from ._adapters import AdapterSync
 from ._delta import DeltaReport, DeltaSync, SparsePatch
+from ._engine_wire import EngineSync
 from ._vllm_engine import VLLMEngine
 from ._vllm_source import HubSource, ParamMeta, vllm_interface, weight_source
 
-__all__ = ["load_into", "weight_source", "vllm_interface", "HubSource", "ParamMeta", "VLLMEngine", "AdapterSync",
-           "DeltaSync", "DeltaReport", "SparsePatch"]
+__all__ = ["load_into", "weight_source", "vllm_interface", "HubSource", "ParamMeta", "VLLMEngine", "EngineSync",
+           "AdapterSync", "DeltaSync", "DeltaReport", "SparsePatch"]
 
 
 def load_into(llm_or_model: Any, buckets: Iterable[Bucket]) -> list[str]:

@@ -1,0 +1,130 @@
+"""Full weights to a vLLM server in another process (``VLLMEngine.connect`` / ``sync``), against the stand-in of
+``tests/vllm_server_standin.py``: vLLM 0.33's weight-transfer routes, session rule and packed receive, over gloo."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import _matrix as matrix
+from tests import scenarios_engines as se
+from tests.standin_http import Servers
+from wrapkit.cli._workers import free_port
+from wrapkit.integrations._engine_wire import call
+
+STANDIN = Path(__file__).with_name("vllm_server_standin.py")
+
+
+class Standin(Servers):
+    """The stand-in server; ``mode()`` gives it a fresh model and behaviour."""
+
+    def __init__(self) -> None:
+        super().__init__(STANDIN)
+        self.url = self.urls[0]
+
+    def mode(self, family: str = "llama", **behaviour: Any) -> Standin:
+        assert call(self.url, "standin_mode", {"family": family, **behaviour}, 60)["success"]
+        return self
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Standin]:
+    s = Standin()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+# Gathered (FSDP2; ZeRO-3 on a tied model), whole (DDP in bf16), LoRA merged on the way, experts per expert
+# (Qwen3-MoE on FSDP1), transformers' pipeline stages funnelled to the sender; FSDP1, a vision-language and a
+# reward model, and ZeRO-3's own gathers, in the long selection.
+CASES = [{"spec": "fsdp2", "family": "llama"}, {"spec": "ddp", "family": "llama", "precision": "bf16", "merge": True},
+         {"spec": "zero3", "family": "qwen2-tied"}, {"spec": "fsdp", "family": "qwen3-moe"},
+         {"spec": "split", "split": "pipeline", "family": "llama"}]
+LONG_CASES = [{"spec": "fsdp", "family": "llama"}, {"spec": "fsdp2", "family": "qwen2-vl"},
+              {"spec": "zero3", "family": "llama-reward"}, {"spec": "split", "split": "experts", "family": "qwen3-moe"}]
+FOUR_RANK_CASES = [{"spec": "fsdp2", "family": "llama", "topology": "hsdp"}]
+
+
+def _check(per_rank: list[Any]) -> None:
+    reports = [[sync["report"] for sync in syncs] for syncs in per_rank]
+    for other in reports[1:]:  # agreed: the same report on every rank
+        assert reports[0] == [{**r, "seconds": reports[0][i]["seconds"]} for i, r in enumerate(other)]
+    versions = set()
+    for sync in per_rank[0]:
+        report = sync["report"]
+        assert report["tensors"] > 0 and report["buckets"] > 1 and report["bytes"] > 0, report
+        assert sync["compared"] > 0 and sync["wrong"] == [], sync["wrong"][:5]
+        versions.add(report["version"])
+        # One session per sync: paused, started, one update (every chunk), finished, version read back, resumed.
+        calls = sync["calls"]
+        assert calls[len(calls) - 1 - calls[::-1].index("pause"):] == [
+            "pause", "start_weight_update", "update_weights", "finish_weight_update", "weight_info", "resume",
+            "standin_dump"], calls
+    assert per_rank[0][0]["calls"][0] == "init_weight_transfer_engine"
+    assert len(versions) == len(per_rank[0]) and None not in versions  # a version of its own per sync
+
+
+def _run(group: Any, server: Standin, tmp_path: Path, cases: list[dict[str, Any]]) -> list[Any]:
+    server.mode(cases[0]["family"])
+    return group.run(se.sync_to_standin, cases, server.url, [free_port() for _ in cases], str(tmp_path), "vllm",
+                     timeout=240)
+
+
+@matrix.cases(CASES, LONG_CASES)
+def test_sync_to_vllm_equals_the_model(group: Any, server: Standin, tmp_path: Path, case: dict[str, Any]) -> None:
+    per_rank = _run(group, server, tmp_path, [case])
+    _check([obs[matrix.key(case)] for obs in per_rank])
+
+
+@matrix.cases(FOUR_RANK_CASES, [])
+def test_sync_to_vllm_on_four_ranks(group4: Any, server: Standin, tmp_path: Path, case: dict[str, Any]) -> None:
+    per_rank = _run(group4, server, tmp_path, [case])
+    _check([obs[matrix.key(case)] for obs in per_rank])
+
+
+@pytest.mark.parametrize("behaviour, said, then", [
+    ({"refuse": "start_weight_update"}, "start_weight_update was refused: HTTP 500: Call to collective_rpc",
+     "EngineError"),
+    # Refused before it received anything: the sender's chunks find no receiver, so every rank drops the group.
+    ({"refuse": "update_weights"}, "update_weights was refused: HTTP 500", "ArgumentError: VLLMEngine.sync() before"),
+    ({"refuse": "init_weight_transfer_engine"}, "init_weight_transfer_engine was refused",
+     "ArgumentError: VLLMEngine.sync() before"),
+    # Success answered, but the update never finished under this sync's version.
+    ({"forget_version": True}, "reports weight version None", "EngineError"),
+    # Metadata the server's model does not know: the load fails after the chunks arrived; the group stays usable.
+    ({"family": "qwen3-moe"}, "update_weights was refused: HTTP 500: Call to collective_rpc", "EngineError"),
+])
+def test_a_vllm_server_that_refuses_fails_every_rank(group: Any, server: Standin, behaviour: dict[str, Any],
+                                                     said: str, then: str) -> None:
+    server.mode(**behaviour)
+    t0 = time.monotonic()
+    outcomes = group.run(se.sync_expecting_failure, server.url, free_port(), False, "vllm", timeout=120)
+    assert all(first.startswith("EngineError") and said in first for first, _ in outcomes), outcomes
+    assert all(second.startswith(then) for _, second in outcomes), outcomes  # alike on every rank, no hang
+    assert time.monotonic() - t0 < 60
+
+
+def test_a_vllm_server_that_dies_mid_update_fails_every_rank(group: Any) -> None:
+    dying = Standin().mode(exit_after=1)  # exits as its second chunk arrives
+    try:
+        t0 = time.monotonic()
+        outcomes = group.run(se.sync_expecting_failure, dying.url, free_port(), False, "vllm", timeout=120)
+        assert all(first.startswith("EngineError") for first, _ in outcomes), outcomes
+        assert all(first == outcomes[0][0] for first, _ in outcomes), outcomes
+        assert time.monotonic() - t0 < 60  # within the engine's timeout (10 s) and the wire's, not for ever
+    finally:
+        dying.stop()
+
+
+def test_a_vllm_server_that_is_gone_fails_every_rank_at_once(group: Any) -> None:
+    t0 = time.monotonic()
+    outcomes = group.run(se.sync_expecting_failure, f"http://127.0.0.1:{free_port()}", free_port(), True, "vllm",
+                         timeout=120)
+    assert all(e.startswith("EngineError") and "did not answer" in e for [e] in outcomes), outcomes
+    assert time.monotonic() - t0 < 15  # reported at once, not after the group's timeout

@@ -1,0 +1,148 @@
+"""A stand-in for a vLLM 0.33 server's weight-transfer side (``VLLM_SERVER_DEV_MODE=1``), in a process of its own.
+
+Written from vLLM's released source: the routes of ``vllm/entrypoints/rl/online/api_router.py`` and their bodies
+(``init_info``, ``update_info`` and ``weight_version`` embedded; ``/pause`` takes its mode as a query; refusals
+answered with HTTP 500, since a worker's error comes back as a failed ``collective_rpc``), the worker's session
+rule (``gpu_worker.py``: ``start_weight_update`` twice, or ``update_weights`` / ``finish_weight_update`` without
+one, fail; a failed update ends the session; empty lists reuse the last round's metadata) and the packed receive
+of ``nccl_engine.py`` / ``packed_tensor.py`` (``tests/vllm_standin.receive``: the chunk cut from the metadata
+alone, each piece viewed in its dtype at its offset). The data plane is a gloo group of the trainer and one
+worker, rank 1 (vLLM's is NCCL); the model is a transformers model loaded by the Hub's names, as vLLM's
+``load_weights`` takes them (an unknown name fails the load).
+
+    python tests/vllm_server_standin.py --port P
+
+Two routes of its own drive the tests: ``/standin_mode {"family", "refuse", "exit_after", "forget_version"}``
+builds a fresh model of that family, a route to refuse, a chunk count after which the process exits while
+receiving, and whether ``finish_weight_update`` forgets its version while answering success;
+``/standin_dump {"path"}`` saves the model's state dict and answers with the calls received.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from wrapkit.cli._families import family_model
+from wrapkit.integrations._vllm_dense import gloo_group_name
+
+
+class Engine:
+    def __init__(self) -> None:
+        self.group: Any = None
+        self.lock = threading.Lock()
+        self.standin_mode({})
+
+    def standin_mode(self, req: dict[str, Any]) -> tuple[int, Any]:
+        self.model = family_model(req.get("family", "llama"), seed=1234).eval()
+        self.refuse, self.exit_after = req.get("refuse"), req.get("exit_after")
+        self.forget_version = bool(req.get("forget_version"))
+        self.active, self.version, self.meta = False, None, None
+        self.calls: list[str] = []
+        return 200, {"success": True}
+
+    def handle(self, method: str, route: str, req: dict[str, Any]) -> tuple[int, Any]:
+        route = route.split("?")[0]
+        self.calls.append(route)
+        if route == self.refuse:
+            return 500, {"error": {"message": f"Call to collective_rpc method failed: {route} refused by the stand-in",
+                                   "type": "InternalServerError", "code": 500}}
+        handler = getattr(self, route, None)
+        if handler is None or (method == "GET") != (route == "weight_info"):
+            return 404, {"detail": "Not Found"}
+        try:
+            return handler(req)  # type: ignore[no-any-return]
+        except Exception as exc:  # a worker's error, as vLLM's collective_rpc reports it
+            return 500, {"error": {"message": f"Call to collective_rpc method failed: {type(exc).__name__}: {exc}",
+                                   "type": "InternalServerError", "code": 500}}
+
+    def init_weight_transfer_engine(self, req: dict[str, Any]) -> tuple[int, Any]:
+        info = req["init_info"]
+        self.buffer = info.get("packed_buffer_size_bytes", 2**30)
+        wait = datetime.timedelta(seconds=60)
+        store, rank, world = next(c10d.rendezvous(f"tcp://{info['master_address']}:{info['master_port']}",
+                                                  info["rank_offset"], info["world_size"], timeout=wait))
+        name = gloo_group_name(info["master_port"])
+        group, _ = c10d._new_process_group_helper(world, rank, [], dist.Backend("gloo"), c10d.PrefixStore(name, store),
+                                                  group_name=name, timeout=wait)
+        c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
+        self.group = group
+        return 200, {"message": "Weight transfer initialized"}
+
+    def start_weight_update(self, req: dict[str, Any]) -> tuple[int, Any]:
+        if self.active:
+            raise RuntimeError("start_weight_update called while a weight update is already active.")
+        self.active = True
+        return 200, {"message": "Weight update started"}
+
+    def update_weights(self, req: dict[str, Any]) -> tuple[int, Any]:
+        from tests.vllm_standin import receive
+
+        if not self.active:
+            raise RuntimeError("start_weight_update must be called before update_weights.")
+        info = req["update_info"]
+        if info["names"]:
+            self.meta = list(zip(info["names"], info["dtype_names"], info["shapes"], strict=True))
+        try:
+            group = _Exiting(self.group, self.exit_after) if self.exit_after is not None else self.group
+            with self.lock, torch.no_grad():
+                receive(self.meta or [], group, self.buffer, self.model)
+        except BaseException:
+            self.active = False  # an error ends the session
+            raise
+        return 200, {"message": "Weights updated"}
+
+    def finish_weight_update(self, req: dict[str, Any]) -> tuple[int, Any]:
+        if not self.active:
+            raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
+        self.active = False
+        if not self.forget_version:
+            self.version = req.get("weight_version")
+        return 200, {"message": "Weight update finished"}
+
+    def weight_info(self, req: dict[str, Any]) -> tuple[int, Any]:
+        return 200, {"weight_version": self.version}
+
+    def pause(self, req: dict[str, Any]) -> tuple[int, Any]:
+        return 200, {"status": "paused"}
+
+    def resume(self, req: dict[str, Any]) -> tuple[int, Any]:
+        return 200, {"status": "resumed"}
+
+    def standin_dump(self, req: dict[str, Any]) -> tuple[int, Any]:
+        with self.lock:
+            torch.save({k: v.clone() for k, v in self.model.state_dict().items()}, req["path"])
+        return 200, {"success": True, "calls": self.calls}
+
+
+class _Exiting:
+    """The transfer group of a worker that dies after ``after`` chunks (its process exits mid-update)."""
+
+    def __init__(self, group: Any, after: int) -> None:
+        self.group, self.left = group, after
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        if self.left == 0:
+            os._exit(3)
+        self.left -= 1
+        return self.group.broadcast(tensors, opts)
+
+
+def _engine() -> Any:
+    return Engine().handle
+
+
+if __name__ == "__main__":
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))  # ``tests.vllm_standin`` from the repository
+    from standin_http import main  # run as a script: its own folder is on the path
+
+    main(_engine)

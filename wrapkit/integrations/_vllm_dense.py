@@ -1,0 +1,280 @@
+"""Full weights to a vLLM server in another process, sent by wrapkit on vLLM 0.33's weight-transfer wire.
+
+vLLM's own trainer-side sender (``NCCLTrainerWeightTransferEngine``) waits in its broadcast without a timeout and
+does not look at what the server did with the weights. This sender speaks the same protocol (the server's
+``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``, ``/finish_weight_update`` routes,
+``VLLM_SERVER_DEV_MODE=1``; the packed wire: tensors back to back as bytes in the metadata's order, a chunk
+closed right after the tensor that takes it past the buffer size, one broadcast per chunk), and adds what the
+trainer needs around it:
+
+- every HTTP call and every broadcast has a timeout, and the outcome is agreed by every trainer rank, so an
+  engine that refuses or dies makes every rank raise ``EngineError`` within it;
+- each chunk is broadcast, and waited for, before the stream gives the next tensor: the gathers that feed the
+  stream and the sends to the engine never interleave;
+- success is checked: the worker's ``update_weights`` call must return (it returns once every declared chunk
+  arrived and was loaded), the session is finished under a weight version of its own, and the server must report
+  that version back (``/weight_info``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._errors import ArgumentError, EngineError
+from ..base.process_groups import join_weight_group
+from ._engine_wire import EngineSync, answer_of, in_thread, rank, refuse_partial, request, share, why
+from ._vllm_source import HubSource, weight_source
+
+__all__ = ["DenseSender", "gloo_group_name"]
+
+
+def gloo_group_name(port: int) -> str:
+    """The name of a gloo transfer group at ``port`` (vLLM has none: a receiver of wrapkit's tests, or one that
+    adopts it, joins under this name)."""
+    return f"vllm-weights-{port}"
+
+
+class _Wire:
+    """The data plane, rank 0 of vLLM's transfer group (the engine's workers are ranks 1..N): vLLM's own NCCL
+    communicator, or a torch gloo group. ``broadcast`` returns once the chunk left, or raises within the
+    timeout."""
+
+    def __init__(self, backend: str, address: str, port: int, world: int, timeout: float) -> None:
+        self.backend, self.timeout = backend, timeout
+        if backend == "gloo":
+            self.group = join_weight_group(address, port, world, 0, gloo_group_name(port), "gloo", timeout)
+            return
+        try:
+            from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
+        except ImportError as exc:
+            raise EngineError("backend='nccl' joins vLLM's transfer group with vLLM's own NCCL communicator: "
+                              "install the server's vLLM release (0.33) in the trainer's environment") from exc
+        cuda: Any = torch.cuda  # its stream and event constructors are untyped
+        device = torch.device("cuda", cuda.current_device())
+        self.group = stateless_init_process_group(address, port, 0, world, device)
+        if getattr(self.group, "disabled", False):  # vLLM's communicator turns itself off without NCCL
+            raise EngineError("vLLM's NCCL communicator disabled itself on this rank (no NCCL here): its broadcasts "
+                              "would send nothing; send from a rank with a GPU")
+        self.stream = cuda.Stream(device)
+
+    def broadcast(self, flat: torch.Tensor) -> None:
+        if self.backend == "gloo":
+            dist.broadcast(flat, src=0, group=self.group)  # the group's own timeout bounds it
+            return
+        # On its own stream, waited for by polling: a worker that is gone must not hold this rank for ever.
+        self.stream.wait_stream(torch.cuda.current_stream())
+        self.group.broadcast(flat, src=0, stream=self.stream)
+        cuda: Any = torch.cuda
+        done = cuda.Event()
+        done.record(self.stream)
+        deadline = time.monotonic() + self.timeout
+        while not done.query():
+            if time.monotonic() > deadline:
+                raise EngineError(f"a broadcast of {flat.numel()} bytes did not complete within {self.timeout:.0f} s")
+            time.sleep(0.0005)
+
+    def close(self) -> None:
+        try:
+            if self.backend == "gloo":
+                dist.destroy_process_group(self.group)
+            else:
+                self.group.destroy()  # vLLM's: aborts the communicator
+        except Exception:  # already gone with its peers: nothing left to release
+            pass
+
+
+class DenseSender:
+    """The trainer side of vLLM's dense weight transfer for one server (see ``VLLMEngine.connect`` / ``sync``)."""
+
+    def __init__(self, url: str, address: str, port: int, engine_ranks: int, backend: str, buffer_bytes: int,
+                 timeout: float, src_rank: int) -> None:
+        self.url, self.address, self.port, self.engine_ranks = url, address, port, engine_ranks
+        self.backend, self.buffer_bytes, self.timeout, self.src_rank = backend, buffer_bytes, timeout, src_rank
+        self.wire: _Wire | None = None
+        self.connected = False  # on every rank: the group was joined, and not dropped since
+        self.broken = False
+        self.syncs = 0
+        self._tag = uuid.uuid4().hex[:8]
+        self._source: tuple[tuple[Any, ...], HubSource] | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def connect(self) -> None:
+        error = None
+        if rank() == self.src_rank:
+            try:
+                self.wire = self._join()
+            except Exception as exc:  # any failure: the other ranks wait for the outcome below
+                error = why(exc)
+        self._agreed(error, "connect")
+
+    def _join(self) -> _Wire:
+        world = 1 + self.engine_ranks
+        init = {"master_address": self.address, "master_port": self.port, "rank_offset": 1, "world_size": world,
+                "packed": True, "packed_buffer_size_bytes": self.buffer_bytes, "packed_num_buffers": 2}
+        # The workers' init call returns once they joined the group, so this rank joins beside it, in a thread:
+        # a refusal, or a server that is gone, is then reported at once (the join ends by its own timeout).
+        joined, thread = in_thread(lambda: _Wire(self.backend, self.address, self.port, world, self.timeout))
+        status, answer = self._call("init_weight_transfer_engine", {"init_info": init})
+        if status != 200:
+            raise EngineError(f"init_weight_transfer_engine was refused: {_said(answer, status)}")
+        thread.join(self.timeout)
+        if "value" not in joined:
+            raise EngineError(f"the server accepted the transfer group but this rank could not join it at "
+                              f"{self.address}:{self.port}: {joined.get('error', f'not within {self.timeout:.0f} s')}")
+        wire: _Wire = joined["value"]
+        return wire
+
+    def close(self) -> None:
+        if self.wire is not None:
+            self.wire.close()
+        self.wire, self.connected = None, False
+
+    # -- one update -----------------------------------------------------------------------------
+    def sync(self, wm: Any, bucket_bytes: int, dtype: torch.dtype | None, merge_adapters: bool,
+             keep_dtype: Callable[[str], bool] | None, pause: bool) -> EngineSync:
+        refuse_partial(wm, "VLLMEngine.sync()", "a sync is agreed over every rank of the job")
+        if not self.connected:
+            raise ArgumentError("VLLMEngine.sync() before connect(): call connect() on every rank first (again "
+                                "after a sync that left the transfer group out of step)")
+        t0 = time.perf_counter()
+        source = self._source_of(wm, bucket_bytes, dtype, merge_adapters, keep_dtype)
+        meta = source.metadata  # the first use is a pass of the stream on every rank
+        sends = rank() == self.src_rank
+        self.syncs += 1
+        version = f"wrapkit-{self._tag}-{self.syncs}"
+        error, box, thread, paused = None, None, None, False
+        if sends:
+            try:
+                paused = pause and self._pause()
+                self._expect(self._call("start_weight_update", {}), "start_weight_update")
+                info = {"names": [m.name for m in meta], "dtype_names": [str(m.dtype).removeprefix("torch.")
+                                                                          for m in meta],
+                        "shapes": [list(m.shape) for m in meta]}  # always whole: empty lists load nothing
+                box, thread = in_thread(lambda: self._call("update_weights", {"update_info": info}))
+            except Exception as exc:
+                error = why(exc)
+        tensors = chunks = moved = 0
+        pairs: Any = source.iter_full()  # a generator; off the sending rank this only drives the gathers
+        try:
+            parts: list[torch.Tensor] = []
+            size = 0
+            for _name, tensor in pairs:
+                if error is not None or box is None:
+                    break
+                parts.append(tensor.contiguous().view(-1).view(torch.uint8))
+                size += parts[-1].numel()
+                tensors += 1
+                if size > self.buffer_bytes or tensors == len(meta):  # vLLM's cut, on both ends
+                    error = self._send(parts, box)
+                    chunks, moved, parts, size = chunks + 1, moved + size, [], 0
+        finally:
+            pairs.close()  # a sender that stopped early: the stream is read to its end, the gathers matched
+        error = error or source.last_error
+        if sends:
+            error = self._end(error, box, thread, version, paused, tensors, len(meta))
+        self._agreed(error, "sync")
+        tensors, chunks, moved, version = share((tensors, chunks, moved, version), self.src_rank)
+        return EngineSync(tensors, chunks, moved, time.perf_counter() - t0, [], version)
+
+    def _source_of(self, wm: Any, bucket_bytes: int, dtype: torch.dtype | None, merge_adapters: bool,
+                   keep_dtype: Callable[[str], bool] | None) -> HubSource:
+        """One weight source per model and stream arguments, so the metadata pass is made once."""
+        key = (id(wm), bucket_bytes, dtype, merge_adapters, keep_dtype)
+        if self._source is None or self._source[0] != key:
+            source = weight_source(wm, bucket_bytes=bucket_bytes, dtype=dtype, merge_adapters=merge_adapters,
+                                   keep_dtype=keep_dtype, src_rank=self.src_rank)
+            source.raises = False  # its outcome joins this sync's, agreed once below
+            self._source = (key, source)
+        return self._source[1]
+
+    def _send(self, parts: list[torch.Tensor], box: dict[str, Any]) -> str | None:
+        if "error" in box or "value" in box:  # answered before its chunks were sent: the workers are not receiving
+            status, answer = _status(box)
+            self.broken = True  # chunks sent before the answer may wait unread on the wire
+            return f"update_weights was refused: {_said(answer, status)}"
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        assert self.wire is not None
+        try:
+            self.wire.broadcast(flat)
+        except Exception as exc:  # the workers never took their part (or are gone): out of step
+            self.broken = True
+            return f"sending {flat.numel()} bytes failed: {why(exc)}; the transfer group is out of step"
+        return None
+
+    def _end(self, error: str | None, box: dict[str, Any] | None, thread: Any, version: str, paused: bool,
+             sent: int, declared: int) -> str | None:
+        """Wait for the workers' answer, finish the session, check the version the server then reports, and
+        let generation go on (also after a failure)."""
+        try:
+            if thread is not None:
+                thread.join(1.0 if self.broken else self.timeout)  # out of step: the workers wait for chunks
+                if thread.is_alive():
+                    self.broken = True
+                    error = error or f"update_weights did not answer within {self.timeout:.0f} s"
+                elif error is None:
+                    status, answer = _status(box or {})
+                    if status != 200:
+                        error = f"update_weights was refused: {_said(answer, status)}"
+            if error is None and sent != declared:
+                error = f"{sent} of the {declared} tensors declared were sent"
+            if error is None:
+                self._expect(self._call("finish_weight_update", {"weight_version": version}), "finish_weight_update")
+                _, answer = request(self.url, "weight_info", None, self.timeout, method="GET")
+                if answer.get("weight_version") != version:
+                    error = (f"after the update the server reports weight version {answer.get('weight_version')!r}, "
+                             f"not {version!r}: it did not finish this update")
+        except Exception as exc:
+            error = error or why(exc)
+        if paused:
+            try:
+                self._expect(self._call("resume", {}), "resume")
+            except Exception as exc:
+                error = error or why(exc)
+        return error
+
+    # -- the control plane ------------------------------------------------------------------------
+    def _call(self, route: str, payload: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        return request(self.url, route, payload, self.timeout)
+
+    def _pause(self) -> bool:
+        # "keep": requests in flight are frozen in the queue and go on after /resume (nothing is aborted).
+        self._expect(self._call("pause?mode=keep", {}), "pause")
+        return True
+
+    @staticmethod
+    def _expect(reply: tuple[int, dict[str, Any]], route: str) -> None:
+        if reply[0] != 200:
+            raise EngineError(f"{route} was refused: {_said(reply[1], reply[0])}")
+
+    def _agreed(self, error: str | None, what: str) -> None:
+        """Every trainer rank learns the sending rank's outcome and raises alike. Where the transfer group fell out
+        of step every rank drops it, so that each needs ``connect()`` again, together."""
+        error, broken = share((error, self.broken), self.src_rank)
+        if broken:
+            self.close()
+            self.broken = False
+        if error is not None:
+            raise EngineError(f"VLLMEngine.{what}() at {self.url}: {error}")
+        self.connected = True
+
+
+def _status(box: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+    """An ``in_thread`` box of ``request`` as ``(status, answer)``; a call that failed or still waits reads as 0."""
+    if "value" in box:
+        status, answer = box["value"]
+        return int(status), dict(answer)
+    return 0, answer_of(box)
+
+
+def _said(answer: dict[str, Any], status: int = 0) -> str:
+    """vLLM's answer to a refusal: ``{"error": {"message"}}``, FastAPI's ``{"detail"}``, or what it said."""
+    error = answer.get("error")
+    message = error.get("message") if isinstance(error, dict) else error
+    message = message or answer.get("detail") or answer.get("message") or answer
+    return f"HTTP {status}: {message}" if status else str(message)
