@@ -122,6 +122,18 @@ def sync_expecting_failure(url: str, port: int, connect_only: bool = False, kind
     return outcomes
 
 
+def join_engine_threads() -> None:
+    """Wait for the engine calls a failure left waiting (a join of a group the engine refused ends by its own
+    timeout): the next scenario on this worker then starts with the threads it had before."""
+    import threading
+
+    from wrapkit.integrations._engine_wire import CALL_THREAD
+
+    for thread in threading.enumerate():
+        if thread.name == CALL_THREAD:
+            thread.join(30)
+
+
 def _through_vllm(source: Any, interface: str, transfer: Any, engine_model: torch.nn.Module | None,
                   buffer_bytes: int, want: Callable[[], dict[str, torch.Tensor]]) -> dict[str, Any]:
     """One ``send_weights()`` of ``source`` on every rank, received by ``engine_model`` (rank 0's transfer

@@ -13,7 +13,9 @@ by the Hub's names, as SGLang's ``load_weights`` takes them; the data plane is g
 prints ``ready`` once it listens. Two routes of its own drive the tests: ``/standin_mode {"family", "refuse",
 "skip"}`` builds a fresh model of that family and sets a route to refuse (``success: false``) and a name part
 whose tensors are dropped while success is still answered (as SGLang does for names its model does not know);
-``/standin_dump {"path"}`` saves the model's state dict and answers with the calls received.
+``/standin_dump {"path"}`` saves the model's state dict and answers with the calls received. For the benchmarks,
+``standin_mode`` takes a Llama ``size`` (``layers``, ``hidden``, ``vocab``), and ``/standin_bare {"sizes"}`` only
+receives broadcasts of those sizes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from wrapkit import Bucket, BucketEntry
 from wrapkit.cli._families import family_model
+from wrapkit.cli._models import tiny_llama
 from wrapkit.integrations.vllm import load_into
 
 
@@ -38,7 +41,8 @@ class Engine:
         self.standin_mode({})
 
     def standin_mode(self, req: dict[str, Any]) -> tuple[int, Any]:
-        self.model = family_model(req.get("family", "llama"), seed=1234).eval()
+        size = req.get("size")  # a Llama of that size (the benchmarks'), else the family's tiny model
+        self.model = (tiny_llama(1234, **size) if size else family_model(req.get("family", "llama"), seed=1234)).eval()
         self.refuse, self.skip = req.get("refuse"), req.get("skip")
         self.session = False
         self.calls: list[str] = []
@@ -113,6 +117,14 @@ class Engine:
         if tensor is None:
             return 400, {"object": "error", "message": "Get parameter by name failed", "code": 400}
         return 200, tensor.to(torch.float32).tolist()[: req.get("truncate_size", 100)]
+
+    def standin_bare(self, req: dict[str, Any]) -> tuple[int, Any]:
+        """Receive broadcasts of ``sizes`` bytes on the last group joined, and nothing else (the benchmarks' bare
+        transport)."""
+        group = list(self.groups.values())[-1]
+        for n in req["sizes"]:
+            dist.broadcast(torch.empty(n, dtype=torch.uint8), src=0, group=group)
+        return 200, {"success": True}
 
     def standin_dump(self, req: dict[str, Any]) -> tuple[int, Any]:
         with self.lock:

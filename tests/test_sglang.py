@@ -49,7 +49,9 @@ CASES = [{"spec": "fsdp2", "family": "llama"}, {"spec": "ddp", "family": "llama"
          {"spec": "fsdp2", "family": "llama", "merge": True}, {"spec": "zero3", "family": "qwen2-tied"},
          {"spec": "fsdp2", "family": "qwen3-moe"}, {"spec": "zero3", "family": "qwen2-vl"},
          {"spec": "fsdp2", "family": "llama-reward"}]
-LONG_CASES = [{"spec": "zero3", "family": "llama"}]  # ZeRO-3's gathers: the tied Qwen2's case takes them
+# ZeRO-3's gathers (the tied Qwen2's case takes them), FSDP1, ZeRO-2 and tensor parallelism.
+LONG_CASES = [{"spec": "zero3", "family": "llama"}, {"spec": "fsdp", "family": "llama"},
+              {"spec": "zero2", "family": "llama"}, {"spec": "tp", "family": "llama"}]
 
 
 def _check(per_rank: list[Any]) -> None:
@@ -116,6 +118,7 @@ def test_an_engine_that_refuses_fails_every_rank(group: Any, server: Standin, re
     assert all(first.startswith("EngineError") and said in first for first, _ in outcomes), outcomes
     assert all(second.startswith(then) for _, second in outcomes), outcomes  # alike on every rank, no hang
     assert time.monotonic() - t0 < 60
+    group.run(se.join_engine_threads, timeout=60)
 
 
 def test_an_engine_that_is_gone_fails_every_rank_at_once(group: Any) -> None:
@@ -123,6 +126,7 @@ def test_an_engine_that_is_gone_fails_every_rank_at_once(group: Any) -> None:
     outcomes = group.run(se.sync_expecting_failure, f"http://127.0.0.1:{free_port()}", free_port(), True, timeout=120)
     assert all(e.startswith("EngineError") and "did not answer" in e for [e] in outcomes), outcomes
     assert time.monotonic() - t0 < 15  # reported at once, not after the group's timeout
+    group.run(se.join_engine_threads, timeout=60)
 
 
 def test_flattened_bucket_orders_by_itemsize_without_padding() -> None:
@@ -138,3 +142,16 @@ def test_flattened_bucket_orders_by_itemsize_without_padding() -> None:
     assert names == ["b", "a"] and dtypes == ["float32", "bfloat16"] and shapes == [[5], [3]]
     assert out.numel() == 26  # back to back: no 64-byte slots
     assert torch.equal(out[:20].view(torch.float32), b) and torch.equal(out[20:].view(torch.bfloat16), a)
+
+
+def test_probes_leave_out_tensors_that_sglang_would_list_whole() -> None:
+    from wrapkit.integrations.sglang import PROBE_ELEMENTS, _probes
+
+    embed = torch.zeros(PROBE_ELEMENTS // 64 + 1, 64)  # one row over: SGLang would turn all of it into a list
+    norm, proj = torch.ones(64), torch.arange(64 * 8.0).view(8, 64)
+    views = {"embed": embed, "norm": norm, "proj": proj}
+    assert list(_probes(views, ["embed", "proj", "norm"])) == ["norm"]  # the last; the first is too large
+    assert list(_probes(views, ["proj", "norm"])) == ["proj", "norm"]
+    only = _probes({"embed": embed, "proj": proj, "big": embed}, ["embed", "proj", "big"])
+    assert list(only) == ["proj"] and torch.equal(only["proj"], proj[:1])  # neither end fits: the smallest
+    assert _probes({"embed": embed}, ["embed"]) == {}

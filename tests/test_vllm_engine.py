@@ -41,13 +41,15 @@ def server() -> Iterator[Standin]:
 
 
 # Gathered (FSDP2; ZeRO-3 on a tied model), whole (DDP in bf16), LoRA merged on the way, experts per expert
-# (Qwen3-MoE on FSDP1), transformers' pipeline stages funnelled to the sender; FSDP1, a vision-language and a
-# reward model, and ZeRO-3's own gathers, in the long selection.
+# (Qwen3-MoE on FSDP1), transformers' pipeline stages funnelled to the sender, tensor parallelism; FSDP1 and
+# ZeRO-2 on a dense model, a vision-language and a reward model, and experts split over the ranks, in the long
+# selection.
 CASES = [{"spec": "fsdp2", "family": "llama"}, {"spec": "ddp", "family": "llama", "precision": "bf16", "merge": True},
          {"spec": "zero3", "family": "qwen2-tied"}, {"spec": "fsdp", "family": "qwen3-moe"},
-         {"spec": "split", "split": "pipeline", "family": "llama"}]
-LONG_CASES = [{"spec": "fsdp", "family": "llama"}, {"spec": "fsdp2", "family": "qwen2-vl"},
-              {"spec": "zero3", "family": "llama-reward"}, {"spec": "split", "split": "experts", "family": "qwen3-moe"}]
+         {"spec": "split", "split": "pipeline", "family": "llama"}, {"spec": "tp", "family": "llama"}]
+LONG_CASES = [{"spec": "fsdp", "family": "llama"}, {"spec": "zero2", "family": "llama"},
+              {"spec": "fsdp2", "family": "qwen2-vl"}, {"spec": "zero3", "family": "llama-reward"},
+              {"spec": "split", "split": "experts", "family": "qwen3-moe"}]
 FOUR_RANK_CASES = [{"spec": "fsdp2", "family": "llama", "topology": "hsdp"}]
 
 
@@ -108,6 +110,7 @@ def test_a_vllm_server_that_refuses_fails_every_rank(group: Any, server: Standin
     assert all(first.startswith("EngineError") and said in first for first, _ in outcomes), outcomes
     assert all(second.startswith(then) for _, second in outcomes), outcomes  # alike on every rank, no hang
     assert time.monotonic() - t0 < 60
+    group.run(se.join_engine_threads, timeout=60)
 
 
 def test_a_vllm_server_that_dies_mid_update_fails_every_rank(group: Any) -> None:
@@ -128,3 +131,4 @@ def test_a_vllm_server_that_is_gone_fails_every_rank_at_once(group: Any) -> None
                          timeout=120)
     assert all(e.startswith("EngineError") and "did not answer" in e for [e] in outcomes), outcomes
     assert time.monotonic() - t0 < 15  # reported at once, not after the group's timeout
+    group.run(se.join_engine_threads, timeout=60)

@@ -15,7 +15,9 @@ worker, rank 1 (vLLM's is NCCL); the model is a transformers model loaded by the
 Two routes of its own drive the tests: ``/standin_mode {"family", "refuse", "exit_after", "forget_version"}``
 builds a fresh model of that family, a route to refuse, a chunk count after which the process exits while
 receiving, and whether ``finish_weight_update`` forgets its version while answering success;
-``/standin_dump {"path"}`` saves the model's state dict and answers with the calls received.
+``/standin_dump {"path"}`` saves the model's state dict and answers with the calls received. For the benchmarks,
+``standin_mode`` takes a Llama ``size`` (``layers``, ``hidden``, ``vocab``), and ``/standin_bare {"sizes"}`` only
+receives broadcasts of those sizes.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from wrapkit.cli._families import family_model
+from wrapkit.cli._models import tiny_llama
 from wrapkit.integrations._vllm_dense import gloo_group_name
 
 
@@ -40,7 +43,8 @@ class Engine:
         self.standin_mode({})
 
     def standin_mode(self, req: dict[str, Any]) -> tuple[int, Any]:
-        self.model = family_model(req.get("family", "llama"), seed=1234).eval()
+        size = req.get("size")  # a Llama of that size (the benchmarks'), else the family's tiny model
+        self.model = (tiny_llama(1234, **size) if size else family_model(req.get("family", "llama"), seed=1234)).eval()
         self.refuse, self.exit_after = req.get("refuse"), req.get("exit_after")
         self.forget_version = bool(req.get("forget_version"))
         self.active, self.version, self.meta = False, None, None
@@ -114,6 +118,12 @@ class Engine:
 
     def resume(self, req: dict[str, Any]) -> tuple[int, Any]:
         return 200, {"status": "resumed"}
+
+    def standin_bare(self, req: dict[str, Any]) -> tuple[int, Any]:
+        """Receive broadcasts of ``sizes`` bytes, and nothing else (the benchmarks' bare transport)."""
+        for n in req["sizes"]:
+            dist.broadcast(torch.empty(n, dtype=torch.uint8), src=0, group=self.group)
+        return 200, {"success": True}
 
     def standin_dump(self, req: dict[str, Any]) -> tuple[int, Any]:
         with self.lock:

@@ -17,7 +17,7 @@ from .._agree import broadcast_object, span
 from .._errors import EngineError, UnsupportedModelError
 
 __all__ = ["EngineSync", "call", "request", "refuse_partial", "distributed", "rank", "world_size", "share", "why",
-           "in_thread", "answer_of"]
+           "in_thread", "answer_of", "sent_within"]
 
 
 class EngineSync(NamedTuple):
@@ -113,6 +113,9 @@ def why(exc: BaseException) -> str:
     return str(exc) if isinstance(exc, EngineError) else f"{type(exc).__name__}: {exc}"
 
 
+CALL_THREAD = "wrapkit-engine-call"  # the name of in_thread's threads: one left waiting ends by its own timeout
+
+
 def in_thread(fn: Callable[[], Any]) -> tuple[dict[str, Any], threading.Thread]:
     """Run ``fn`` beside a blocking collective (an engine call, or the join of a group while the engine is
     called): its ``"value"``, or its ``"error"``, lands in the returned dict."""
@@ -124,7 +127,7 @@ def in_thread(fn: Callable[[], Any]) -> tuple[dict[str, Any], threading.Thread]:
         except Exception as exc:
             box["error"] = why(exc)
 
-    thread = threading.Thread(target=run, daemon=True)
+    thread = threading.Thread(target=run, daemon=True, name=CALL_THREAD)
     thread.start()
     return box, thread
 
@@ -135,3 +138,24 @@ def answer_of(box: dict[str, Any]) -> dict[str, Any]:
     if "value" in box:
         return dict(box["value"])
     return {"success": False, "message": box.get("error", "nothing (still waiting when the timeout ran out)")}
+
+
+def sent_within(tensor: Any, timeout: float, stream: Any = None) -> None:
+    """Return once a broadcast of ``tensor`` just issued has left this rank: at once on the CPU (gloo's call
+    returns when it is done), by polling ``stream`` (the current one by default) on a GPU (NCCL's returns once it
+    is queued), with ``EngineError`` after ``timeout`` seconds: an engine that stopped receiving must not hold the
+    rank for ever."""
+    import time
+
+    import torch
+
+    if not getattr(tensor, "is_cuda", False):
+        return
+    cuda: Any = torch.cuda  # its event constructor is untyped
+    done = cuda.Event()
+    done.record(stream if stream is not None else cuda.current_stream(tensor.device))
+    deadline = time.monotonic() + timeout
+    while not done.query():
+        if time.monotonic() > deadline:
+            raise EngineError(f"a broadcast of {tensor.numel()} bytes did not complete within {timeout:.0f} s")
+        time.sleep(0.0005)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from .._errors import ArgumentError, EngineError
 from ..base.process_groups import join_weight_group
-from ._engine_wire import EngineSync, answer_of, in_thread, rank, refuse_partial, request, share, why
+from ._engine_wire import EngineSync, answer_of, in_thread, rank, refuse_partial, request, sent_within, share, why
 from ._vllm_source import HubSource, weight_source
 
 __all__ = ["DenseSender", "gloo_group_name"]
@@ -70,14 +70,7 @@ class _Wire:
         # On its own stream, waited for by polling: a worker that is gone must not hold this rank for ever.
         self.stream.wait_stream(torch.cuda.current_stream())
         self.group.broadcast(flat, src=0, stream=self.stream)
-        cuda: Any = torch.cuda
-        done = cuda.Event()
-        done.record(self.stream)
-        deadline = time.monotonic() + self.timeout
-        while not done.query():
-            if time.monotonic() > deadline:
-                raise EngineError(f"a broadcast of {flat.numel()} bytes did not complete within {self.timeout:.0f} s")
-            time.sleep(0.0005)
+        sent_within(flat, self.timeout, self.stream)
 
     def close(self) -> None:
         try:

@@ -249,11 +249,7 @@ class SGLangEngine:
         if not _ok(answer):
             raise EngineError(f"update_weights_from_distributed refused {len(names)} tensors ({names[0]}, ...): "
                               f"{_said(answer)}")
-        # The first row of the bucket's first and last tensors, asked back for once the session is closed.
-        views = dict(bucket.named_tensors())
-        for name in {names[0], names[-1]}:
-            if views[name].dim() >= 1 and views[name].numel() > 0:
-                probes[name] = views[name][:1].detach().to("cpu", copy=True)
+        probes.update(_probes(dict(bucket.named_tensors()), names))
         return names, flat.numel()
 
     def _end(self, error: str | None, probes: dict[str, torch.Tensor], pause: bool) -> tuple[str | None, list[str]]:
@@ -311,6 +307,21 @@ def _problem(engine_ranks: object, group_name: object, backend: object, timeout:
     if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
         return f"master_port={port!r}: pass a free TCP port"
     return None
+
+
+# SGLang's get_weights_by_name turns the whole tensor into a Python list before it cuts the first row: 2**18
+# elements take it a few milliseconds, an embedding of a large vocabulary seconds and gigabytes.
+PROBE_ELEMENTS = 2**18
+
+
+def _probes(views: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch.Tensor]:
+    """The first row of the tensors a bucket's update is checked by, asked back once the session is closed: its
+    first and last tensors, those of at most ``PROBE_ELEMENTS``; where neither is, its smallest one under it."""
+    fits = [n for n in names if 0 < views[n].numel() <= PROBE_ELEMENTS and views[n].dim() >= 1]
+    chosen = [n for n in dict.fromkeys((names[0], names[-1])) if n in fits]
+    if not chosen and fits:
+        chosen = [min(fits, key=lambda n: views[n].numel())]
+    return {n: views[n][:1].detach().to("cpu", copy=True) for n in chosen}
 
 
 def _ok(answer: dict[str, Any]) -> bool:
