@@ -68,7 +68,7 @@ def _check(per_rank: list[Any]) -> None:
         assert calls[len(calls) - 1 - calls[::-1].index("pause"):] == [
             "pause", "start_weight_update", "update_weights", "finish_weight_update", "weight_info", "resume",
             "standin_dump"], calls
-    assert per_rank[0][0]["calls"][0] == "init_weight_transfer_engine"
+    assert per_rank[0][0]["calls"][:2] == ["version", "init_weight_transfer_engine"]
     assert len(versions) == len(per_rank[0]) and None not in versions  # a version of its own per sync
 
 
@@ -99,6 +99,8 @@ def test_sync_to_vllm_on_four_ranks(group4: Any, server: Standin, tmp_path: Path
      "ArgumentError: VLLMEngine.sync() before"),
     # Success answered, but the update never finished under this sync's version.
     ({"forget_version": True}, "reports weight version None", "EngineError"),
+    # An older server, whose wire differs: refused before anything is joined.
+    ({"release": "0.32.0"}, "the server runs vLLM 0.32.0", "ArgumentError: VLLMEngine.sync() before"),
     # Metadata the server's model does not know: the load fails after the chunks arrived; the group stays usable.
     ({"family": "qwen3-moe"}, "update_weights was refused: HTTP 500: Call to collective_rpc", "EngineError"),
 ])

@@ -12,9 +12,10 @@ worker, rank 1 (vLLM's is NCCL); the model is a transformers model loaded by the
 
     python tests/vllm_server_standin.py --port P
 
-Two routes of its own drive the tests: ``/standin_mode {"family", "refuse", "exit_after", "forget_version"}``
-builds a fresh model of that family, a route to refuse, a chunk count after which the process exits while
-receiving, and whether ``finish_weight_update`` forgets its version while answering success;
+Two routes of its own drive the tests: ``/standin_mode {"family", "refuse", "exit_after", "forget_version",
+"release"}`` builds a fresh model of that family, a route to refuse, a chunk count after which the process exits
+while receiving, whether ``finish_weight_update`` forgets its version while answering success, and the release
+``/version`` reports;
 ``/standin_dump {"path"}`` saves the model's state dict and answers with the calls received. For the benchmarks,
 ``standin_mode`` takes a Llama ``size`` (``layers``, ``hidden``, ``vocab``), and ``/standin_bare {"sizes"}`` only
 receives broadcasts of those sizes.
@@ -47,7 +48,8 @@ class Engine:
         self.model = (tiny_llama(1234, **size) if size else family_model(req.get("family", "llama"), seed=1234)).eval()
         self.refuse, self.exit_after = req.get("refuse"), req.get("exit_after")
         self.forget_version = bool(req.get("forget_version"))
-        self.active, self.version, self.meta = False, None, None
+        self.release = req.get("release", "0.33.0")
+        self.active, self.weight_version, self.meta = False, None, None
         self.calls: list[str] = []
         return 200, {"success": True}
 
@@ -58,7 +60,7 @@ class Engine:
             return 500, {"error": {"message": f"Call to collective_rpc method failed: {route} refused by the stand-in",
                                    "type": "InternalServerError", "code": 500}}
         handler = getattr(self, route, None)
-        if handler is None or (method == "GET") != (route == "weight_info"):
+        if handler is None or (method == "GET") != (route in ("weight_info", "version")):
             return 404, {"detail": "Not Found"}
         try:
             return handler(req)  # type: ignore[no-any-return]
@@ -107,11 +109,14 @@ class Engine:
             raise RuntimeError("finish_weight_update called without a matching start_weight_update.")
         self.active = False
         if not self.forget_version:
-            self.version = req.get("weight_version")
+            self.weight_version = req.get("weight_version")
         return 200, {"message": "Weight update finished"}
 
     def weight_info(self, req: dict[str, Any]) -> tuple[int, Any]:
-        return 200, {"weight_version": self.version}
+        return 200, {"weight_version": self.weight_version}
+
+    def version(self, req: dict[str, Any]) -> tuple[int, Any]:
+        return 200, {"version": self.release}
 
     def pause(self, req: dict[str, Any]) -> tuple[int, Any]:
         return 200, {"status": "paused"}

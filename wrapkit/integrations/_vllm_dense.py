@@ -18,6 +18,7 @@ trainer needs around it:
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -107,6 +108,13 @@ class DenseSender:
         self._agreed(error, "connect")
 
     def _join(self) -> _Wire:
+        _, answer = request(self.url, "version", None, self.timeout, method="GET")
+        version = str(answer.get("version", ""))
+        found = re.match(r"(\d+)\.(\d+)", version)
+        if found is None or (int(found[1]), int(found[2])) < (0, 33):
+            raise EngineError(f"the server runs vLLM {version or '(no /version answer)'}; VLLMEngine.sync() speaks the "
+                              "weight-transfer wire of vLLM 0.33 (0.28-0.32 differ): for those, pass "
+                              "weight_source(wm) to vLLM's own trainer_init(..., source=...)")
         world = 1 + self.engine_ranks
         init = {"master_address": self.address, "master_port": self.port, "rank_offset": 1, "world_size": world,
                 "packed": True, "packed_buffer_size_bytes": self.buffer_bytes, "packed_num_buffers": 2}

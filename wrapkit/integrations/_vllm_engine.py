@@ -51,8 +51,12 @@ class VLLMEngine:
 
     def connect(self) -> None:
         """Join the server's weight-transfer group as its rank 0 (on every trainer rank; the sending rank joins,
-        the others learn the outcome). Raises ``EngineError`` on every rank where the server refused or its
-        workers did not join within the timeout."""
+        the others learn the outcome).
+
+        :raises EngineError: on every rank where the server runs a vLLM before 0.33 (another wire), refused, or its
+            workers did not join within the timeout.
+        :raises ArgumentError: without ``master_port`` or with more than one url.
+        """
         if self._dense.port == 0 or len(self.urls) != 1:
             raise ArgumentError("VLLMEngine.connect(): the weight transfer needs master_port= and one server (its "
                                 f"data-parallel replicas share one group); got master_port={self._dense.port or None} "
