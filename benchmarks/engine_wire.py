@@ -100,18 +100,17 @@ def _times(kind: str, url: str, port: int, reps: int) -> dict[str, Any]:
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
     sys.path.insert(0, str(ROOT))
-    from tests.standin_http import Servers
+    from tests.standin_http import Standin
     from wrapkit.cli._workers import free_port
-    from wrapkit.integrations._engine_wire import call
 
     reps = 3 if quick else 7
     rows = []
     with two_ranks() as group:
         for kind, script in (("sglang", "sglang_standin.py"), ("vllm", "vllm_server_standin.py")):
-            server = Servers(ROOT / "tests" / script)
+            server = Standin(ROOT / "tests" / script)
             try:
-                assert call(server.urls[0], "standin_mode", {"size": SIZE}, 120)["success"]
-                obs = group.run(_times, kind, server.urls[0], free_port(), reps, timeout=600)[0]
+                server.mode(size=SIZE)
+                obs = group.run(_times, kind, server.url, free_port(), reps, timeout=600)[0]
             finally:
                 server.stop()
             t = obs["times"]

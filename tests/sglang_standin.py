@@ -29,8 +29,6 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from wrapkit import Bucket, BucketEntry
-from wrapkit.cli._families import family_model
-from wrapkit.cli._models import tiny_llama
 from wrapkit.integrations.vllm import load_into
 
 
@@ -41,8 +39,9 @@ class Engine:
         self.standin_mode({})
 
     def standin_mode(self, req: dict[str, Any]) -> tuple[int, Any]:
-        size = req.get("size")  # a Llama of that size (the benchmarks'), else the family's tiny model
-        self.model = (tiny_llama(1234, **size) if size else family_model(req.get("family", "llama"), seed=1234)).eval()
+        from standin_http import standin_model  # run as a script: its own folder is on the path
+
+        self.model = standin_model(req)
         self.refuse, self.skip = req.get("refuse"), req.get("skip")
         self.session = False
         self.calls: list[str] = []

@@ -6,13 +6,14 @@ start them with."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -77,3 +78,40 @@ class Servers:
         for proc in self.procs:
             proc.kill()
             proc.wait(timeout=30)
+
+
+class Standin(Servers):
+    """One stand-in engine server of ``script``; ``mode(family, **behaviour)`` gives it a fresh model of that
+    family (``size``: a Llama of that size instead) and the behaviour its ``/standin_mode`` route takes."""
+
+    def __init__(self, script: Path) -> None:
+        super().__init__(script)
+        self.url = self.urls[0]
+
+    def mode(self, family: str = "llama", **behaviour: Any) -> Standin:
+        from wrapkit.integrations._engine_wire import call
+
+        assert call(self.url, "standin_mode", {"family": family, **behaviour}, 120)["success"]
+        return self
+
+
+S = TypeVar("S", bound=Servers)
+
+
+@contextlib.contextmanager
+def running(servers: S) -> Iterator[S]:
+    """``servers``, stopped at the end (a fixture's body)."""
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
+def standin_model(req: dict[str, Any]) -> torch.nn.Module:
+    """The model a stand-in engine holds after ``/standin_mode``: a Llama of ``req["size"]`` (the benchmarks'),
+    else the tiny model of ``req["family"]``, seeded apart from the trainer's."""
+    from wrapkit.cli._families import family_model
+    from wrapkit.cli._models import tiny_llama
+
+    size = req.get("size")
+    return (tiny_llama(1234, **size) if size else family_model(req.get("family", "llama"), seed=1234)).eval()

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests import scenarios_engines as se
-from tests.standin_http import Servers
+from tests.standin_http import Servers, running
 from wrapkit.cli._workers import free_port
 from wrapkit.integrations._engine_wire import call
 
@@ -36,11 +36,8 @@ class Replicas(Servers):
 
 @pytest.fixture(scope="session")
 def replicas() -> Iterator[Replicas]:
-    r = Replicas()
-    try:
+    with running(Replicas()) as r:
         yield r
-    finally:
-        r.stop()
 
 
 # Both engines from sharded backends; tied models; DDP in bf16 (the adapter's tensors in bf16, checked by

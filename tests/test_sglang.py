@@ -14,33 +14,17 @@ import torch
 
 from tests import _matrix as matrix
 from tests import scenarios_engines as se
-from tests.standin_http import Servers
+from tests.standin_http import Standin, running
 from wrapkit.cli._workers import free_port
-from wrapkit.integrations._engine_wire import call
 from wrapkit.integrations.sglang import flattened_bucket
 
 STANDIN = Path(__file__).with_name("sglang_standin.py")
 
 
-class Standin(Servers):
-    """The stand-in server, started once for the session; ``mode()`` gives it a fresh model and behaviour."""
-
-    def __init__(self) -> None:
-        super().__init__(STANDIN)
-        self.url = self.urls[0]
-
-    def mode(self, family: str = "llama", refuse: str | None = None, skip: str | None = None) -> Standin:
-        assert call(self.url, "standin_mode", {"family": family, "refuse": refuse, "skip": skip}, 60)["success"]
-        return self
-
-
 @pytest.fixture(scope="session")
 def server() -> Iterator[Standin]:
-    s = Standin()
-    try:
+    with running(Standin(STANDIN)) as s:
         yield s
-    finally:
-        s.stop()
 
 
 # ZeRO-3 and FSDP2 gathered, DDP in bf16 (whole parameters, the wire in the model's dtype), LoRA merged on the

@@ -12,32 +12,16 @@ import pytest
 
 from tests import _matrix as matrix
 from tests import scenarios_engines as se
-from tests.standin_http import Servers
+from tests.standin_http import Standin, running
 from wrapkit.cli._workers import free_port
-from wrapkit.integrations._engine_wire import call
 
 STANDIN = Path(__file__).with_name("vllm_server_standin.py")
 
 
-class Standin(Servers):
-    """The stand-in server; ``mode()`` gives it a fresh model and behaviour."""
-
-    def __init__(self) -> None:
-        super().__init__(STANDIN)
-        self.url = self.urls[0]
-
-    def mode(self, family: str = "llama", **behaviour: Any) -> Standin:
-        assert call(self.url, "standin_mode", {"family": family, **behaviour}, 60)["success"]
-        return self
-
-
 @pytest.fixture(scope="module")
 def server() -> Iterator[Standin]:
-    s = Standin()
-    try:
+    with running(Standin(STANDIN)) as s:
         yield s
-    finally:
-        s.stop()
 
 
 # Gathered (FSDP2; ZeRO-3 on a tied model), whole (DDP in bf16), LoRA merged on the way, experts per expert
@@ -116,7 +100,7 @@ def test_a_vllm_server_that_refuses_fails_every_rank(group: Any, server: Standin
 
 
 def test_a_vllm_server_that_dies_mid_update_fails_every_rank(group: Any) -> None:
-    dying = Standin().mode(exit_after=1)  # exits as its second chunk arrives
+    dying = Standin(STANDIN).mode(exit_after=1)  # exits as its second chunk arrives
     try:
         t0 = time.monotonic()
         outcomes = group.run(se.sync_expecting_failure, dying.url, free_port(), False, "vllm", timeout=120)
