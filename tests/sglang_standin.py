@@ -11,8 +11,9 @@ by the Hub's names, as SGLang's ``load_weights`` takes them; the data plane is g
     python tests/sglang_standin.py --port P
 
 prints ``ready`` once it listens. Two routes of its own drive the tests: ``/standin_mode {"family", "refuse",
-"skip"}`` builds a fresh model of that family and sets a route to refuse (``success: false``) and a name part
-whose tensors are dropped while success is still answered (as SGLang does for names its model does not know);
+"skip", "exit_after"}`` builds a fresh model of that family and sets a route to refuse (``success: false``), a
+name part whose tensors are dropped while success is still answered (as SGLang does for names its model does not
+know), and a count of updates after which the process exits as the next one is sent;
 ``/standin_dump {"path"}`` saves the model's state dict and answers with the calls received. For the benchmarks,
 ``standin_mode`` takes a Llama ``size`` (``layers``, ``hidden``, ``vocab``), and ``/standin_bare {"sizes"}`` only
 receives broadcasts of those sizes.
@@ -21,6 +22,7 @@ receives broadcasts of those sizes.
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 from typing import Any
 
@@ -43,6 +45,7 @@ class Engine:
 
         self.model = standin_model(req)
         self.refuse, self.skip = req.get("refuse"), req.get("skip")
+        self.exit_after = req.get("exit_after")  # updates taken before the process exits while receiving one
         self.session = False
         self.calls: list[str] = []
         return 200, {"success": True}
@@ -101,6 +104,8 @@ class Engine:
         if not entries:
             return 400, {"success": False, "message": "Cannot create empty tensor bucket"}
         flat = torch.empty(offset, dtype=torch.uint8)
+        if self.exit_after is not None and self.calls.count("update_weights_from_distributed") > self.exit_after:
+            os._exit(3)  # a server that dies in the middle of an update
         dist.broadcast(flat, src=0, group=self.groups[req["group_name"]])
         # SGLang's load_weights passes over names its model does not know, and still answers success.
         kept = [e for e in entries if self.skip is None or self.skip not in e.name]

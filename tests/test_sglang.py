@@ -105,6 +105,19 @@ def test_an_engine_that_refuses_fails_every_rank(group: Any, server: Standin, re
     group.run(se.join_engine_threads, timeout=60)
 
 
+def test_an_engine_that_dies_mid_update_fails_every_rank(group: Any) -> None:
+    dying = Standin(STANDIN).mode(exit_after=1)  # exits as its second bucket is sent
+    try:
+        t0 = time.monotonic()
+        outcomes = group.run(se.sync_expecting_failure, dying.url, free_port(), timeout=120)
+        assert all(first.startswith("EngineError") for first, _ in outcomes), outcomes
+        assert all(first == outcomes[0][0] for first, _ in outcomes), outcomes  # alike on every rank
+        assert time.monotonic() - t0 < 60  # within the engine's timeout (10 s) and the group's, not for ever
+        group.run(se.join_engine_threads, timeout=60)
+    finally:
+        dying.stop()
+
+
 def test_an_engine_that_is_gone_fails_every_rank_at_once(group: Any) -> None:
     t0 = time.monotonic()
     outcomes = group.run(se.sync_expecting_failure, f"http://127.0.0.1:{free_port()}", free_port(), True, timeout=120)
