@@ -105,7 +105,7 @@ def sync_expecting_failure(url: str, port: int, connect_only: bool = False, kind
     """A sync to an engine that refuses or is gone, then another: what each raised on this rank (every rank
     must raise alike, and the second call must not hang where the first left the group out of step)."""
     wm = wrapkit.adapt(build("fsdp2", model=family_model("llama", seed=0)))
-    engine = _engine(kind, url, port, "wk-fail", 10)
+    engine = _engine(kind, url, port, "wk-fail", 5)  # short: a refused join waits it out
     outcomes = []
     try:
         for _ in range(1 if connect_only else 2):

@@ -106,7 +106,7 @@ def test_a_vllm_server_that_dies_mid_update_fails_every_rank(group: Any) -> None
         outcomes = group.run(se.sync_expecting_failure, dying.url, free_port(), False, "vllm", timeout=120)
         assert all(first.startswith("EngineError") for first, _ in outcomes), outcomes
         assert all(first == outcomes[0][0] for first, _ in outcomes), outcomes
-        assert time.monotonic() - t0 < 60  # within the engine's timeout (10 s) and the wire's, not for ever
+        assert time.monotonic() - t0 < 60  # within the engine's timeout (5 s) and the wire's, not for ever
         group.run(se.join_engine_threads, timeout=60)
     finally:
         dying.stop()
