@@ -45,16 +45,17 @@ def _engine(kind: str, url: str, port: int, name: str, timeout: float) -> Any:
     return SGLangEngine(url, master_port=port, group_name=f"{name}-{port}", timeout=timeout)
 
 
-def _split_model(tmp: str, case: dict[str, Any]) -> Any:
-    """transformers' own split of ``case["family"]``: two pipeline stages, or the experts split over the ranks."""
+def _split_model(tmp: str, family: str, split: str) -> tuple[Any, str]:
+    """transformers' own split of ``family`` (seed 0): two pipeline stages (``split="pipeline"``), or the experts
+    split over the ranks (``"experts"``); with the directory of the checkpoint it was loaded from."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
 
     from tests.scenarios_foreign import saved
 
-    directory = saved(tmp, f"{case['family']}-split", lambda: family_model(case["family"], 0))
-    split = DistributedConfig(pp_size=2) if case["split"] == "pipeline" else DistributedConfig(fsdp_size=2, ep_size=2)
-    return wrapkit.adapt(AutoModelForCausalLM.from_pretrained(directory, distributed_config=split))
+    directory = saved(tmp, f"{family}-split", lambda: family_model(family, 0))
+    config = DistributedConfig(pp_size=2) if split == "pipeline" else DistributedConfig(fsdp_size=2, ep_size=2)
+    return wrapkit.adapt(AutoModelForCausalLM.from_pretrained(directory, distributed_config=config)), directory
 
 
 def sync_to_standin(cases: list[dict[str, Any]], url: str, ports: list[int], dump_dir: str,
@@ -71,7 +72,7 @@ def sync_to_standin(cases: list[dict[str, Any]], url: str, ports: list[int], dum
             config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
             model = fill_adapters(get_peft_model(model, config), seed=1)
         if case.get("split"):
-            wm = _split_model(dump_dir, case)
+            wm, _ = _split_model(dump_dir, case["family"], case["split"])
         else:
             wm = wrapkit.adapt(build(case["spec"], model=model, precision=case.get("precision", "fp32"),
                                      topology=case.get("topology", "flat")))
@@ -120,6 +121,20 @@ def sync_expecting_failure(url: str, port: int, connect_only: bool = False, kind
     finally:
         engine.close()
     return outcomes
+
+
+def failed_syncs(group: Any, url: str, kind: str = "sglang", connect_only: bool = False) -> tuple[list[Any], float]:
+    """In the test's process: ``sync_expecting_failure`` on every rank of ``group``, what each rank raised and the
+    seconds until all had; then the engine calls the failure left waiting are joined (``join_engine_threads``)."""
+    import time
+
+    from wrapkit.cli._workers import free_port
+
+    t0 = time.monotonic()
+    outcomes = group.run(sync_expecting_failure, url, free_port(), connect_only, kind, timeout=120)
+    seconds = time.monotonic() - t0
+    group.run(join_engine_threads, timeout=60)
+    return outcomes, seconds
 
 
 def join_engine_threads() -> None:
@@ -202,17 +217,14 @@ def vllm_source_from_split_model(tmp: str, split: str, port: int, buffer_bytes: 
     split over the two ranks, the rest sharded): a vLLM source over it feeds a model loaded whole from another
     checkpoint, which must then hold the split model's checkpoint exactly."""
     from transformers import AutoModelForCausalLM
-    from transformers.distributed import DistributedConfig
 
     from tests import vllm_standin as vs
     from tests.scenarios_foreign import saved
     from wrapkit.integrations.vllm import weight_source
 
     name = "llama" if split == "pipeline" else "qwen3-moe"
-    directory = saved(tmp, f"{name}-vllm", lambda: family_model(name, 0))
+    wm, directory = _split_model(tmp, name, split)
     other = saved(tmp, f"{name}-vllm-other", lambda: family_model(name, 1))
-    config = DistributedConfig(pp_size=2) if split == "pipeline" else DistributedConfig(fsdp_size=2, ep_size=2)
-    wm = wrapkit.adapt(AutoModelForCausalLM.from_pretrained(directory, distributed_config=config))
     source = weight_source(wm, bucket_bytes=16 * 1024)
     rank0 = dist.get_rank() == 0
     transfer = vs.TransferGroup(port) if rank0 else None

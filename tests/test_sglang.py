@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -97,33 +96,24 @@ _OUT = pytest.StashKey[dict[str, Any]]()
 def test_an_engine_that_refuses_fails_every_rank(group: Any, server: Standin, refuse: str | None, skip: str | None,
                                                  said: str, then: str) -> None:
     server.mode(refuse=refuse, skip=skip)
-    t0 = time.monotonic()
-    outcomes = group.run(se.sync_expecting_failure, server.url, free_port(), timeout=120)
+    outcomes, seconds = se.failed_syncs(group, server.url)
     assert all(first.startswith("EngineError") and said in first for first, _ in outcomes), outcomes
     assert all(second.startswith(then) for _, second in outcomes), outcomes  # alike on every rank, no hang
-    assert time.monotonic() - t0 < 60
-    group.run(se.join_engine_threads, timeout=60)
+    assert seconds < 60
 
 
 def test_an_engine_that_dies_mid_update_fails_every_rank(group: Any) -> None:
-    dying = Standin(STANDIN).mode(exit_after=1)  # exits as its second bucket is sent
-    try:
-        t0 = time.monotonic()
-        outcomes = group.run(se.sync_expecting_failure, dying.url, free_port(), timeout=120)
-        assert all(first.startswith("EngineError") for first, _ in outcomes), outcomes
-        assert all(first == outcomes[0][0] for first, _ in outcomes), outcomes  # alike on every rank
-        assert time.monotonic() - t0 < 60  # within the engine's timeout (5 s) and the group's, not for ever
-        group.run(se.join_engine_threads, timeout=60)
-    finally:
-        dying.stop()
+    with running(Standin(STANDIN).mode(exit_after=1)) as dying:  # exits as its second bucket is sent
+        outcomes, seconds = se.failed_syncs(group, dying.url)
+    assert all(first.startswith("EngineError") for first, _ in outcomes), outcomes
+    assert all(first == outcomes[0][0] for first, _ in outcomes), outcomes  # alike on every rank
+    assert seconds < 60  # within the engine's timeout (5 s) and the group's, not for ever
 
 
 def test_an_engine_that_is_gone_fails_every_rank_at_once(group: Any) -> None:
-    t0 = time.monotonic()
-    outcomes = group.run(se.sync_expecting_failure, f"http://127.0.0.1:{free_port()}", free_port(), True, timeout=120)
+    outcomes, seconds = se.failed_syncs(group, f"http://127.0.0.1:{free_port()}", connect_only=True)
     assert all(e.startswith("EngineError") and "did not answer" in e for [e] in outcomes), outcomes
-    assert time.monotonic() - t0 < 15  # reported at once, not after the group's timeout
-    group.run(se.join_engine_threads, timeout=60)
+    assert seconds < 15  # reported at once, not after the group's timeout
 
 
 def test_flattened_bucket_orders_by_itemsize_without_padding() -> None:

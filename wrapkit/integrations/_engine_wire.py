@@ -17,7 +17,8 @@ from .._agree import broadcast_object, span
 from .._errors import EngineError, UnsupportedModelError
 
 __all__ = ["EngineSync", "call", "request", "refuse_partial", "distributed", "rank", "world_size", "share", "why",
-           "in_thread", "answer_of", "sent_within"]
+           "in_thread", "answer_of", "sent_within", "said", "agree", "connection_problem", "join_beside",
+           "on_sender"]
 
 
 class EngineSync(NamedTuple):
@@ -159,3 +160,58 @@ def sent_within(tensor: Any, timeout: float, stream: Any = None) -> None:
         if time.monotonic() > deadline:
             raise EngineError(f"a broadcast of {tensor.numel()} bytes did not complete within {timeout:.0f} s")
         time.sleep(0.0005)
+
+
+def said(answer: dict[str, Any], status: int = 0) -> str:
+    """What an engine said in a refusal: vLLM's ``{"error": {"message"}}``, FastAPI's ``{"detail"}``, SGLang's
+    ``{"message"}``, else the whole answer; after ``HTTP status:`` where the status is given."""
+    error = answer.get("error")
+    message = error.get("message") if isinstance(error, dict) else error
+    message = message or answer.get("detail") or answer.get("message") or answer
+    return f"HTTP {status}: {message}" if status else str(message)
+
+
+def agree(error: str | None, broken: bool, src_rank: int, close: Callable[[], None]) -> str | None:
+    """The sending rank's outcome of an engine call, on every trainer rank. Where its weight group fell out of
+    step (``broken`` on the sending rank) every rank calls ``close``, so that each needs ``connect()`` again,
+    together. Returns the error, the same on every rank."""
+    error, broken = share((error, broken), src_rank)
+    if broken:
+        close()
+    return error
+
+
+def connection_problem(timeout: object, port: object) -> str | None:
+    """What is wrong with an engine's ``timeout`` (seconds) or ``master_port`` (None: not given), if anything."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        return f"timeout={timeout!r}: pass a positive number of seconds"
+    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+        return f"master_port={port!r}: pass a free TCP port"
+    return None
+
+
+def join_beside(join: Callable[[], Any], init: Callable[[], str | None], timeout: float) -> Any:
+    """Join an engine's weight group (``join``) while ``init`` asks the engine to bring its workers in: the
+    engine's call returns once they joined, so both run at once, the join in a thread. ``init`` returns None once
+    the engine accepted, else its refusal, raised at once as ``EngineError`` (the join then ends by its own
+    timeout). Returns what ``join`` returned."""
+    joined, thread = in_thread(join)
+    refused = init()
+    if refused is not None:
+        raise EngineError(refused)
+    thread.join(timeout)
+    if "value" not in joined:
+        raise EngineError(f"the engine accepted the weight group but this rank could not join it: "
+                          f"{joined.get('error', f'not within {timeout:.0f} s')}")
+    return joined["value"]
+
+
+def on_sender(src_rank: int, fn: Callable[[], Any]) -> tuple[Any, str | None]:
+    """``fn()`` on the sending rank and its failure as a message (``(None, None)`` on the others): every rank
+    then learns the outcome where it is agreed (``agree``)."""
+    if rank() != src_rank:
+        return None, None
+    try:
+        return fn(), None
+    except Exception as exc:  # any failure: the other ranks wait for the agreed outcome
+        return None, why(exc)

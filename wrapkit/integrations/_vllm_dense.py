@@ -29,7 +29,21 @@ import torch.distributed as dist
 
 from .._errors import ArgumentError, EngineError
 from ..base.process_groups import join_weight_group
-from ._engine_wire import EngineSync, answer_of, in_thread, rank, refuse_partial, request, sent_within, share, why
+from ._engine_wire import (
+    EngineSync,
+    agree,
+    answer_of,
+    in_thread,
+    join_beside,
+    on_sender,
+    rank,
+    refuse_partial,
+    request,
+    said,
+    sent_within,
+    share,
+    why,
+)
 from ._vllm_source import HubSource, weight_source
 
 __all__ = ["DenseSender", "gloo_group_name"]
@@ -99,13 +113,10 @@ class DenseSender:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def connect(self) -> None:
-        error = None
-        if rank() == self.src_rank:
-            try:
-                self.wire = self._join()
-            except Exception as exc:  # any failure: the other ranks wait for the outcome below
-                error = why(exc)
+        joined, error = on_sender(self.src_rank, self._join)
+        self.wire = joined if joined is not None else self.wire
         self._agreed(error, "connect")
+        self.connected = True
 
     def _join(self) -> _Wire:
         _, answer = request(self.url, "version", None, self.timeout, method="GET")
@@ -116,19 +127,16 @@ class DenseSender:
                               "weight-transfer wire of vLLM 0.33 (0.28-0.32 differ): for those, pass "
                               "weight_source(wm) to vLLM's own trainer_init(..., source=...)")
         world = 1 + self.engine_ranks
-        init = {"master_address": self.address, "master_port": self.port, "rank_offset": 1, "world_size": world,
-                "packed": True, "packed_buffer_size_bytes": self.buffer_bytes, "packed_num_buffers": 2}
-        # The workers' init call returns once they joined the group, so this rank joins beside it, in a thread:
-        # a refusal, or a server that is gone, is then reported at once (the join ends by its own timeout).
-        joined, thread = in_thread(lambda: _Wire(self.backend, self.address, self.port, world, self.timeout))
-        status, answer = self._call("init_weight_transfer_engine", {"init_info": init})
-        if status != 200:
-            raise EngineError(f"init_weight_transfer_engine was refused: {_said(answer, status)}")
-        thread.join(self.timeout)
-        if "value" not in joined:
-            raise EngineError(f"the server accepted the transfer group but this rank could not join it at "
-                              f"{self.address}:{self.port}: {joined.get('error', f'not within {self.timeout:.0f} s')}")
-        wire: _Wire = joined["value"]
+        init_info = {"master_address": self.address, "master_port": self.port, "rank_offset": 1,
+                     "world_size": world, "packed": True, "packed_buffer_size_bytes": self.buffer_bytes,
+                     "packed_num_buffers": 2}
+
+        def init() -> str | None:
+            status, answer = self._call("init_weight_transfer_engine", {"init_info": init_info})
+            return None if status == 200 else f"init_weight_transfer_engine was refused: {said(answer, status)}"
+
+        wire: _Wire = join_beside(lambda: _Wire(self.backend, self.address, self.port, world, self.timeout), init,
+                                  self.timeout)
         return wire
 
     def close(self) -> None:
@@ -198,7 +206,7 @@ class DenseSender:
         if "error" in box or "value" in box:  # answered before its chunks were sent: the workers are not receiving
             status, answer = _status(box)
             self.broken = True  # chunks sent before the answer may wait unread on the wire
-            return f"update_weights was refused: {_said(answer, status)}"
+            return f"update_weights was refused: {said(answer, status)}"
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)
         assert self.wire is not None
         try:
@@ -221,7 +229,7 @@ class DenseSender:
                 elif error is None:
                     status, answer = _status(box or {})
                     if status != 200:
-                        error = f"update_weights was refused: {_said(answer, status)}"
+                        error = f"update_weights was refused: {said(answer, status)}"
             if error is None and sent != declared:
                 error = f"{sent} of the {declared} tensors declared were sent"
             if error is None:
@@ -251,18 +259,15 @@ class DenseSender:
     @staticmethod
     def _expect(reply: tuple[int, dict[str, Any]], route: str) -> None:
         if reply[0] != 200:
-            raise EngineError(f"{route} was refused: {_said(reply[1], reply[0])}")
+            raise EngineError(f"{route} was refused: {said(reply[1], reply[0])}")
 
     def _agreed(self, error: str | None, what: str) -> None:
         """Every trainer rank learns the sending rank's outcome and raises alike. Where the transfer group fell out
         of step every rank drops it, so that each needs ``connect()`` again, together."""
-        error, broken = share((error, self.broken), self.src_rank)
-        if broken:
-            self.close()
-            self.broken = False
+        error = agree(error, self.broken, self.src_rank, self.close)
+        self.broken = False
         if error is not None:
             raise EngineError(f"VLLMEngine.{what}() at {self.url}: {error}")
-        self.connected = True
 
 
 def _status(box: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -271,11 +276,3 @@ def _status(box: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         status, answer = box["value"]
         return int(status), dict(answer)
     return 0, answer_of(box)
-
-
-def _said(answer: dict[str, Any], status: int = 0) -> str:
-    """vLLM's answer to a refusal: ``{"error": {"message"}}``, FastAPI's ``{"detail"}``, or what it said."""
-    error = answer.get("error")
-    message = error.get("message") if isinstance(error, dict) else error
-    message = message or answer.get("detail") or answer.get("message") or answer
-    return f"HTTP {status}: {message}" if status else str(message)

@@ -14,7 +14,7 @@ import torch
 
 from .._errors import ArgumentError
 from ._adapters import AdapterFiles, AdapterSync, Versions, check_arguments, sync_adapters
-from ._engine_wire import EngineSync, request
+from ._engine_wire import EngineSync, connection_problem, request, said
 from ._vllm_dense import DenseSender
 
 __all__ = ["VLLMEngine"]
@@ -112,21 +112,20 @@ class VLLMEngine:
         payload = {"lora_name": served, "lora_path": files.directory, "load_inplace": False,
                    "is_3d_lora_weight": bool(files.config.get("target_parameters"))}
         status, answer = request(url, "v1/load_lora_adapter", payload, self.timeout)
-        return None if status == 200 else _said(status, answer)
+        return None if status == 200 else said(answer, status)
 
     def unload(self, url: str, served: str) -> str | None:
         status, answer = request(url, "v1/unload_lora_adapter", {"lora_name": served}, self.timeout)
-        return None if status == 200 else _said(status, answer)
+        return None if status == 200 else said(answer, status)
 
 
 def _problem(timeout: object, port: object, engine_ranks: object, backend: object, buffer: object) -> str | None:
     def positive(v: object) -> bool:
         return not isinstance(v, bool) and isinstance(v, (int, float)) and v > 0
 
-    if not positive(timeout):
-        return f"timeout={timeout!r}: pass a positive number of seconds"
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
-        return f"master_port={port!r}: pass a free TCP port"
+    problem = connection_problem(timeout, port)
+    if problem is not None:
+        return problem
     if not positive(engine_ranks) or not isinstance(engine_ranks, int):
         return f"engine_ranks={engine_ranks!r}: pass the server's worker count (data x tensor x pipeline size)"
     if backend not in ("nccl", "gloo"):
@@ -134,9 +133,3 @@ def _problem(timeout: object, port: object, engine_ranks: object, backend: objec
     if not positive(buffer) or not isinstance(buffer, int):
         return f"buffer_bytes={buffer!r}: pass a positive int (bytes)"
     return None
-
-
-def _said(status: int, answer: dict[str, Any]) -> str:
-    error = answer.get("error")
-    message = error.get("message") if isinstance(error, dict) else None
-    return f"HTTP {status}: {message or answer.get('message', answer)}"

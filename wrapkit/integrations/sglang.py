@@ -24,7 +24,21 @@ from .._errors import ArgumentError, EngineError
 from .._results import Bucket, entry_bytes
 from ..base.process_groups import join_weight_group
 from ._adapters import AdapterFiles, AdapterSync, Versions, check_arguments, sync_adapters, temporary_root
-from ._engine_wire import EngineSync, answer_of, call, in_thread, rank, refuse_partial, share, why
+from ._engine_wire import (
+    EngineSync,
+    agree,
+    answer_of,
+    call,
+    connection_problem,
+    in_thread,
+    join_beside,
+    on_sender,
+    rank,
+    refuse_partial,
+    said,
+    share,
+    why,
+)
 
 __all__ = ["SGLangEngine", "EngineSync", "AdapterSync", "flattened_bucket"]
 
@@ -84,12 +98,8 @@ class SGLangEngine:
             raise ArgumentError("SGLangEngine.connect(): the distributed update needs master_port= and one server "
                                 f"(SGLang takes it on one data-parallel replica); got master_port={self.master_port!r} "
                                 f"and {len(self.urls)} urls")
-        error = None
-        if self._sends():
-            try:
-                self._group = self._join()
-            except Exception as exc:  # any failure: the other ranks wait for the outcome below
-                error = why(exc)
+        joined, error = on_sender(self.src_rank, self._join)
+        self._group = joined if joined is not None else self._group
         self._raise_agreed(error, "connect")
         self._connected = True
 
@@ -182,15 +192,15 @@ class SGLangEngine:
                       self.timeout)
         if _ok(answer):
             return None
-        said = str(answer.get("error_message") or _said(answer))
-        if "out of range" in said:  # a tensor-parallel rank found no copy of its own
-            said += f" (one copy was sent per engine rank, engine_ranks={self.engine_ranks}: pass the server's " \
-                    "tensor-parallel size as engine_ranks)"
-        return said
+        reason = str(answer.get("error_message") or said(answer))
+        if "out of range" in reason:  # a tensor-parallel rank found no copy of its own
+            reason += f" (one copy was sent per engine rank, engine_ranks={self.engine_ranks}: pass the server's " \
+                      "tensor-parallel size as engine_ranks)"
+        return reason
 
     def unload(self, url: str, served: str) -> str | None:
         answer = call(url, "unload_lora_adapter", {"lora_name": served}, self.timeout)
-        return None if _ok(answer) else str(answer.get("error_message") or _said(answer))
+        return None if _ok(answer) else str(answer.get("error_message") or said(answer))
 
     # -- the sending rank -----------------------------------------------------------------------
     def _sends(self) -> bool:
@@ -203,28 +213,21 @@ class SGLangEngine:
         port = int(self.master_port or 0)  # connect() checked it is given
         payload = {"master_address": self.master_address, "master_port": port, "rank_offset": 1,
                    "world_size": 1 + self.engine_ranks, "group_name": self.group_name, "backend": self.backend}
-        # Both sides build the group at once: the engine's call returns once its workers joined it. The join
-        # runs in a thread, so that a refusal or an engine that is gone is reported at once (the join then
-        # ends by its own timeout).
-        joined, thread = in_thread(lambda: join_weight_group(
-            self.master_address, port, 1 + self.engine_ranks, 0, self.group_name, self.backend,
-            self.timeout))
-        answer = self._call("init_weights_update_group", payload)
-        if not _ok(answer):
-            raise EngineError(f"init_weights_update_group was refused: {_said(answer)}")
-        thread.join(self.timeout)
-        if "value" not in joined:
-            raise EngineError(f"the engine accepted the weight-update group but this rank could not join it: "
-                              f"{joined.get('error', f'not within {self.timeout:.0f} s')}")
-        return joined["value"]
+
+        def init() -> str | None:
+            answer = self._call("init_weights_update_group", payload)
+            return None if _ok(answer) else f"init_weights_update_group was refused: {said(answer)}"
+
+        return join_beside(lambda: join_weight_group(self.master_address, port, 1 + self.engine_ranks, 0,
+                                                     self.group_name, self.backend, self.timeout), init, self.timeout)
 
     def _begin(self, pause: bool) -> str | None:
         if pause:
             paused = self._call("pause_generation", {"mode": "retract"})
             if paused.get("status") != "ok":
-                return f"pause_generation was refused: {_said(paused)}"
+                return f"pause_generation was refused: {said(paused)}"
         answer = self._call("begin_weight_update", {})
-        return None if _ok(answer) else f"begin_weight_update was refused: {_said(answer)}"
+        return None if _ok(answer) else f"begin_weight_update was refused: {said(answer)}"
 
     def _send(self, bucket: Bucket, probes: dict[str, torch.Tensor]) -> tuple[list[str], int]:
         flat, names, dtypes, shapes = flattened_bucket(bucket)
@@ -239,7 +242,7 @@ class SGLangEngine:
             thread.join(self.timeout)
             self._broken = True
             raise EngineError(f"sending {len(names)} tensors ({names[0]}, ...) failed: {exc}; the engine "
-                              f"answered: {_said(answer_of(box))}. The group is out of step: connect() again") from exc
+                              f"answered: {said(answer_of(box))}. The group is out of step: connect() again") from exc
         thread.join(self.timeout)
         if thread.is_alive():
             self._broken = True
@@ -248,7 +251,7 @@ class SGLangEngine:
         answer = answer_of(box)
         if not _ok(answer):
             raise EngineError(f"update_weights_from_distributed refused {len(names)} tensors ({names[0]}, ...): "
-                              f"{_said(answer)}")
+                              f"{said(answer)}")
         probes.update(_probes(dict(bucket.named_tensors()), names))
         return names, flat.numel()
 
@@ -258,7 +261,7 @@ class SGLangEngine:
         try:
             answer = self._call("end_weight_update", {})
             if error is None and not _ok(answer):
-                error = f"end_weight_update was refused: {_said(answer)}"
+                error = f"end_weight_update was refused: {said(answer)}"
         except EngineError as exc:
             error = error or str(exc)
         verified: list[str] = []
@@ -287,10 +290,8 @@ class SGLangEngine:
     def _raise_agreed(self, error: str | None, what: str) -> None:
         """Every trainer rank learns the sending rank's outcome, and raises alike. Where the group fell out of
         step every rank leaves it, so that each needs ``connect()`` again, together."""
-        error, self._broken = share((error, self._broken), self.src_rank)
-        if self._broken:
-            self.close()
-            self._broken = False
+        error = agree(error, self._broken, self.src_rank, self.close)
+        self._broken = False
         if error is not None:
             raise EngineError(f"SGLangEngine.{what}() at {self.url}: {error}")
 
@@ -302,11 +303,7 @@ def _problem(engine_ranks: object, group_name: object, backend: object, timeout:
         return f"group_name={group_name!r}: pass a non-empty name (an empty one crashes the server)"
     if backend not in ("gloo", "nccl"):
         return f"backend={backend!r}: pass 'nccl' (GPUs) or 'gloo' (CPUs)"
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        return f"timeout={timeout!r}: pass a positive number of seconds"
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
-        return f"master_port={port!r}: pass a free TCP port"
-    return None
+    return connection_problem(timeout, port)
 
 
 # SGLang's get_weights_by_name turns the whole tensor into a Python list before it cuts the first row: 2**18
@@ -326,10 +323,6 @@ def _probes(views: dict[str, torch.Tensor], names: list[str]) -> dict[str, torch
 
 def _ok(answer: dict[str, Any]) -> bool:
     return answer.get("success") is True
-
-
-def _said(answer: dict[str, Any]) -> str:
-    return str(answer.get("message", answer))
 
 
 def _same(held: Any, sent: torch.Tensor) -> bool:
