@@ -19,32 +19,37 @@ from typing import Any
 KINDS = ("ddp", "fsdp", "fsdp2", "zero2", "zero3")
 
 
-def ds_config(stage: int) -> dict[str, Any]:
+def ds_config(stage: int, hidden: int | None = None) -> dict[str, Any]:
+    """``hidden``: the sizes accelerate reads off ``config.hidden_size`` given outright (a vision-language model's
+    config has none at the top)."""
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         # What transformers writes for a config built from TrainingArguments: sized from the model later.
         "zero_optimization": {"stage": stage, **({
-            "reduce_bucket_size": "auto",
-            "stage3_prefetch_bucket_size": "auto",
-            "stage3_param_persistence_threshold": "auto",
+            "reduce_bucket_size": hidden * hidden if hidden else "auto",
+            "stage3_prefetch_bucket_size": hidden * hidden if hidden else "auto",
+            "stage3_param_persistence_threshold": 10 * hidden if hidden else "auto",
         } if stage == 3 else {})},
     }
 
 
-def fsdp_plugin(kind: str) -> Any:
+def fsdp_plugin(kind: str, layers: list[str] | None = None, **settings: Any) -> Any:
+    """``layers``: the class names wrapped as units (default: a Llama's decoder layers); ``settings``: more of the
+    plugin's (``use_orig_params=True``, as PEFT under FSDP1 needs)."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
     return FullyShardedDataParallelPlugin(
         fsdp_version=2 if kind == "fsdp2" else 1,
         auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        transformer_cls_names_to_wrap=layers or ["LlamaDecoderLayer"],
         cpu_ram_efficient_loading=False,
         sync_module_states=False,  # needs an accelerator device to materialise on
+        **settings,
     )
 
 
-def accelerator(kind: str, mixed_precision: str = "no") -> Any:
+def accelerator(kind: str, mixed_precision: str = "no", layers: list[str] | None = None, **settings: Any) -> Any:
     """An ``Accelerator`` set up for ``kind`` on the CPU ranks of this process group."""
     from accelerate import Accelerator
     from accelerate.utils import DeepSpeedPlugin
@@ -53,9 +58,9 @@ def accelerator(kind: str, mixed_precision: str = "no") -> Any:
         return Accelerator(cpu=True, mixed_precision=mixed_precision)  # DDP over gloo: accelerate's multi-CPU mode
     _partial_state(kind)
     if kind.startswith("zero"):
-        return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(int(kind[-1]))),
+        return Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds_config(int(kind[-1]), **settings)),
                            mixed_precision=mixed_precision)
-    plugin = fsdp_plugin(kind)
+    plugin = fsdp_plugin(kind, layers, **settings)
     _declare_fsdp(plugin, mixed_precision)
     return Accelerator(fsdp_plugin=plugin, mixed_precision=mixed_precision)
 

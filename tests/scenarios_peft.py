@@ -269,6 +269,20 @@ def modules_to_save(spec: str) -> dict[str, Any]:
         target.load(directory)
         got, live = target.full_state_dict(rank0_only=False), wm.full_state_dict(rank0_only=False)
         out["resumed"] = all(torch.equal(got[k], v) for k, v in live.items())
+        # Merged exports hold the trained copy under the base name, as PEFT's merge_and_unload() does.
+        import copy
+
+        merged = {k: v.clone() for k, v in copy.deepcopy(want).merge_and_unload().state_dict().items()}
+        streamed = {n: t.clone() for b in wm.stream_full_parameters(merge_adapters=True)
+                    for n, t in b.named_tensors()}
+        saved = os.path.join(root, "merged")
+        wm.save_pretrained(saved, merge_adapters=True)
+        from tests.scenarios_families import _differences, _files
+
+        out["merged_full"] = _differences(wm.full_state_dict(rank0_only=False, merge_adapters=True), merged)
+        out["merged_stream"] = _differences(streamed, merged)
+        out["merged_saved"] = _differences(_files(saved), merged)
+        out["live_unchanged"] = _differences(wm.full_state_dict(rank0_only=False), live)
     finally:
         dist.barrier()
         if dist.get_rank() == 0:

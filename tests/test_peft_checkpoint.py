@@ -89,6 +89,8 @@ def test_modules_to_save_copies_go_in_whole(group: Any, spec: str) -> None:
     keys = obs[0]["keys"]
     assert keys == obs[0]["peft_keys"] and any("lm_head" in k for k in keys), keys
     assert obs[0]["outputs_equal"], "PEFT's load of the saved adapters computes other outputs"
+    for o in obs:  # the merged exports equal PEFT's merge_and_unload(), the live model untouched
+        assert o["merged_full"] == o["merged_stream"] == o["merged_saved"] == o["live_unchanged"] == []
 
 
 def test_which_directories_are_adapter_checkpoints(tmp_path: Path) -> None:

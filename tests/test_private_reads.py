@@ -37,6 +37,8 @@ OUTSIDE_ADAPTERS = {
     ("base/torch_ops.py", "_nn"),
     ("formats/dcp.py", "_make_wrapper_subclass"),
     ("integrations/swift.py", "_class_to_module"),
+    # The models accelerate's prepare() wrapped: trainers hand their vLLM helpers a model from inside the wrapper.
+    ("integrations/_trl_sync.py", "_models"),
     ("layers/compile.py", "_orig_mod"),
     ("shutdown.py", "_run_exitfuncs"),
     # Not an operation: the worker group destroys the groups a scenario made, and empties the caches

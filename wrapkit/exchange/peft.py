@@ -40,7 +40,8 @@ from ..sync.streaming import DEFAULT_BUCKET_BYTES
 if TYPE_CHECKING:
     from ..adapters.core.base import Adapter
 
-__all__ = ["save_adapters", "adapter_dirs", "adapter_files", "adapter_shapes", "AdapterCheckpoint", "DEFAULT_ADAPTER"]
+__all__ = ["save_adapters", "adapter_tensors", "adapter_dirs", "adapter_files", "adapter_shapes", "AdapterCheckpoint",
+           "DEFAULT_ADAPTER"]
 
 DEFAULT_ADAPTER = "default"
 
@@ -113,6 +114,20 @@ def save_adapters(wm: Adapter, directory: str | os.PathLike[str], adapter_names:
             write_adapter_config(root, name, out)
 
     commit_directory(wm, "save_pretrained", directory, tmp, error, finish)
+
+
+def adapter_tensors(wm: Adapter, adapter_name: str, keep: bool = True) -> dict[str, torch.Tensor]:
+    """One adapter's tensors as PEFT's ``get_peft_model_state_dict`` names them (what its files hold), full CPU
+    copies on a rank that ``keep``s them, nothing on the others. Collective: only the units that hold one are
+    gathered. ``UnsupportedModelError`` (alike on every rank, before any collective) for a model without the
+    adapter."""
+    root = _peft_root(wm, "adapter_tensors")
+    if adapter_name not in root.peft_config:
+        raise UnsupportedModelError(f"adapter {adapter_name!r} is not one of the model's: "
+                                    f"{', '.join(map(repr, root.peft_config))}; pass one of those")
+    keys = saved_key_map(root, adapter_name)
+    values = _gather(wm, set(keys), keep)
+    return {saved: values[key] for key, saved in keys.items()} if keep else {}
 
 
 def _gather(wm: Adapter, wanted: set[str], keep: bool) -> dict[str, torch.Tensor]:

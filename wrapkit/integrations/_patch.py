@@ -10,7 +10,7 @@ from collections.abc import Callable
 from types import ModuleType, TracebackType
 from typing import Any
 
-__all__ = ["Patch", "swap", "loaded", "globals_of"]
+__all__ = ["Patch", "MethodPatch", "swap", "swap_methods", "loaded", "globals_of"]
 
 # A module's bindings to look at: ``(name, value)``.
 Bindings = Callable[[ModuleType], list[tuple[str, Any]]]
@@ -37,6 +37,11 @@ class Patch:
         self.swaps = swaps
         self._bindings = bindings
         self._then = then
+
+    @property
+    def methods(self) -> list[tuple[type, str, Any]]:
+        """Methods replaced on classes (class, name, original), by this patch or the one it was built on."""
+        return [] if self._then is None else self._then.methods
 
     def undo(self) -> None:
         back = {id(ours): original for original, ours in self.pairs.values()}
@@ -68,3 +73,32 @@ def swap(package: str, pairs: dict[int, tuple[Any, Any]], bindings: Bindings = g
                 swaps.append((module, name, value))
                 setattr(module, name, pair[1])
     return Patch(package, pairs, swaps, bindings, then)
+
+
+class MethodPatch(Patch):
+    """Methods replaced on a library's classes: ``swaps`` (class, name, original); ``undo()`` puts them back."""
+
+    def __init__(self, swaps: list[tuple[type, str, Any]], then: Patch | None = None) -> None:
+        super().__init__("", {}, [], then=then)
+        self._methods = swaps
+
+    @property
+    def methods(self) -> list[tuple[type, str, Any]]:
+        return self._methods + super().methods
+
+    def undo(self) -> None:
+        for owner, name, original in reversed(self.methods):
+            setattr(owner, name, original)
+        self._methods = []
+        super().undo()
+
+
+def swap_methods(targets: list[tuple[type, str, Any]], then: Patch | None = None) -> MethodPatch:
+    """Set each ``(class, name, drop-in)`` of ``targets``, unless the class already holds that drop-in."""
+    swaps: list[tuple[type, str, Any]] = []
+    for owner, name, ours in targets:
+        original = owner.__dict__.get(name)
+        if original is not None and original is not ours:
+            swaps.append((owner, name, original))
+            setattr(owner, name, ours)
+    return MethodPatch(swaps, then)

@@ -40,11 +40,12 @@ from ..adapters.flat.fsdp import wrap_fsdp1
 from ..adapters.zero.reference import config_dtype, inference_ds_config
 from ..references.placement import place
 from ..references.wrapping import bare_module
-from ._patch import Patch, swap
+from ._patch import Patch, swap, swap_methods
+from ._trl_sync import iter_named_params, vllm_weights
 
 __all__ = [
     "prepare_deepspeed", "prepare_fsdp", "unwrap_model_for_generation", "patch_trl", "TRLPatch",
-    "deepspeed_for_inference", "check_model", "plugin_of", "DROP_INS",
+    "deepspeed_for_inference", "check_model", "plugin_of", "DROP_INS", "vllm_weights",
 ]
 
 # DeepSpeed tuning values that transformers/accelerate leave as "auto" until they see the model.
@@ -185,14 +186,21 @@ def patch_trl() -> TRLPatch:
 
     Replaces the three functions in ``trl.models.utils`` and in every loaded ``trl`` module
     that holds them (matched by identity, so nothing else is touched); trainer modules
-    imported later pick up the replacements from ``trl.models``. Call once in every process,
-    before building the trainer. Returns a ``TRLPatch`` to undo it; patching twice is a no-op.
+    imported later pick up the replacements from ``trl.models``. Also routes the weight sync of
+    ``VLLMGeneration`` (GRPO, RLOO, distillation; server and colocate mode) through wrapkit's stream
+    (``_trl_sync``): the Hub's layout on every backend, LoRA merged without touching the live weights.
+    Call once in every process, before building the trainer. Returns a ``TRLPatch`` to undo it
+    (``swaps``: the functions, ``methods``: the methods replaced); patching twice is a no-op.
     """
     require("trl", feature="patch_trl", extra="trl")
     source = importlib.import_module("trl.models.utils")
     pairs = {id(original): (original, ours) for name, ours in DROP_INS.items()
              if (original := getattr(source, name, None)) is not None and original is not ours}
-    return swap("trl", pairs)
+    methods = []
+    with contextlib.suppress(ImportError):  # TRL releases before the vLLM helper class
+        generation = importlib.import_module("trl.generation.vllm_generation").VLLMGeneration
+        methods.append((generation, "_iter_named_params", iter_named_params))
+    return swap("trl", pairs, then=swap_methods(methods))
 
 
 DROP_INS: dict[str, Any] = {

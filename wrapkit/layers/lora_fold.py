@@ -53,12 +53,19 @@ def fold_plan(peft_root: torch.nn.Module) -> LoraFoldPlan:
     for layers that cannot be merged (the same on every rank: read off the module's structure)."""
     layers: list[LoraLayer] = []
     problems: list[str] = []
+    trained: dict[str, str] = {}  # a modules_to_save wrapper -> the child whose weights the merged model has
     for mod_name, mod in peft_root.named_modules():
+        if is_instance(mod, "peft.utils.other", "ModulesToSaveWrapper"):
+            child, problem = _trained_copy(mod)
+            trained[canonical_name(mod_name)] = child
+            if problem:
+                problems.append(f"{canonical_name(mod_name)}: {problem}")
+            continue
         if not is_instance(mod, "peft.tuners.tuners_utils", "BaseTunerLayer"):
-            if is_instance(mod, "peft.utils.other", "ModulesToSaveWrapper"):
-                problems.append(f"{canonical_name(mod_name)}: modules_to_save copies")
             continue
         name = canonical_name(mod_name)
+        if any(name.startswith(f"{w}.") for w in trained):
+            continue  # inside a modules_to_save wrapper: refused there when it is the merged model's
         if not _foldable(mod):
             problems.append(f"{name}: {type(mod).__module__}.{type(mod).__name__}")
             continue
@@ -74,7 +81,23 @@ def fold_plan(peft_root: torch.nn.Module) -> LoraFoldPlan:
             + "; ".join(problems)
             + ". Export with merge_adapters=False, or merge with PEFT's merge_and_unload() on an unsharded copy."
         )
-    return LoraFoldPlan(base_key_map(peft_root), layers)
+    rename = base_key_map(peft_root)
+    # What merge_and_unload() puts in a modules_to_save wrapper's place: its active trained copy.
+    return LoraFoldPlan(KeyMap(rename.prefix, rename.kept | trained), layers)
+
+
+def _trained_copy(wrapper: Any) -> tuple[str, str | None]:
+    """The child of a ``modules_to_save`` wrapper that the merged model holds, as PEFT's forward and
+    ``merge_and_unload()`` pick it: the active adapter's trained copy, else the original module. With a
+    problem where that copy cannot be exported as it is (LoRA layers inside it)."""
+    active = [a for a in wrapper.active_adapters if a in wrapper.modules_to_save]
+    if wrapper.disable_adapters or not active:
+        child, module = "original_module", wrapper.original_module
+    else:
+        child, module = f"modules_to_save.{active[0]}", wrapper.modules_to_save[active[0]]
+    if any(is_instance(m, "peft.tuners.tuners_utils", "BaseTunerLayer") for m in module.modules()):
+        return child, "a modules_to_save module with LoRA layers inside"
+    return child, None
 
 
 def _foldable(mod: Any) -> bool:

@@ -88,6 +88,9 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     "transformers distributed model": ("_mesh_manager", "_tp_size"),
     # Set on the experts modules transformers split over expert-parallel ranks (read beside FSDP2, core/foreign.py).
     "transformers expert-parallel experts": ("_is_expert_parallel",),
+    # The models prepare() wrapped, read where present: TRL's vLLM helper holds a model from before prepare() (FSDP1's
+    # root wrapper has parameters it does not reach); without the list the model is adapted as it is.
+    "accelerate Accelerator": ("_models",),
     # The stage DistributedConfig(pp_size=...) records on the model, and its flag for the forward it installed.
     "transformers pipeline-parallel model": ("_pp_stage", "_pp_forward_wrapped"),
     "ms-swift lazy module": ("_class_to_module",),

@@ -283,18 +283,15 @@ class ZeroGatherer(WholeGatherer):
         if not _stage3(self.model):
             yield from super().many(params)
             return
-        rest: list[Any] = []
-        for p in params:
-            if hasattr(p, "ds_tensor") and getattr(getattr(p, "ds_status", None), "name", "") != "AVAILABLE":
-                rest.append(p)
-            else:  # not partitioned, or gathered already (ZeRO-3's persistent parameters)
-                yield p, p.detach()
+        rest = [p for p in params
+                if hasattr(p, "ds_tensor") and getattr(getattr(p, "ds_status", None), "name", "") != "AVAILABLE"]
         todo = self._one_gather(rest)
-        if todo is None:
-            for p in rest:
-                yield p, self._gather_16bit(p)
-            return
-        yield from each_full(todo)
+        # The values come in the order of ``params``, whichever are gathered already (ZeRO-3's persistent
+        # parameters, which become so after their first use): a stream's order must not change between calls.
+        gathered = iter(list(each_full(todo)) if todo is not None else ((p, self._gather_16bit(p)) for p in rest))
+        waiting = {id(p) for p in rest}
+        for p in params:
+            yield next(gathered) if id(p) in waiting else (p, p.detach())
 
     @contextlib.contextmanager
     def full(self, modifier_rank: int | None) -> Iterator[Any]:
