@@ -70,7 +70,15 @@ def test_patch_swift_swaps_and_undoes() -> None:
                (rlhf_utils, "prepare_deepspeed"), (rlhf_utils, "prepare_fsdp")]
     originals = {(m.__name__, n): getattr(m, n) for m, n in sources}
     trl_original = trl_utils.prepare_deepspeed
+    from swift.rlhf_trainers.rollout_mixin import RolloutTrainerMixin as Mixin
+
+    syncs = {n: Mixin.__dict__[n] for n in ("_move_full_model_to_vllm", "_move_adapter_to_vllm")}
     with dropins.patch_swift() as patch:
+        # GRPO's weight sync to vLLM takes its tensors from wrapkit.
+        assert Mixin._move_full_model_to_vllm is dropins.move_full_model_to_vllm
+        assert Mixin._move_adapter_to_vllm is dropins.move_adapter_to_vllm
+        assert {(c, n) for c, n, _ in patch.methods} == {(Mixin, n) for n in syncs}
+        assert dropins.patch_swift().methods == []
         for module, name in sources:
             assert getattr(module, name) is getattr(dropins, name), f"{module.__name__}.{name} not patched"
         assert trl_utils.prepare_deepspeed is trl_dropins.prepare_deepspeed  # TRL's, which ms-swift imports
@@ -80,6 +88,7 @@ def test_patch_swift_swaps_and_undoes() -> None:
     for module, name in sources:
         assert getattr(module, name) is originals[(module.__name__, name)], f"{module.__name__}.{name} not restored"
     assert trl_utils.prepare_deepspeed is trl_original
+    assert all(Mixin.__dict__[n] is f for n, f in syncs.items()), "GRPO's weight sync not restored"
 
 
 def test_prepare_deepspeed_refuses_none() -> None:
@@ -128,3 +137,28 @@ def test_swift_grpo_run(runs: Callable[[str], dict[str, Any]], backend: str, ref
         assert len(obs["modes"]) >= STEPS and all(obs["modes"])
         assert obs["policy_backend"] == ref_backend and obs["ref_backend"] == ref_backend
         assert obs["ref_sharded"] and obs["ref_eval"]
+
+
+SYNC_CASES = [{"family": "llama"}, {"family": "qwen2-tied"}, {"family": "qwen3-moe"},
+              {"family": "llama", "peft": "lora"}, {"family": "llama", "peft": "lora-mts"},
+              {"family": "llama", "peft": "lora", "served_lora": True}, {"family": "qwen2-vl"}]
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2", "zero3"])
+def test_swift_grpo_weight_sync(group: Any, kind: str) -> None:
+    """ms-swift's own ``_move_model_to_vllm`` after ``patch_swift()`` (ms-swift refuses FSDP1 for GRPO): in server
+    and colocate mode, a sync before any forward and another after a training step send exactly the Hub's tensors
+    (LoRA merged, or the base weights once and then the adapter alone where the rollout serves it), and leave the
+    trained weights bit-identical."""
+    from tests import scenarios_swift_sync as sc
+
+    for rank_obs in group.run(sc.swift_sync, kind, SYNC_CASES, timeout=400):
+        for o in rank_obs:
+            assert len(o["syncs"]) == 2
+            for sync in o["syncs"]:
+                what = (o["family"], o.get("peft"), o.get("served_lora"))
+                assert sync["live_changed"] == [], (what, "a sync moved the trained weights")
+                for mode in ("server", "colocate") if o["rank"] == 0 else ("colocate",):
+                    assert sync[mode] == [], (what, mode, sync[mode][:3])
+                    assert sync.get(mode + "_adapter", []) == [], (what, mode, sync[mode + "_adapter"][:3])

@@ -36,12 +36,17 @@ def _launch(trainer: str, backend: str, model: Path, out: Path) -> list[dict[str
 def test_patch_trl_swaps_and_undoes() -> None:
     import trl.models
     import trl.models.utils as utils
+    from trl.generation.vllm_generation import VLLMGeneration
 
     from wrapkit.integrations import trl as dropins
 
     names = ("prepare_deepspeed", "prepare_fsdp", "unwrap_model_for_generation")
     originals = {n: getattr(utils, n) for n in names}
+    walk = VLLMGeneration._iter_named_params
     with dropins.patch_trl() as patch:
+        # The weight sync of GRPO, RLOO and distillation takes its tensors from wrapkit.
+        assert [(c, n) for c, n, _ in patch.methods] == [(VLLMGeneration, "_iter_named_params")]
+        assert VLLMGeneration._iter_named_params is not walk
         assert all(getattr(utils, n) is getattr(dropins, n) for n in names)
         assert all(getattr(trl.models, n) is getattr(dropins, n) for n in names)
         assert all(m.__name__.startswith("trl") for m, _, _ in patch.swaps)
@@ -50,6 +55,7 @@ def test_patch_trl_swaps_and_undoes() -> None:
     # resolves its attributes lazily, and cached ours above).
     assert all(getattr(utils, n) is originals[n] for n in names)
     assert all(getattr(trl.models, n) is originals[n] for n in names)
+    assert VLLMGeneration._iter_named_params is walk
 
 
 @pytest.mark.long

@@ -168,15 +168,13 @@ class HubLayout:
         """The checkpoint's ``(name, tensor)`` for a stream of runtime ones: tied copies left out,
         renamed, converted per group as soon as a group's runtime tensors are all in (a tensor
         waiting for the rest of its group is copied, since a gather may reuse its storage)."""
-        from transformers.core_model_loading import apply_converters, apply_renamings
-
         waiting: dict[str, tuple[Any, set[str]]] = {}
         for name, tensor in entries:
             if name in self.tied:
                 continue
-            group, pattern = apply_converters(name, self._out_converters)
+            group, pattern = _converted_name(name, self._out_converters)
             if pattern is None:
-                yield apply_renamings(name, self._out_renamings), tensor
+                yield _renamed(name, self._out_renamings), tensor
                 continue
             conv, seen = waiting.get(group) or (copy.deepcopy(self._out_by_pattern[pattern]), set())
             seen.add(pattern)
@@ -189,7 +187,7 @@ class HubLayout:
             waiting.pop(group, None)
             out = conv.convert(group, model=self.model, config=getattr(self.model, "config", None))
             for target, value in out.items():
-                yield apply_renamings(target, self._out_renamings), _materialized(value)
+                yield _renamed(target, self._out_renamings), _materialized(value)
         if waiting:
             raise ValueError(f"runtime tensors of {sorted(waiting)[:3]} came without the rest of their group")
 
@@ -294,3 +292,21 @@ class Importer:
     def unfinished(self) -> list[str]:
         """Runtime names whose sources did not all come."""
         return sorted(self.waiting)
+
+
+# transformers' own helpers for these two appeared after 5.19 (which ms-swift 4.6 pins); each transform's
+# ``rename_source_key`` is in every 5.x release.
+def _renamed(name: str, renamings: list[Any]) -> str:
+    """``name`` after every renaming in turn (they may chain)."""
+    for renaming in renamings:
+        name, _ = renaming.rename_source_key(name)
+    return name
+
+
+def _converted_name(name: str, converters: list[Any]) -> tuple[str, str | None]:
+    """``name`` renamed by the first converter that matches it, and the source pattern it matched (None: none)."""
+    for converter in converters:
+        new, pattern = converter.rename_source_key(name)
+        if pattern is not None:
+            return new, pattern
+    return name, None

@@ -22,7 +22,9 @@ ms-swift also calls TRL's ``prepare_deepspeed`` / ``prepare_fsdp`` for reference
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
+import os
 import sys
 from collections.abc import Iterator, Mapping
 from types import ModuleType
@@ -30,12 +32,18 @@ from typing import Any
 
 import torch
 
+from .._adapt import public
 from .._errors import ReferenceModelError
 from .._imports import require
+from .._registry import as_adapter
+from ..exchange.peft import adapter_tensors
+from ..references.view import AdaptersOff
 from . import trl as _trl
-from ._patch import Patch, swap
+from ._patch import Patch, swap, swap_methods
+from ._trl_sync import prepared_module, prepared_policy
 
-__all__ = ["unwrap_model_for_generation", "prepare_deepspeed", "prepare_fsdp", "patch_swift", "SwiftPatch"]
+__all__ = ["unwrap_model_for_generation", "prepare_deepspeed", "prepare_fsdp", "patch_swift", "SwiftPatch",
+           "move_full_model_to_vllm", "move_adapter_to_vllm"]
 
 
 @contextlib.contextmanager
@@ -98,6 +106,76 @@ def prepare_fsdp(model: torch.nn.Module, accelerator: Any, evaluation_mode: bool
     return _trl.prepare_fsdp(model, accelerator)
 
 
+# -- GRPO's weight sync to vLLM ----------------------------------------------------------------
+# ms-swift's GRPO (``RolloutTrainerMixin`` in ``swift.rlhf_trainers.rollout_mixin``) walks the wrappers itself on
+# every sync: ZeRO-3 gathers per parameter group, FSDP2 ``full_tensor``, PEFT's in-place merge and unmerge (whose
+# round trip moves frozen base weights by rounding), names mapped by hand. These two methods take the tensors from
+# wrapkit instead; ms-swift's own sending (its client's flattened buckets or named params, the colocated engine's
+# ``load_weights`` / ``add_lora``) and its engine-side steps stay as they are.
+_MIXIN = "swift.rlhf_trainers.rollout_mixin"
+_ORIGINAL_FULL: dict[str, Any] = {}
+
+
+def move_full_model_to_vllm(self: Any) -> None:
+    """``RolloutTrainerMixin._move_full_model_to_vllm`` on wrapkit: the policy's full weights in the Hub's layout
+    (experts per expert, each tied weight once), LoRA folded layer by layer without touching the live weights (or,
+    where the rollout serves LoRA itself, the base weights and then the adapter), fed bucket by bucket to
+    ms-swift's ``_load_state_dict_to_vllm``. Collective: call on every rank, as ms-swift does."""
+    mixin = importlib.import_module(_MIXIN)
+    colocate, server = self.vllm_mode == "colocate", self.vllm_mode == "server"
+    if colocate and mixin.is_torch_npu_available():
+        return _ORIGINAL_FULL["method"](self)  # type: ignore[no-any-return]  # vLLM-Ascend reloads its own way
+    policy = prepared_policy(self.model, self.accelerator)
+    peft = "peft" in policy.stack
+    served_lora = peft and bool(self.rollout_enable_lora)
+    # With LoRA served by the rollout, the base weights go out unmerged: the policy with its adapters off.
+    source = public(AdaptersOff(as_adapter(policy.module))) if served_lora else policy
+    if colocate:
+        mixin.patch_vllm_moe_model_weight_loader(self.engine.inner_model)
+    mib = int(os.environ.get("SWIFT_UPDATE_WEIGHTS_BUCKET_SIZE", 512))
+    for bucket in source.stream_full_parameters(bucket_bytes=mib * 2**20, merge_adapters=peft and not served_lora,
+                                                dst_rank=0 if server else None):
+        self._load_state_dict_to_vllm(dict(bucket.named_tensors()))
+    if colocate:
+        mixin.finish_vllm_weight_reload(self.engine.inner_model, model_config=self.engine.engine.model_config,
+                                        target_device=self.accelerator.device)
+    elif server and self.accelerator.is_main_process:
+        self.vllm_client.process_weights_after_loading()
+    if peft:
+        self.base_sync_done = True
+        if served_lora:
+            self._move_adapter_to_vllm()
+
+
+def move_adapter_to_vllm(self: Any) -> None:
+    """``RolloutTrainerMixin._move_adapter_to_vllm`` on wrapkit: the ``default`` adapter's tensors as PEFT's
+    ``get_peft_model_state_dict`` names them, gathered by wrapkit (no merge, nothing written to the model), sent
+    as ms-swift sends them. Collective: call on every rank."""
+    mixin = importlib.import_module(_MIXIN)
+    server = self.vllm_mode == "server"
+    if server and not self.accelerator.is_main_process:
+        adapter_tensors(as_adapter(prepared_module(self.model, self.accelerator)), "default", keep=False)
+        return
+    device = self.accelerator.device
+    tensors = {k: v.to(device) for k, v in adapter_tensors(
+        as_adapter(prepared_module(self.model, self.accelerator)), "default").items()}
+    config = self.model.peft_config.get("default")
+    if server:
+        if getattr(self.args, "enable_flattened_weight_sync", True):
+            bucket = mixin.FlattenedTensorBucket(named_tensors=list(tensors.items()))
+            self.vllm_client.update_adapter_flattened_param(config, bucket.get_metadata(),
+                                                            bucket.get_flattened_tensor())
+        else:
+            self.vllm_client.update_adapter_param(config, tensors)
+    elif self.vllm_mode == "colocate":
+        request: dict[str, Any] = {"lora_name": mixin.VLLM_LORA_NAME, "lora_int_id": mixin.VLLM_LORA_INT_ID,
+                                   "lora_path": mixin.VLLM_LORA_PATH, "peft_config": dataclasses.asdict(config),
+                                   "lora_tensors": tensors}
+        if mixin.vllm_supports_lora_load_inplace():
+            request["load_inplace"] = True
+        self.engine.engine.add_lora(mixin.TensorLoRARequest(**request))
+
+
 # -- patching ----------------------------------------------------------------------------------
 # Where ms-swift defines the helpers it has its own copies of.
 _SOURCES = {
@@ -130,7 +208,14 @@ def patch_swift() -> SwiftPatch:
         original = getattr(importlib.import_module(module_name), name)
         if original is not ours:
             pairs[id(original)] = (original, ours)
-    return swap("swift", pairs, _bindings, then=trl_patch)
+    methods = []
+    with contextlib.suppress(ImportError, AttributeError):  # ms-swift releases before the GRPO rollout mixin
+        mixin = importlib.import_module(_MIXIN).RolloutTrainerMixin
+        if mixin.__dict__.get("_move_full_model_to_vllm") is not move_full_model_to_vllm:
+            _ORIGINAL_FULL["method"] = mixin.__dict__["_move_full_model_to_vllm"]
+        methods = [(mixin, "_move_full_model_to_vllm", move_full_model_to_vllm),
+                   (mixin, "_move_adapter_to_vllm", move_adapter_to_vllm)]
+    return swap("swift", pairs, _bindings, then=swap_methods(methods, then=trl_patch))
 
 
 def _bindings(module: ModuleType) -> list[tuple[str, Any]]:
