@@ -42,13 +42,15 @@ def _module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def import_graph(types: bool = False) -> dict[str, set[str]]:
+def import_graph(types: bool = False, extra: dict[str, str] | None = None) -> dict[str, set[str]]:
     """Module (relative to the package) -> the package modules it imports (with ``types``, those imported for
-    type checking only too)."""
+    type checking only too). ``extra``: more modules, by name, with their source (none is an ``__init__``)."""
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
-    graph: dict[str, set[str]] = {m: set() for m in modules}
-    for name, path in modules.items():
-        tree = ast.parse(path.read_text())
+    sources = {name: path.read_text() for name, path in modules.items()} | (extra or {})
+    graph: dict[str, set[str]] = {m: set() for m in sources}
+    for name, source in sources.items():
+        path = modules.get(name, PACKAGE / "module.py")
+        tree = ast.parse(source)
         type_only = {id(n) for node in ast.walk(tree)
                      if not types and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
                      for n in ast.walk(node)}
@@ -59,9 +61,12 @@ def import_graph(types: bool = False) -> dict[str, set[str]]:
                 continue
             base = package[: len(package) - (node.level - 1)] if node.level > 1 else package
             target = ".".join([*base, *([node.module] if node.module else [])])
-            # ``from . import sync`` names a module of the package, not the package's ``__init__``.
+            # ``from . import sync`` names a module of the package, not the package's ``__init__``; ``from .. import
+            # __version__`` names something the package's ``__init__`` holds, and so imports the package itself.
             own = [target] if node.module else []
-            for candidate in (*own, *(f"{target}.{a.name}".lstrip(".") for a in node.names)):
+            named = [f"{target}.{a.name}".lstrip(".") for a in node.names]
+            inits = [] if node.module or all(c in graph for c in named) else [target]
+            for candidate in (*own, *named, *inits):
                 if candidate in graph and candidate != name:
                     graph[name].add(candidate)
     return graph
@@ -104,6 +109,9 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
 
 def test_graph_sees_relative_imports() -> None:
     graph = import_graph()
+    # An import of a name the package root defines (inside a function too) is an import of the root.
+    probe = import_graph(extra={"training._probe": "def f():\n    from .. import __version__\n"})
+    assert "" in probe["training._probe"]
     assert "_registry" in graph[""]  # the package itself and "adapters._base" in graph["adapters.ddp"]
     assert "references.placement" in graph["references.view"] and "integrations.trl" in graph["integrations.swift"]
 

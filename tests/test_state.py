@@ -153,15 +153,22 @@ def test_peft_merge_export() -> None:
     assert not torch.equal(ref["merged"][key], ref["held"][held_key])
 
 
-def test_peft_merge_refuses_what_it_cannot_fold() -> None:
+def test_peft_merge_refuses_what_it_cannot_fold(tmp_path: Path) -> None:
     from peft import LoraConfig, get_peft_model
 
     from wrapkit.cli._models import tiny_llama
 
     model = get_peft_model(tiny_llama(), LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
     wm = wrapkit.adapt(model)
-    with pytest.raises(wrapkit.UnsupportedModelError, match="DoRA"):
-        wm.full_state_dict(merge_adapters=True)
+    # Every merged export refuses it alike: its own cause and fix, no other error's hint, nothing written.
+    directory = tmp_path / "merged"
+    for export in (lambda: wm.full_state_dict(merge_adapters=True),
+                   lambda: list(wm.stream_full_parameters(merge_adapters=True)),
+                   lambda: wm.save_pretrained(directory, merge_adapters=True)):
+        with pytest.raises(wrapkit.UnsupportedModelError, match="DoRA") as info:
+            export()
+        assert "merge_adapters=False" in str(info.value) and "Pass a directory" not in str(info.value)
+    assert list(tmp_path.iterdir()) == []
     # Without PEFT there is nothing to merge: the plain export.
     plain = wrapkit.adapt(tiny_llama())
     assert sc._bitwise(plain.full_state_dict(merge_adapters=True), plain.full_state_dict())

@@ -19,10 +19,9 @@ from ._protocol import WrappedModel
 from ._registry import register_adapter, registered_adapters
 from ._results import Bucket, BucketEntry, LoadResult, SleepReport, StateLoad
 from .adapters import Adapter, ShardedAdapter
+from .base.version import __version__
 from .exchange.checkpoint import read_checkpoint
 from .shutdown import shutdown
-
-__version__ = "0.1.0"
 
 __all__ = [
     "__version__",

@@ -27,7 +27,7 @@ class _Help(argparse.RawDescriptionHelpFormatter):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .. import __version__
+    from ..base.version import __version__
 
     parser = argparse.ArgumentParser(prog="wrapkit", description="One protocol over distributed model wrappers.",
                                      formatter_class=_Help)

@@ -14,7 +14,7 @@ def vendor(dest: str | Path, name: str | None = None) -> Path:
     Relative imports make the copy work under any parent package. A ``VENDORED``
     note records the version copied; the license travels with it.
     """
-    from .. import __version__
+    from ..base.version import __version__
 
     src = Path(__file__).resolve().parent.parent
     target = Path(dest) / (name or src.name)

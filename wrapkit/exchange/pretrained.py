@@ -17,6 +17,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import shutil
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -134,11 +135,11 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
     ``model.safetensors.index.json`` (and the model's ``config.json`` and ``generation_config.json``)
     into ``directory``, atomically, in the Hub's layout (``formats.hub``: the names, tensors and tied
     weights transformers' own ``save_pretrained`` writes). Collective; see the module docstring."""
-    refused: list[str] = []
+    refused: WrapkitError | None = None
     try:
         plan = lora_fold_plan(wm) if merge_adapters else None
-    except WrapkitError as exc:  # reported after the entry, on every rank alike
-        plan, refused = None, [str(exc)]
+    except WrapkitError as exc:  # raised after the entry, on every rank alike, as itself (its own cause and fix)
+        plan, refused = None, exc
     # The names are the base model's (and its config files go along) when merged, or without PEFT.
     base_keys = plan is not None or wm.merge_root() is None
 
@@ -155,7 +156,7 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
 
     # Every rank cuts the stream into files the same way, so the size and the merge must match; the
     # directory need not (without shared storage, rank 0 writes everything).
-    problems: list[str] = list(refused)
+    problems: list[str] = []
     limit, size_given = 1, max_shard_size
     try:
         limit = size_given = parse_size(max_shard_size, "max_shard_size")
@@ -164,9 +165,14 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
     call = Call.of("save_pretrained", max_shard_size=size_given, merge_adapters=merge_adapters)
     directory, tmp = open_directory(wm, directory, call, problems,
                                     "Pass a directory whose parent exists and is writable, and a size such as '5GB'.")
-    if merge_adapters:
-        plan = joined_fold_plan(wm, plan, None)  # every pipeline stage's LoRA layers (refusals were agreed above)
     rank0 = writes_files(wm)
+    if merge_adapters:
+        try:  # every pipeline stage's LoRA layers; a refusal on any rank or stage raised on all of them
+            plan = joined_fold_plan(wm, plan, refused)
+        except BaseException:
+            if rank0 and tmp:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
     # Writers: the first replica's ranks, when they all see the temporary directory (shared
     # storage); otherwise rank 0 alone writes every file.
     me = wm.rank if first_replica(wm) else -1

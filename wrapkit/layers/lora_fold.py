@@ -76,8 +76,9 @@ def fold_plan(peft_root: torch.nn.Module) -> LoraFoldPlan:
         layers.append(_layer(name, mod))
     if problems:
         raise UnsupportedModelError(
-            "full_state_dict(merge_adapters=True) folds in LoRA adapters of Linear layers and of parameters "
-            "(target_parameters) only; this model has "
+            "a merged export (merge_adapters=True: full_state_dict, stream_full_parameters, save_pretrained, the "
+            "engine syncs) folds in LoRA adapters of Linear layers and of parameters (target_parameters) only; "
+            "this model has "
             + "; ".join(problems)
             + ". Export with merge_adapters=False, or merge with PEFT's merge_and_unload() on an unsharded copy."
         )

@@ -28,7 +28,7 @@ FORMAT = 1
 
 def versions(wm: Adapter) -> dict[str, str]:
     """wrapkit's, torch's, and those of the libraries the model's layers come from (its wrapper's, its own)."""
-    from .. import __version__
+    from ..base.version import __version__
 
     out = {"wrapkit": __version__, "torch": torch.__version__}
     for obj in (wm.module, wm.backend_object, wm.unwrap(keep_peft=True), wm.unwrap(keep_peft=False)):
