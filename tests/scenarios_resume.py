@@ -23,9 +23,37 @@ VOCAB = 128
 STEPS = 2
 
 
-def _optimizer(wm: Any, lr: float, groups: int) -> tuple[Any, Any]:
+def scheduler_of(kind: str, opt: Any) -> Any:
+    """One of every scheduler torch ships, on ``opt`` (whose groups' learning rates it reads)."""
+    L = torch.optim.lr_scheduler  # noqa: N806
+    made: dict[str, Any] = {
+        "StepLR": lambda: L.StepLR(opt, step_size=1, gamma=0.8),
+        "LambdaLR": lambda: L.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3)),  # a warm-up
+        "MultiplicativeLR": lambda: L.MultiplicativeLR(opt, lambda s: 0.9),
+        "MultiStepLR": lambda: L.MultiStepLR(opt, [1, 3], gamma=0.5),
+        "ConstantLR": lambda: L.ConstantLR(opt, factor=0.5, total_iters=3),
+        "LinearLR": lambda: L.LinearLR(opt, start_factor=0.25, total_iters=4),
+        "ExponentialLR": lambda: L.ExponentialLR(opt, 0.9),
+        "PolynomialLR": lambda: L.PolynomialLR(opt, total_iters=6, power=2.0),
+        "CosineAnnealingLR": lambda: L.CosineAnnealingLR(opt, T_max=5),
+        "CosineAnnealingWarmRestarts": lambda: L.CosineAnnealingWarmRestarts(opt, T_0=3),
+        "CyclicLR": lambda: L.CyclicLR(opt, base_lr=[1e-3, 4e-4], max_lr=[1e-2, 4e-3], step_size_up=2,
+                                       cycle_momentum=False),
+        "OneCycleLR": lambda: L.OneCycleLR(opt, max_lr=[1e-2, 4e-3], total_steps=8),
+        "ReduceLROnPlateau": lambda: L.ReduceLROnPlateau(opt, patience=0, min_lr=[1e-4, 4e-5]),
+        "SequentialLR": lambda: L.SequentialLR(opt, [L.LinearLR(opt, 0.5, total_iters=2), L.ExponentialLR(opt, 0.9)],
+                                               [2]),
+        "ChainedScheduler": lambda: L.ChainedScheduler([L.LambdaLR(opt, lambda s: 1 / (s + 1)),
+                                                        L.ExponentialLR(opt, 0.9)]),
+    }
+    return made[kind]()
+
+
+def _optimizer(wm: Any, lr: float, groups: int, scheduler: str = "StepLR", reverse: bool = False) -> tuple[Any, Any]:
     """AdamW and a scheduler. ``groups=2``: norms undecayed, as trainers build it (not where FSDP1 flattens
-    every parameter of a unit into one). A DeepSpeed engine steps its own (torch's AdamW, one group)."""
+    every parameter of a unit into one), at 0.4 of the decayed group's learning rate; ``reverse``: the groups
+    listed the other way round (a trainer that builds them from a dict or a set). A DeepSpeed engine steps its own
+    (torch's AdamW, one group)."""
     if wm.backend == "deepspeed":
         zero = wm.module.optimizer
         inner = getattr(zero, "optimizer", zero)  # ZeRO-0 in fp32 steps the torch optimizer itself
@@ -36,9 +64,9 @@ def _optimizer(wm: Any, lr: float, groups: int) -> tuple[Any, Any]:
     named = [(n, p) for n, p in wm.module.named_parameters() if p.requires_grad]
     decay = [p for n, p in named if groups == 1 or "norm" not in n]
     rest = [p for n, p in named if groups == 2 and "norm" in n]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}][:groups],
-                            lr=lr, betas=(0.9, 0.95))
-    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.8)
+    listed = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0, "lr": 0.4 * lr}][:groups]
+    opt = torch.optim.AdamW(listed[::-1] if reverse else listed, lr=lr, betas=(0.9, 0.95))
+    return opt, scheduler_of(scheduler, opt)
 
 
 def _steps(wm: Any, opt: Any, sched: Any, first: int) -> list[float]:
@@ -55,7 +83,10 @@ def _steps(wm: Any, opt: Any, sched: Any, first: int) -> list[float]:
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        sched.step()
+        if isinstance(sched, torch.optim.lr_scheduler.ReduceLROnPlateau):
+            sched.step(float(loss.detach()) + i)  # worse every step: the rates fall
+        else:
+            sched.step()
         losses.append(float(loss.detach()))
     return losses
 
@@ -112,9 +143,9 @@ def _model(seed: int, lora: bool) -> torch.nn.Module | None:
 
 
 def trained(tmp: str, spec: str, precision: str = "fp32", topology: str = "flat", groups: int = 2,
-            lora: bool = False) -> dict[str, Any]:
+            lora: bool = False, scheduler: str = "StepLR") -> dict[str, Any]:
     wm = wrapkit.adapt(build(spec, model=_model(0, lora), seed=0, precision=precision, topology=topology))
-    opt, sched = _optimizer(wm, 1e-2, groups)
+    opt, sched = _optimizer(wm, 1e-2, groups, scheduler)
     _steps(wm, opt, sched, 0)
     wm.save_state(os.path.join(tmp, "state"), opt, scheduler=sched, extra={"step": STEPS, "spec": spec})
     saved = _full_state(wm, opt)
@@ -130,19 +161,21 @@ def trained(tmp: str, spec: str, precision: str = "fp32", topology: str = "flat"
 
 
 def resumed(tmp: str, spec: str, precision: str = "fp32", topology: str = "flat",
-            follow: bool = True, groups: int = 2, lora: bool = False) -> dict[str, Any]:
+            follow: bool = True, groups: int = 2, lora: bool = False, scheduler: str = "StepLR",
+            reverse: bool = False) -> dict[str, Any]:
     """``follow``: the data layout is the one saved (same data-parallel ranks), so the next steps are
-    compared with the uninterrupted run's."""
+    compared with the uninterrupted run's. ``reverse``: the optimizer's groups listed the other way round."""
     ref = torch.load(os.path.join(tmp, "reference.pt"))
     wm = wrapkit.adapt(build(spec, model=_model(7, lora), seed=7, precision=precision, topology=topology))
-    opt, sched = _optimizer(wm, 5e-4, groups)
+    opt, sched = _optimizer(wm, 5e-4, groups, scheduler, reverse)
     got = wm.load_state(os.path.join(tmp, "state"), opt, scheduler=sched)
     mine = os.path.join(tmp, f"rank{dist.get_rank()}.pt")
     own = torch.load(mine) if os.path.exists(mine) else None
     obs: dict[str, Any] = {
         "extra": got.extra, "skipped": got.skipped,
         "state": _diff(_full_state(wm, opt), ref["saved"]),
-        "lr": ([g["lr"] for g in opt.param_groups], ref["lr"]), "scheduler_epoch": sched.last_epoch,
+        "lr": ([g["lr"] for g in opt.param_groups][::-1 if reverse else 1], ref["lr"]),
+        "scheduler_epoch": sched.last_epoch,
         "rng": bool(torch.equal(torch.rand(3), own["rng"])) if own is not None else None,
     }
     if follow:

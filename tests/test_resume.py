@@ -226,3 +226,62 @@ def test_a_tensor_split_by_state_dict_hooks_is_built_by_the_models_load_hooks(gr
     for obs in group.run(sc.hooked_foreign_checkpoint, str(tmp_path), timeout=120):
         assert obs["keys"] == ["0.wk.weight", "0.wq.weight", "0.wv.weight", "1.bias", "1.weight"], obs
         assert obs["differed"] and obs["equal"], obs
+
+
+# -- a scheduler resumed into an optimizer whose groups come in another order -----------------------------------
+SCHEDULERS = ["StepLR", "LambdaLR", "MultiplicativeLR", "MultiStepLR", "ConstantLR", "LinearLR", "ExponentialLR",
+              "PolynomialLR", "CosineAnnealingLR", "CosineAnnealingWarmRestarts", "CyclicLR", "OneCycleLR",
+              "ReduceLROnPlateau", "SequentialLR", "ChainedScheduler"]
+
+
+@pytest.mark.parametrize("kind", SCHEDULERS)
+def test_a_scheduler_follows_groups_listed_in_another_order(tmp_path: Path, kind: str) -> None:
+    """The groups are matched by their parameters, and every per-group list of the scheduler's state follows: the
+    resumed run's next steps equal the uninterrupted run's bit for bit (restored by position, the undecayed group
+    ran on the decayed group's schedule from the first ``scheduler.step()`` on)."""
+    wm = wrapkit.adapt(tiny_llama(0))
+    opt, sched = sc._optimizer(wm, 1e-2, 2, kind)
+    sc._steps(wm, opt, sched, 0)
+    wm.save_state(tmp_path / "s", opt, scheduler=sched)
+    want = sc._steps(wm, opt, sched, sc.STEPS)
+    want_lr = [g["lr"] for g in opt.param_groups]
+    wm2 = wrapkit.adapt(tiny_llama(5))
+    opt2, sched2 = sc._optimizer(wm2, 5e-4, 2, kind, reverse=True)
+    assert wm2.load_state(tmp_path / "s", opt2, scheduler=sched2).skipped == []
+    assert sc._steps(wm2, opt2, sched2, sc.STEPS) == want
+    assert [g["lr"] for g in opt2.param_groups][::-1] == want_lr
+    got = wm2.module.state_dict()
+    assert all(torch.equal(v, got[k]) for k, v in wm.module.state_dict().items())
+
+
+def test_a_scheduler_whose_per_group_state_cannot_follow_is_refused(tmp_path: Path) -> None:
+    """A scheduler of the trainer's own, with a list as long as the groups that wrapkit does not know: refused on
+    every rank before anything changes, where the groups come in another order; in the saved order it resumes."""
+
+    class Warmups(torch.optim.lr_scheduler.LambdaLR):
+        def __init__(self, opt: Any) -> None:
+            self.warmup_steps = [1 + i for i in range(len(opt.param_groups))]
+            super().__init__(opt, lambda s: 1.0)
+
+    wm = wrapkit.adapt(tiny_llama(0))
+    opt, _ = sc._optimizer(wm, 1e-2, 2)
+    sched = Warmups(opt)
+    sc._steps(wm, opt, sched, 0)
+    wm.save_state(tmp_path / "s", opt, scheduler=sched)
+    wm2 = wrapkit.adapt(tiny_llama(5))
+    opt2, _ = sc._optimizer(wm2, 5e-4, 2, reverse=True)
+    sched2 = Warmups(opt2)
+    before = _snapshot(wm2, opt2)
+    with pytest.raises(StateDictError, match="warmup_steps") as err:
+        wm2.load_state(tmp_path / "s", opt2, scheduler=sched2)
+    assert "saved order" in str(err.value) and "Warmups" in str(err.value)
+    assert _unchanged(wm2, opt2, before) and sched2.last_epoch == 0
+    opt3, _ = sc._optimizer(wm2, 5e-4, 2)
+    wm2.load_state(tmp_path / "s", opt3, scheduler=Warmups(opt3))
+
+
+@pytest.mark.parametrize("spec", ["ddp", "fsdp2", long("fsdp")])
+def test_a_scheduler_follows_reordered_groups_on_two_ranks(group: Any, tmp_path: Path, spec: str) -> None:
+    group.run(sc.trained, str(tmp_path), spec, scheduler="LambdaLR", timeout=120)
+    for obs in group.run(sc.resumed, str(tmp_path), spec, scheduler="LambdaLR", reverse=True, timeout=120):
+        check(obs, "close" if spec == "fsdp" else "exact")

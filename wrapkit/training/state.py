@@ -48,6 +48,7 @@ from .manifest import (
     versions,
 )
 from .reading import Object, checkpoint_exception, dcp_group, quiet, read
+from .schedulers import group_order, reordered, retyped, unmappable
 
 if TYPE_CHECKING:
     from ..adapters.core.base import Adapter
@@ -166,6 +167,25 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
     commit_directory(wm, "save_state", directory, tmp, error, finish)
 
 
+def _scheduler_order(manifest: Mapping[str, Any] | None, source: Holding, optimizer: Any, scheduler: Any,
+                     problems: list[str]) -> list[int] | None:
+    """Where the optimizer's groups come in another order than the saved ones: for each group, the saved one it
+    matches, so that the scheduler's per-group state follows (``schedulers``); None to keep the positions. A
+    scheduler whose per-group state cannot be mapped is a problem (refused before anything changes)."""
+    saved = ((manifest or {}).get("optimizer") or {}).get("param_groups")
+    if optimizer is None or scheduler is None or not saved:
+        return None
+    order = group_order(saved, source.group_names())
+    if order is None or order == list(range(len(order))):
+        return None
+    bad = unmappable(scheduler.state_dict(), len(order))
+    if bad:
+        problems.append(f"the optimizer's param groups come in another order than the saved ones, and the "
+                        f"scheduler ({type(scheduler).__name__}) keeps state that wrapkit cannot put in the new order "
+                        f"({', '.join(bad)}); build the optimizer's groups in the saved order")
+    return order
+
+
 def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: Any = None) -> StateLoad:
     """See ``WrappedModel.load_state``."""
 
@@ -192,6 +212,7 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
         compare_parameters(wm, manifest, problems)
         compare_optimizer(source, manifest, keys, problems)
         compare_others(manifest, scheduler, problems)
+    order = _scheduler_order(manifest, source, optimizer, scheduler, problems)
     call = Call.of("load_state", optimizer=type(optimizer).__name__ if optimizer is not None else None,
                    scheduler=scheduler is not None)
     [agreed] = enter(call, wm, flags=[bool(problems)], invalid=1)
@@ -246,7 +267,8 @@ def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
             if at is not None:
                 g.update(hypers[at])
     if scheduler is not None:
-        scheduler.load_state_dict(state["scheduler"].value)
+        value = retyped(state["scheduler"].value, scheduler.state_dict())
+        scheduler.load_state_dict(value if order is None else reordered(value, order))
     skipped: list[str] = []
     if rank_key in saved:
         _set_rng(state[rank_key].value)
