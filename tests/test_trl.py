@@ -42,11 +42,12 @@ def test_patch_trl_swaps_and_undoes() -> None:
 
     names = ("prepare_deepspeed", "prepare_fsdp", "unwrap_model_for_generation")
     originals = {n: getattr(utils, n) for n in names}
-    walk = VLLMGeneration._iter_named_params
+    # TRL releases before the walk (0.29: its sync_weights pushes tensors itself) keep their own sync.
+    walk = VLLMGeneration.__dict__.get("_iter_named_params")
     with dropins.patch_trl() as patch:
         # The weight sync of GRPO, RLOO and distillation takes its tensors from wrapkit.
-        assert [(c, n) for c, n, _ in patch.methods] == [(VLLMGeneration, "_iter_named_params")]
-        assert VLLMGeneration._iter_named_params is not walk
+        assert [(c, n) for c, n, _ in patch.methods] == ([(VLLMGeneration, "_iter_named_params")] if walk else [])
+        assert VLLMGeneration.__dict__.get("_iter_named_params") is not walk or walk is None
         assert all(getattr(utils, n) is getattr(dropins, n) for n in names)
         assert all(getattr(trl.models, n) is getattr(dropins, n) for n in names)
         assert all(m.__name__.startswith("trl") for m, _, _ in patch.swaps)
@@ -55,7 +56,7 @@ def test_patch_trl_swaps_and_undoes() -> None:
     # resolves its attributes lazily, and cached ours above).
     assert all(getattr(utils, n) is originals[n] for n in names)
     assert all(getattr(trl.models, n) is originals[n] for n in names)
-    assert VLLMGeneration._iter_named_params is walk
+    assert VLLMGeneration.__dict__.get("_iter_named_params") is walk
 
 
 @pytest.mark.long

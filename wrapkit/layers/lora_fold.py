@@ -91,8 +91,10 @@ def _trained_copy(wrapper: Any) -> tuple[str, str | None]:
     """The child of a ``modules_to_save`` wrapper that the merged model holds, as PEFT's forward and
     ``merge_and_unload()`` pick it: the active adapter's trained copy, else the original module. With a
     problem where that copy cannot be exported as it is (LoRA layers inside it)."""
-    active = [a for a in wrapper.active_adapters if a in wrapper.modules_to_save]
-    if wrapper.disable_adapters or not active:
+    # Older PEFT releases name one active adapter and have no switch to disable it.
+    names = getattr(wrapper, "active_adapters", None) or [getattr(wrapper, "active_adapter", None)]
+    active = [a for a in names if a in wrapper.modules_to_save]
+    if getattr(wrapper, "disable_adapters", False) or not active:
         child, module = "original_module", wrapper.original_module
     else:
         child, module = f"modules_to_save.{active[0]}", wrapper.modules_to_save[active[0]]
