@@ -87,7 +87,7 @@ class MethodPatch(Patch):
         return self._methods + super().methods
 
     def undo(self) -> None:
-        for owner, name, original in reversed(self.methods):
+        for owner, name, original in reversed(self._methods):  # the patch built on undoes its own below
             setattr(owner, name, original)
         self._methods = []
         super().undo()

@@ -153,12 +153,12 @@ def move_adapter_to_vllm(self: Any) -> None:
     as ms-swift sends them. Collective: call on every rank."""
     mixin = importlib.import_module(_MIXIN)
     server = self.vllm_mode == "server"
-    if server and not self.accelerator.is_main_process:
-        adapter_tensors(as_adapter(prepared_module(self.model, self.accelerator)), "default", keep=False)
+    receives = not server or self.accelerator.is_main_process  # the others only take part in the gathers
+    gathered = adapter_tensors(as_adapter(prepared_module(self.model, self.accelerator)), "default", keep=receives)
+    if not receives:
         return
     device = self.accelerator.device
-    tensors = {k: v.to(device) for k, v in adapter_tensors(
-        as_adapter(prepared_module(self.model, self.accelerator)), "default").items()}
+    tensors = {k: v.to(device) for k, v in gathered.items()}
     config = self.model.peft_config.get("default")
     if server:
         if getattr(self.args, "enable_flattened_weight_sync", True):
