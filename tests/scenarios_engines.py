@@ -123,6 +123,54 @@ def sync_expecting_failure(url: str, port: int, connect_only: bool = False, kind
     return outcomes
 
 
+def vllm_refused_mid_update(spec: str, url: str, ports: list[int], positions: list[int | str]) -> dict[str, Any]:
+    """For each chunk the vLLM stand-in refuses (``positions``: its index, negative from the last, or ``"middle"``),
+    on a fresh port each: a sync of a Llama on ``spec`` (engine timeout 8 s), what it raised and when (wall clock,
+    beside the stand-in's own time of refusal), then what a second sync without ``connect()`` raised. At the end,
+    ``connect()`` on the first port again (its group may still be held by a chunk no one took) and a sync that
+    the stand-in accepts."""
+    import time
+
+    from wrapkit.integrations._engine_wire import call
+
+    wm = wrapkit.adapt(build(spec, model=family_model("llama", seed=0)))
+    out: dict[str, Any] = {"refusals": []}
+
+    def mode(**behaviour: Any) -> None:
+        if dist.get_rank() == 0:
+            assert call(url, "standin_mode", {"family": "llama", **behaviour}, 60)["success"]
+        dist.barrier()
+
+    def attempt(engine: Any) -> tuple[str, float]:
+        try:
+            engine.sync(wm, bucket_bytes=16 * 1024)
+            return "no error", time.time()
+        except wrapkit.WrapkitError as exc:
+            return f"{type(exc).__name__}: {exc}", time.time()
+
+    for at, port in zip(positions, ports, strict=True):
+        mode(refuse_chunk=at)
+        engine = _engine("vllm", url, port, "wk-refused", 8)
+        engine.connect()
+        started = time.time()
+        first, raised_at = attempt(engine)
+        refused_at = call(url, "standin_dump", {}, 60)["refused_at"] if dist.get_rank() == 0 else None
+        second, _ = attempt(engine)
+        engine.close()
+        out["refusals"].append({"at": at, "first": first, "seconds": raised_at - started, "raised_at": raised_at,
+                                "refused_at": refused_at, "second": second})
+    mode()
+    engine = _engine("vllm", url, ports[0], "wk-refused", 8)
+    t0 = time.time()
+    try:
+        engine.connect()
+        out["reconnect_seconds"] = time.time() - t0
+        out["after"] = attempt(engine)[0]
+    finally:
+        engine.close()
+    return out
+
+
 def failed_syncs(group: Any, url: str, kind: str = "sglang", connect_only: bool = False) -> tuple[list[Any], float]:
     """In the test's process: ``sync_expecting_failure`` on every rank of ``group``, what each rank raised and the
     seconds until all had; then the engine calls the failure left waiting are joined (``join_engine_threads``)."""

@@ -108,3 +108,24 @@ def test_a_vllm_server_that_is_gone_fails_every_rank_at_once(group: Any) -> None
     outcomes, seconds = se.failed_syncs(group, f"http://127.0.0.1:{free_port()}", "vllm", connect_only=True)
     assert all(e.startswith("EngineError") and "did not answer" in e for [e] in outcomes), outcomes
     assert seconds < 15  # reported at once, not after the group's timeout
+
+
+@pytest.mark.parametrize("spec", ["fsdp2", "ddp", "fsdp", matrix.long("zero3", id="zero3")])
+def test_a_vllm_refusal_mid_update_is_raised_at_once_with_its_reason(group: Any, server: Standin, spec: str) -> None:
+    """The worker refuses the first, a middle or the last chunk: every rank raises the server's reason within a
+    second of its answer, not after the wire's timeout (8 s); where chunks were left unsent the group is dropped on
+    every rank, and a connect() again on the same port serves a sync."""
+    ports = [free_port() for _ in range(3)]
+    per_rank = group.run(se.vllm_refused_mid_update, spec, server.url, ports, [0, "middle", -1], timeout=180)
+    for i, at in enumerate([0, "middle", -1]):
+        refused_at = per_rank[0]["refusals"][i]["refused_at"]
+        assert refused_at is not None  # the stand-in did refuse this chunk
+        for obs in per_rank:
+            got = obs["refusals"][i]
+            assert got["first"].startswith("EngineError") and "update_weights was refused: HTTP 500" in got["first"]
+            assert "the stand-in's worker refused chunk" in got["first"], got  # the server's own reason
+            assert got["raised_at"] - refused_at < 1.0, (at, got["raised_at"] - refused_at)
+            # Chunks left unsent: out of step, dropped on every rank. The last chunk arrived: the group stays.
+            then = "EngineError" if at == -1 else "ArgumentError: VLLMEngine.sync() before connect()"
+            assert got["second"].startswith(then), got
+    assert all(obs["after"] == "no error" for obs in per_rank), [obs["after"] for obs in per_rank]

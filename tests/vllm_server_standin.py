@@ -12,11 +12,13 @@ worker, rank 1 (vLLM's is NCCL); the model is a transformers model loaded by the
 
     python tests/vllm_server_standin.py --port P
 
-Two routes of its own drive the tests: ``/standin_mode {"family", "refuse", "exit_after", "forget_version",
-"release"}`` builds a fresh model of that family, a route to refuse, a chunk count after which the process exits
-while receiving, whether ``finish_weight_update`` forgets its version while answering success, and the release
-``/version`` reports;
-``/standin_dump {"path"}`` saves the model's state dict and answers with the calls received. For the benchmarks,
+Two routes of its own drive the tests: ``/standin_mode {"family", "refuse", "refuse_chunk", "exit_after",
+"forget_version", "release"}`` builds a fresh model of that family, a route to refuse, a chunk whose load the
+worker refuses (its index, negative from the last, or ``"middle"``; ``update_weights`` then answers HTTP 500 at
+once, as vLLM's does when a worker raises), a chunk count after which the process exits while receiving, whether
+``finish_weight_update`` forgets its version while answering success, and the release ``/version`` reports;
+``/standin_dump {"path"}`` saves the model's state dict (where a path is given) and answers with the calls
+received and when (``time.time()``) it last answered ``update_weights`` with an error. For the benchmarks,
 ``standin_mode`` takes a Llama ``size`` (``layers``, ``hidden``, ``vocab``), and ``/standin_bare {"sizes"}`` only
 receives broadcasts of those sizes.
 """
@@ -24,8 +26,10 @@ receives broadcasts of those sizes.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import threading
+import time
 from typing import Any
 
 import torch
@@ -46,6 +50,7 @@ class Engine:
 
         self.model = standin_model(req)
         self.refuse, self.exit_after = req.get("refuse"), req.get("exit_after")
+        self.refuse_chunk, self.refused_at = req.get("refuse_chunk"), None
         self.forget_version = bool(req.get("forget_version"))
         self.release = req.get("release", "0.33.0")
         self.active, self.weight_version, self.meta = False, None, None
@@ -64,11 +69,15 @@ class Engine:
         try:
             return handler(req)  # type: ignore[no-any-return]
         except Exception as exc:  # a worker's error, as vLLM's collective_rpc reports it
+            self.refused_at = time.time()
             return 500, {"error": {"message": f"Call to collective_rpc method failed: {type(exc).__name__}: {exc}",
                                    "type": "InternalServerError", "code": 500}}
 
     def init_weight_transfer_engine(self, req: dict[str, Any]) -> tuple[int, Any]:
         info = req["init_info"]
+        if self.group is not None:  # vLLM builds a new communicator on each init; the old one is let go
+            dist.destroy_process_group(self.group)
+            self.group = None
         self.buffer = info.get("packed_buffer_size_bytes", 2**30)
         wait = datetime.timedelta(seconds=60)
         store, rank, world = next(c10d.rendezvous(f"tcp://{info['master_address']}:{info['master_port']}",
@@ -96,6 +105,8 @@ class Engine:
             self.meta = list(zip(info["names"], info["dtype_names"], info["shapes"], strict=True))
         try:
             group = _Exiting(self.group, self.exit_after) if self.exit_after is not None else self.group
+            if self.refuse_chunk is not None:
+                group = _Refusing(group, self.refuse_chunk, _chunk_count(self.meta or [], self.buffer))
             with self.lock, torch.no_grad():
                 receive(self.meta or [], group, self.buffer, self.model)
         except BaseException:
@@ -130,9 +141,10 @@ class Engine:
         return 200, {"success": True}
 
     def standin_dump(self, req: dict[str, Any]) -> tuple[int, Any]:
-        with self.lock:
-            torch.save({k: v.clone() for k, v in self.model.state_dict().items()}, req["path"])
-        return 200, {"success": True, "calls": self.calls}
+        if req.get("path"):
+            with self.lock:
+                torch.save({k: v.clone() for k, v in self.model.state_dict().items()}, req["path"])
+        return 200, {"success": True, "calls": self.calls, "refused_at": self.refused_at}
 
 
 class _Exiting:
@@ -146,6 +158,37 @@ class _Exiting:
             os._exit(3)
         self.left -= 1
         return self.group.broadcast(tensors, opts)
+
+
+class _Refusing:
+    """The transfer group of a worker that refuses chunk ``at`` of ``count`` once it arrived (a load that fails
+    half a second later)."""
+
+    def __init__(self, group: Any, at: int | str, count: int) -> None:
+        self.group, self.count, self.seen = group, count, 0
+        self.at = count // 2 if at == "middle" else int(at) % count
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> Any:
+        work = self.group.broadcast(tensors, opts)
+        work.wait()
+        self.seen += 1
+        if self.seen - 1 == self.at:
+            # A load that fails after a while: the trainer has moved on to broadcasting the next chunk by then
+            # (vLLM's consumer has the next chunk in flight while it loads one).
+            time.sleep(0.5)
+            raise RuntimeError(f"the stand-in's worker refused chunk {self.at} of {self.count}")
+        return work
+
+
+def _chunk_count(meta: list[tuple[str, str, list[int]]], buffer: int) -> int:
+    """How many chunks vLLM's cut makes of ``meta``: each closes right after the tensor that takes it past
+    ``buffer`` bytes, and the last after the last tensor."""
+    count, total = 0, 0
+    for i, (_, dtype_name, shape) in enumerate(meta):
+        total += math.prod(shape) * getattr(torch, dtype_name).itemsize
+        if total > buffer or i == len(meta) - 1:
+            count, total = count + 1, 0
+    return count
 
 
 def _engine() -> Any:

@@ -17,7 +17,7 @@ from .._agree import broadcast_object, span
 from .._errors import EngineError, UnsupportedModelError
 
 __all__ = ["EngineSync", "call", "request", "refuse_partial", "distributed", "rank", "world_size", "share", "why",
-           "in_thread", "answer_of", "sent_within", "said", "agree", "connection_problem", "join_beside",
+           "in_thread", "answer_of", "sent_or_answered", "said", "agree", "connection_problem", "join_beside",
            "on_sender"]
 
 
@@ -141,25 +141,26 @@ def answer_of(box: dict[str, Any]) -> dict[str, Any]:
     return {"success": False, "message": box.get("error", "nothing (still waiting when the timeout ran out)")}
 
 
-def sent_within(tensor: Any, timeout: float, stream: Any = None) -> None:
-    """Return once a broadcast of ``tensor`` just issued has left this rank: at once on the CPU (gloo's call
-    returns when it is done), by polling ``stream`` (the current one by default) on a GPU (NCCL's returns once it
-    is queued), with ``EngineError`` after ``timeout`` seconds: an engine that stopped receiving must not hold the
-    rank for ever."""
+def sent_or_answered(done: Callable[[], bool], nbytes: int, timeout: float,
+                     answered: Callable[[], str | None]) -> str | None:
+    """Wait, polling, until a broadcast of ``nbytes`` just issued has left this rank (``done()``), and return None.
+    Where the engine answers its update call meanwhile (``answered()`` gives what it said), stop waiting and return
+    that: a receiver that gave up takes no further chunk, so the broadcast would only end by its timeout, and the
+    answer is the error worth reporting. ``EngineError`` after ``timeout`` seconds: an engine that stopped
+    receiving must not hold the rank for ever."""
     import time
 
-    import torch
-
-    if not getattr(tensor, "is_cuda", False):
-        return
-    cuda: Any = torch.cuda  # its event constructor is untyped
-    done = cuda.Event()
-    done.record(stream if stream is not None else cuda.current_stream(tensor.device))
     deadline = time.monotonic() + timeout
-    while not done.query():
+    pause = 0.0005
+    while not done():
+        answer = answered()
+        if answer is not None:
+            return answer
         if time.monotonic() > deadline:
-            raise EngineError(f"a broadcast of {tensor.numel()} bytes did not complete within {timeout:.0f} s")
-        time.sleep(0.0005)
+            raise EngineError(f"a broadcast of {nbytes} bytes did not complete within {timeout:.0f} s")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.02)  # quick for small chunks, cheap for long waits
+    return None
 
 
 def said(answer: dict[str, Any], status: int = 0) -> str:

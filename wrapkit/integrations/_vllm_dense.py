@@ -19,6 +19,7 @@ trainer needs around it:
 from __future__ import annotations
 
 import re
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -40,7 +41,7 @@ from ._engine_wire import (
     refuse_partial,
     request,
     said,
-    sent_within,
+    sent_or_answered,
     share,
     why,
 )
@@ -57,13 +58,16 @@ def gloo_group_name(port: int) -> str:
 
 class _Wire:
     """The data plane, rank 0 of vLLM's transfer group (the engine's workers are ranks 1..N): vLLM's own NCCL
-    communicator, or a torch gloo group. ``broadcast`` returns once the chunk left, or raises within the
-    timeout."""
+    communicator, or a torch gloo group. ``broadcast`` returns once the chunk left, or once the engine answered
+    while it waited, or raises within the timeout."""
 
     def __init__(self, backend: str, address: str, port: int, world: int, timeout: float) -> None:
         self.backend, self.timeout = backend, timeout
+        self.pending: torch.Tensor | None = None
         if backend == "gloo":
+            _settled(port, timeout)
             self.group = join_weight_group(address, port, world, 0, gloo_group_name(port), "gloo", timeout)
+            self.port = port
             return
         try:
             from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
@@ -78,14 +82,32 @@ class _Wire:
                               "would send nothing; send from a rank with a GPU")
         self.stream = cuda.Stream(device)
 
-    def broadcast(self, flat: torch.Tensor) -> None:
+    def broadcast(self, flat: torch.Tensor, answered: Callable[[], str | None]) -> str | None:
+        """Send one chunk; None once it left, or what the engine answered while it waited (the chunk is then
+        abandoned: the group is out of step and must be closed)."""
         if self.backend == "gloo":
-            dist.broadcast(flat, src=0, group=self.group)  # the group's own timeout bounds it
-            return
+            work = dist.broadcast(flat, src=0, group=self.group, async_op=True)
+            # gloo fails the send at the group's own timeout, with its own message; the poll's deadline is later.
+            try:
+                answer = sent_or_answered(work.is_completed, flat.numel(), self.timeout + 5, answered)
+            except EngineError:
+                _abandon(work, self.group, self.port)
+                raise
+            if answer is not None:
+                _abandon(work, self.group, self.port)
+                return answer
+            work.wait()  # done: raises the transport's error, if it failed
+            return None
         # On its own stream, waited for by polling: a worker that is gone must not hold this rank for ever.
         self.stream.wait_stream(torch.cuda.current_stream())
         self.group.broadcast(flat, src=0, stream=self.stream)
-        sent_within(flat, self.timeout, self.stream)
+        cuda: Any = torch.cuda  # its event constructor is untyped
+        done = cuda.Event()
+        done.record(self.stream)
+        answer = sent_or_answered(done.query, flat.numel(), self.timeout, answered)
+        if answer is not None:
+            self.pending = flat  # the kernel may still read it: held until close() aborts the communicator
+        return answer
 
     def close(self) -> None:
         try:
@@ -95,6 +117,7 @@ class _Wire:
                 self.group.destroy()  # vLLM's: aborts the communicator
         except Exception:  # already gone with its peers: nothing left to release
             pass
+        self.pending = None
 
 
 class DenseSender:
@@ -203,18 +226,20 @@ class DenseSender:
         return self._source[1]
 
     def _send(self, parts: list[torch.Tensor], box: dict[str, Any]) -> str | None:
-        if "error" in box or "value" in box:  # answered before its chunks were sent: the workers are not receiving
-            status, answer = _status(box)
+        refused = _answered(box)
+        if refused is not None:  # answered before its chunks were sent: the workers are not receiving
             self.broken = True  # chunks sent before the answer may wait unread on the wire
-            return f"update_weights was refused: {said(answer, status)}"
+            return refused
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)
         assert self.wire is not None
         try:
-            self.wire.broadcast(flat)
+            refused = self.wire.broadcast(flat, lambda: _answered(box, refusals_only=True))
         except Exception as exc:  # the workers never took their part (or are gone): out of step
             self.broken = True
             return f"sending {flat.numel()} bytes failed: {why(exc)}; the transfer group is out of step"
-        return None
+        if refused is not None:  # answered while this chunk waited for its receiver, which is gone
+            self.broken = True
+        return refused
 
     def _end(self, error: str | None, box: dict[str, Any] | None, thread: Any, version: str, paused: bool,
              sent: int, declared: int) -> str | None:
@@ -268,6 +293,51 @@ class DenseSender:
         self.broken = False
         if error is not None:
             raise EngineError(f"VLLMEngine.{what}() at {self.url}: {error}")
+
+
+def _answered(box: dict[str, Any], refusals_only: bool = False) -> str | None:
+    """What the engine said, where its ``update_weights`` call already returned: before a chunk is sent, any
+    answer means the workers stopped receiving. While a chunk is on its way a success may come (the last chunk
+    arrived and was loaded before this rank saw its send complete): then only a refusal counts."""
+    if "error" not in box and "value" not in box:
+        return None
+    status, answer = _status(box)
+    if refusals_only and status == 200:
+        return None
+    return f"update_weights was refused: {said(answer, status)}"
+
+
+_ABANDONED: dict[int, threading.Thread] = {}  # by port: the gloo groups left holding a chunk no one takes
+
+
+def _abandon(work: Any, group: Any, port: int) -> None:
+    """Let a gloo broadcast that no receiver will take end by its own timeout, away from the trainer (gloo cannot
+    cancel it). Its group is held until then: the group's destructor waits for the work, and would otherwise block
+    the rank that drops it. The thread is not a daemon, so an exiting process waits for it too (a gloo thread
+    still holding Python's tensors while the interpreter finalizes aborts the process)."""
+
+    def settle(held: Any = group) -> None:
+        try:
+            work.wait()
+        except Exception:  # the timeout it was left to end by
+            pass
+
+    thread = threading.Thread(target=settle, name="wrapkit-abandoned-chunk")
+    thread.start()
+    _ABANDONED[port] = thread
+
+
+def _settled(port: int, timeout: float) -> None:
+    """Before a gloo group is joined at ``port`` again: the group abandoned there holds the port (its store)
+    until its chunk's timeout, so a reconnect right after a refusal waits for that first."""
+    left = _ABANDONED.pop(port, None)
+    if left is None:
+        return
+    left.join(timeout + 5)
+    if left.is_alive():
+        _ABANDONED[port] = left
+        raise EngineError(f"port {port} is still held by the transfer group a refused update left behind (its "
+                          f"last chunk ends by the group's timeout): connect() again later, or on another port")
 
 
 def _status(box: dict[str, Any]) -> tuple[int, dict[str, Any]]:

@@ -146,7 +146,9 @@ class HubSource:
             for _ in stream:
                 pass
             if consumer_left:  # the sender raises its consumer's own error; the other ranks raise this one
-                error = error or f"the engine's sender stopped reading after {at} of {len(meta)} tensors"
+                # A consumer stops right after a send failed, and that send held at least the last tensor it took.
+                error = error or (f"the engine's sender stopped (a send failed) after taking {at} of the "
+                                  f"{len(meta)} tensors declared: at most {max(at - 1, 0)} reached the engine")
             elif sends and error is None and at != len(meta):
                 error = f"the stream gave {at} of the {len(meta)} tensors declared"
             self._agree(error, raise_here=not consumer_left)
