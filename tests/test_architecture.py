@@ -277,3 +277,37 @@ def test_operations_take_names_from_primitives() -> None:
     found = names_from_unwrap()
     assert not found, "operations naming tensors by walking unwrap() (use the named_live primitive):\n" + "\n".join(
         found)
+
+
+def _lists_caught_error(handler: ast.ExceptHandler) -> list[ast.AST]:
+    """Where ``handler`` puts the text of the error it caught into a list (``x.append(str(exc))``,
+    ``x += [f"{exc}"]``): such a list is reported with the reporting call's own hint appended."""
+    name = handler.name
+
+    def is_text(node: ast.AST) -> bool:
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "str":
+            return len(node.args) == 1 and isinstance(node.args[0], ast.Name) and node.args[0].id == name
+        return (isinstance(node, ast.JoinedStr) and len(node.values) == 1
+                and isinstance(node.values[0], ast.FormattedValue) and isinstance(node.values[0].value, ast.Name)
+                and node.values[0].value.id == name)
+
+    found: list[ast.AST] = []
+    for node in ast.walk(handler):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "append":
+            found += [node] if node.args and is_text(node.args[0]) else []
+        if isinstance(node, ast.AugAssign) and isinstance(node.value, ast.List):
+            found += [node] if any(is_text(e) for e in node.value.elts) else []
+    return found
+
+
+def test_a_caught_error_keeps_its_own_hint() -> None:
+    """A typed error caught and listed among a collective call's problems is listed as ``Listed(exc)``: it names
+    its own cause and fix, and keeps its type; as plain text it would be raised as a StateDictError ending with the
+    call's hint, which is about something else (a directory, a size)."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ExceptHandler) and node.name:
+                found += [f"{path.relative_to(PACKAGE)}:{getattr(n, 'lineno', '?')}: {ast.unparse(n)}"
+                          for n in _lists_caught_error(node)]
+    assert not found, "list Listed(exc), not its text:\n" + "\n".join(found)

@@ -65,8 +65,16 @@ def test_bad_adapter_directories_and_arguments(group: Any, spec: str) -> None:
         assert "adapter_names=['nope']" in obs["save_unknown_adapter"] and "'second'" in obs["save_unknown_adapter"]
         assert obs["save_merge_too"].startswith("ArgumentError") and "one of the two" in obs["save_merge_too"]
         assert obs["names_without_only"].startswith("ArgumentError")
-        assert "no PEFT layer" in obs["save_no_peft"] and "no PEFT layer" in obs["load_into_no_peft"]
+        # Each refusal with its own type and fix, no other error's hint (a directory's, a save's).
+        assert obs["save_no_peft"].startswith("UnsupportedModelError") and "no PEFT layer" in obs["save_no_peft"]
+        assert "Pass a directory" not in obs["save_no_peft"], obs["save_no_peft"]
+        loaded = obs["load_into_no_peft"]
+        assert loaded.startswith("UnsupportedModelError") and "no PEFT layer" in loaded, loaded
+        assert "peft.get_peft_model" in loaded and "save" not in loaded.split("no PEFT layer")[1], loaded
+        assert "Pass an adapter directory" not in loaded, loaded
+        assert obs["save_from_view"].startswith("UnsupportedModelError"), obs["save_from_view"]
         assert "a view with them off; call it on the policy" in obs["save_from_view"]
+        assert "Pass a directory" not in obs["save_from_view"], obs["save_from_view"]
         keys = obs["load_keys"]
         assert keys.startswith("StateDictError") and "missing key" in keys and "up_proj.lora_A.weight" in keys
         assert "unexpected key" in keys

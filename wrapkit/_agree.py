@@ -19,7 +19,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ._errors import DistributedStateError, StateDictError
+from ._errors import DistributedStateError, Listed, StateDictError
 
 __all__ = [
     "Ranks", "Call", "enter", "CHECK_ENV", "checking", "is_distributed", "agree_flags", "settle",
@@ -315,6 +315,8 @@ def any_over_models(flag: bool, *wms: Ranks) -> bool:
 def raise_agreed(problems: list[str], what: str, fix: str, *wms: Ranks, agreed: bool | None = None) -> None:
     """Raise on every rank if any rank found a problem; the local list when there is one.
 
+    ``StateDictError`` ending with ``fix``, which is added only for problems that do not carry their own: another
+    error listed among them (``Listed``) says its own fix, and where all are of one such type it is raised.
     ``agreed``: the OR of ``bool(problems)`` over the ranks, when the caller already has it."""
     if not (any_over_models(bool(problems), *wms) if agreed is None else agreed):
         return
@@ -326,14 +328,22 @@ def raise_agreed(problems: list[str], what: str, fix: str, *wms: Ranks, agreed: 
         if all(x == lists[0] for x in lists):
             problems = list(lists[0])
         else:
-            problems = [f"rank {r}: {p}" for r, lst in enumerate(lists) for p in lst]
+            problems = [_prefixed(p, f"rank {r}: ") for r, lst in enumerate(lists) for p in lst]
         # And from every copy of the model (HSDP): a problem found by one replica's writer is told to all.
         for replica_group in _replicas_of(*wms):
             lists = [None] * dist.get_world_size(replica_group)
             dist.all_gather_object(lists, problems, group=replica_group)
             problems = list(dict.fromkeys(p for lst in lists for p in lst))
     listing = "\n  ".join(problems)
-    raise StateDictError(f"{what}: {len(problems)} problem(s), nothing was written:\n  {listing}\n{fix}")
+    own = {p.error for p in problems if isinstance(p, Listed)}
+    plain = any(not isinstance(p, Listed) for p in problems)
+    error: type[Exception] = own.pop() if len(own) == 1 and not plain else StateDictError
+    hint = f"\n{fix}" if plain else ""
+    raise error(f"{what}: {len(problems)} problem(s), nothing was written:\n  {listing}{hint}")
+
+
+def _prefixed(problem: str, prefix: str) -> str:
+    return problem.prefixed(prefix) if isinstance(problem, Listed) else prefix + problem
 
 
 def broadcast_object(value: Any, src: int, group: Any) -> Any:

@@ -3,6 +3,8 @@ that already catch ``TypeError`` or ``ValueError`` keep working."""
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "WrapkitError",
     "UnsupportedModelError",
@@ -61,3 +63,28 @@ class ArgumentError(WrapkitError, ValueError):
 class EngineError(WrapkitError, RuntimeError):
     """An inference engine in another process refused a call, failed, or did not answer in time. Raised
     on every trainer rank alike, with the engine's own answer quoted."""
+
+
+class Listed(str):
+    """Another typed error's message, listed among the problems a collective call reports together. It names its
+    own cause and fix, so the call adds its own hint only for the problems without one; where every problem is
+    such an error of one type, that type is raised."""
+
+    error: type[WrapkitError]
+
+    def __new__(cls, exc: WrapkitError, text: str | None = None) -> Listed:
+        self = super().__new__(cls, str(exc) if text is None else text)
+        self.error = type(exc)
+        return self
+
+    def __reduce__(self) -> Any:  # gathered from other ranks as objects: the type travels with the text
+        return (_listed, (str(self), self.error))
+
+    def prefixed(self, prefix: str) -> Listed:
+        return _listed(prefix + str(self), self.error)
+
+
+def _listed(text: str, error: type[WrapkitError]) -> Listed:
+    out = str.__new__(Listed, text)
+    out.error = error
+    return out

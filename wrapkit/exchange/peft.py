@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._agree import Call, writes_files
-from .._errors import UnsupportedModelError
+from .._errors import Listed, UnsupportedModelError
 from ..adapters.stages.plan import every_stage, is_stage, stage_adapter_keys
 from ..formats import safetensors as _safetensors
 from ..formats.directory import commit_directory, open_directory
@@ -58,10 +58,11 @@ def _peft_root(wm: Adapter, what: str) -> Any:
             f"{what} needs the adapters, and {' > '.join(wm.stack)} is a view with them off; call it on the policy."
         )
     if root is None:
-        raise UnsupportedModelError(
-            f"{what} needs a PEFT model, and {' > '.join(wm.stack)} has no PEFT layer; save the whole model with "
-            "save_pretrained(directory), or wrap the base model with peft.get_peft_model first."
-        )
+        fix = ("wrap the base model with peft.get_peft_model (the adapters' LoraConfig) before adapt(), then load"
+               if what.startswith("loading") else
+               "save the whole model with save_pretrained(directory), or wrap the base model with "
+               "peft.get_peft_model first")
+        raise UnsupportedModelError(f"{what} needs a PEFT model, and {' > '.join(wm.stack)} has no PEFT layer; {fix}.")
     return root
 
 
@@ -89,7 +90,7 @@ def save_adapters(wm: Adapter, directory: str | os.PathLike[str], adapter_names:
             if empty and not is_stage(wm):
                 problems.append(f"PEFT saves no tensor of adapter(s) {', '.join(map(repr, empty))}")
     except UnsupportedModelError as exc:  # raised alike on every rank, after the entry
-        problems.append(str(exc))
+        problems.append(Listed(exc))
     call = Call.of("save_pretrained", adapters_only=True, adapter_names=tuple(names))
     directory, tmp = open_directory(wm, directory, call, problems,
                                     "Pass a directory whose parent exists, and adapter names the model has.")
@@ -236,7 +237,7 @@ def adapter_files(wm: Adapter, path: str, adapter_name: str | None) -> AdapterCh
     try:
         root = _peft_root(wm, f"loading {where}")
     except UnsupportedModelError as exc:
-        out.problems.append(str(exc))
+        out.problems.append(Listed(exc))
         return out
     known = list(root.peft_config)
     for name, directory in dirs.items():
@@ -272,7 +273,7 @@ def adapter_files(wm: Adapter, path: str, adapter_name: str | None) -> AdapterCh
             # A pipeline stage's adapters are every stage's: those of the others' layers as recorded at adapt().
             keys = stage_adapter_keys(wm, name) | saved_key_map(root, name)
         except UnsupportedModelError as exc:
-            out.problems.append(str(exc))
+            out.problems.append(Listed(exc))
             continue
         out.files[weights] = (name, {saved_key: key for key, saved_key in keys.items()})
     return out

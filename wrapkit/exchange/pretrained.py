@@ -29,7 +29,7 @@ from .._agree import (
     first_replica,
     writes_files,
 )
-from .._errors import ArgumentError, WrapkitError
+from .._errors import ArgumentError, Listed, WrapkitError
 from ..adapters.stages.parts import stage_buffers
 from ..adapters.stages.plan import layout_of
 from ..base.memory import parse_size
@@ -161,7 +161,7 @@ def save_pretrained(wm: Adapter, directory: str | os.PathLike[str], max_shard_si
     try:
         limit = size_given = parse_size(max_shard_size, "max_shard_size")
     except ArgumentError as exc:
-        problems.append(str(exc))
+        problems.append(Listed(exc))
     call = Call.of("save_pretrained", max_shard_size=size_given, merge_adapters=merge_adapters)
     directory, tmp = open_directory(wm, directory, call, problems,
                                     "Pass a directory whose parent exists and is writable, and a size such as '5GB'.")

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from .._agree import Call, broadcast_object, enter, models_group, raise_agreed
-from .._errors import StateDictError
+from .._errors import Listed, StateDictError
 from .._names import model_class_name
 from .._results import LoadResult
 from ..adapters import Written
@@ -107,7 +107,7 @@ def load(wm: Adapter, path: str | os.PathLike[str], strict: bool = True, src_ran
                     catalog = Catalog(path, stack, found, layout if found is None else None, expected_shapes(wm))
                     entries, mismatches = catalog.entries, mismatches + catalog.problems
             except StateDictError as exc:
-                problems.append(str(exc))
+                problems.append(Listed(exc))
         if broadcast:
             # The reader's verdict and headers go to every rank (also when it could not read: every
             # rank must enter the broadcast), and each checks them against its model.
