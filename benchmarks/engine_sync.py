@@ -1,10 +1,11 @@
-"""Sending less to an engine in another process, after one AdamW step at an RL learning rate (1e-6, fp32 weights,
-a bf16 wire), FSDP2 on two gloo ranks, timed alternately in one run:
+"""Sending less to an engine in another process, a bf16 wire, two gloo ranks, timed alternately in one run:
 
-* **delta vs full**: a sparse ``DeltaSync`` round (each rank diffs its share of every streamed tensor against its
-  snapshot; the changed positions and values reach rank 0, which applies them to the engine's copy as vLLM's
-  sparse receiver does) against a dense sync of the same stream (every bucket loaded into the engine's copy).
-  Two rows: the bytes that cross to the engine, and the time. The note gives the fraction of values that changed.
+* **shard delta vs full**: a sparse ``DeltaSync`` round diffed where the weights live (each rank compares its own
+  shard with its snapshot; only the changed positions and values reach rank 0, which applies them to the
+  engine's copy as vLLM's sparse receiver does), against a full sync (``stream_full_parameters`` into the engine's
+  copy), on FSDP2 and ZeRO-3 at 0.1%, 4% and 50% of values changed: time, and on FSDP2 the bytes rank 0 received
+  through the trainer's collectives. Beside it the **gathered delta**, the way before (the full weights gathered
+  first, then diffed), against the same full sync.
 * **dense round vs full**: the bytes of a dense round through the sparse backend (every position with its
   value), against the dense stream: what the first sync costs (goal: the positions' own cost, 3x on bf16).
 * **adapter vs merged**: the LoRA adapter alone (saved in PEFT's layout and read back by rank 0: what
@@ -17,6 +18,7 @@ not a network's; on a real link the bytes rows bound the transfer.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 from typing import Any
@@ -48,7 +50,6 @@ def _times(reps: int) -> dict[str, Any]:
 
     rank0 = dist.get_rank() == 0
     wm = wrapkit.adapt(build("fsdp2", model=tiny_llama(0, layers=8, hidden=HIDDEN, vocab=1024)))
-    opt = torch.optim.AdamW(wm.module.parameters(), lr=1e-6)
     engine = tiny_llama(1, layers=8, hidden=HIDDEN, vocab=1024).to(torch.bfloat16)
     held = {n: t.detach() for n, t in engine.state_dict().items()}
 
@@ -60,29 +61,9 @@ def _times(reps: int) -> dict[str, Any]:
 
     delta = DeltaSync(wm, dtype=torch.bfloat16, bucket_bytes=BUCKET, dense_every=None)
     dense = delta.send(Apply())  # the dense first sync
-    primed = {k: v.clone() for k, v in delta._snapshot.items()}
-    _step(wm, opt)
-    reports = []
-
-    def restore() -> None:  # the same step's delta at every rep
-        delta._snapshot = {k: v.clone() for k, v in primed.items()}
-
-    def sparse() -> None:
-        reports.append(delta.send(Apply()))
-
-    def full() -> None:
-        stream = wm.stream_full_parameters(BUCKET, torch.bfloat16, dst_rank=0)
-        if rank0:
-            load_into(engine, stream)
-        else:
-            for _ in stream:
-                pass
-
-    times = _alternate({"sparse": sparse, "full": full}, reps, untimed=restore)
-    full_bytes = sum(b.flat.numel() for b in wm.stream_full_parameters(BUCKET, torch.bfloat16))
-    out: dict[str, Any] = {"times": times, "full_bytes": full_bytes, "delta": reports[-1]._asdict(),
-                           "dense": dense._asdict()}
-
+    out: dict[str, Any] = {"dense": dense._asdict(),
+                           "full_bytes": sum(b.flat.numel() for b in wm.stream_full_parameters(BUCKET, torch.bfloat16))}
+    out["rounds"] = {spec: _rounds(spec, reps, engine, held, Apply) for spec in ("fsdp2", "zero3")}
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(tiny_llama(0, layers=8, hidden=HIDDEN, vocab=1024),
@@ -119,6 +100,99 @@ def _times(reps: int) -> dict[str, Any]:
     return out
 
 
+def _rounds(spec: str, reps: int, engine: torch.nn.Module, held: dict[str, torch.Tensor], apply: Any) -> Any:
+    """On ``spec``: a sparse round diffed on the ranks' shards, one gathered first (the way before), and a full
+    sync into the engine's copy, timed alternately at each fraction of values changed (a fraction of every
+    rank's part of every parameter scaled by 1 + 2**-5, which changes its bf16 value); with the bytes each moved
+    through the trainer's collectives (counted on FSDP2, whose gathers go through torch.distributed's calls)."""
+    import torch.distributed as dist
+
+    import wrapkit
+    from wrapkit._registry import as_adapter
+    from wrapkit.cli._models import build, tiny_llama
+    from wrapkit.integrations.vllm import DeltaSync, load_into
+
+    wm = wrapkit.adapt(build(spec, model=tiny_llama(0, layers=8, hidden=HIDDEN, vocab=1024)))
+    views = [p.values(p.source) for p in as_adapter(wm).weights.pieces() if p.values is not None]
+    original = [v.clone() for v in views]
+    shards = DeltaSync(wm, dtype=torch.bfloat16, bucket_bytes=BUCKET, dense_every=None)
+    gathered = DeltaSync(wm, dtype=torch.bfloat16, bucket_bytes=BUCKET, dense_every=None)
+    gathered._gather_always = True
+    for d in (shards, gathered):
+        d.send(apply())
+    assert shards._shards is not None
+    primed = ([t.clone() for t in shards._shards._snapshot], {k: v.clone() for k, v in gathered._snapshot.items()})
+
+    def restore() -> None:  # the same changes' delta at every rep
+        assert shards._shards is not None
+        shards._shards._snapshot = [t.clone() for t in primed[0]]
+        gathered._snapshot = {k: v.clone() for k, v in primed[1].items()}
+
+    reports: dict[str, Any] = {}
+
+    def full() -> None:
+        stream = wm.stream_full_parameters(BUCKET, torch.bfloat16, dst_rank=0)
+        if dist.get_rank() == 0:
+            load_into(engine, stream)
+        else:
+            for _ in stream:
+                pass
+
+    out = {}
+    for fraction in (0.001, 0.04, 0.5):
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        with torch.no_grad():
+            for view, was in zip(views, original, strict=True):
+                view.copy_(was)
+                view.mul_(torch.where(torch.rand(view.shape, generator=gen) < fraction, 1 + 2**-5, 1.0))
+        ways = {"shards": lambda: reports.__setitem__("shards", shards.send(apply())),
+                "gathered": lambda: reports.__setitem__("gathered", gathered.send(apply())), "full": full}
+        times = _alternate(ways, reps, untimed=restore)
+        moved = {}
+        for key, fn in ways.items():
+            restore()
+            with _counted() as box:
+                fn()
+            moved[key] = box[0]
+        # A full sync brings every tensor whole to rank 0: at least the other ranks' shards, in the stored dtype
+        # (FSDP2's and DeepSpeed's own gathers do not pass through the calls counted above).
+        moved["full"] = sum(p.numel() * p.element_size() for p in as_adapter(wm).module.parameters()
+                            if p.numel()) if spec == "zero3" else sum(
+            v.numel() * v.element_size() for v in views) * (dist.get_world_size() - 1)
+        out[fraction] = {"times": times, "moved": moved, "report": reports["shards"]._asdict(),
+                         "gathered_report": reports["gathered"]._asdict()}
+    return out
+
+
+@contextlib.contextmanager
+def _counted() -> Any:
+    """Bytes this rank received through torch.distributed's gathers and broadcasts while inside."""
+    import torch.distributed as dist
+
+    box = [0]
+    names = ("all_gather_into_tensor", "all_gather", "gather", "broadcast")
+    saved = {n: getattr(dist, n) for n in names}
+
+    def size(x: Any) -> int:
+        if isinstance(x, torch.Tensor):
+            return x.numel() * x.element_size()
+        return sum(size(t) for t in x) if isinstance(x, (list, tuple)) else 0
+
+    def counting(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            box[0] += size(args[0]) if args else 0
+            return saved[name](*args, **kwargs)
+        return call
+
+    for n in names:
+        setattr(dist, n, counting(n))
+    try:
+        yield box
+    finally:
+        for n, fn in saved.items():
+            setattr(dist, n, fn)
+
+
 def _alternate(ways: dict[str, Any], reps: int, untimed: Any) -> dict[str, list[float]]:
     """``reps`` timings of each way, in alternating order, ``untimed()`` before each."""
     for fn in ways.values():  # warm-up
@@ -136,14 +210,29 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
     reps = 3 if quick else 7
     with two_ranks() as group:
         obs = group.run(_times, reps, timeout=600)[0]
-    t, a, d = obs["times"], obs["adapter_times"], obs["delta"]
-    fraction = d["changed"] / d["values"]
-    what = f"{d['changed']} of {d['values']} values changed ({100 * fraction:.2f}%) after one AdamW step at 1e-6"
-    return [
-        row("delta vs full, bytes", d["bytes"], obs["full_bytes"], GOAL_BYTES, unit="B",
-            note=f"{what}; positions (int32) and values (bf16), against the bf16 stream"),
-        row("delta vs full, time", median(t["sparse"]), median(t["full"]), GOAL_TIME,
-            samples=(t["sparse"], t["full"]), note=f"median of {reps}; the trainer's side, FSDP2 on 2 ranks"),
+    a = obs["adapter_times"]
+    rows = []
+    for spec, rounds in obs["rounds"].items():
+        for fraction, r in rounds.items():
+            t, m, d = r["times"], r["moved"], r["report"]
+            what = f"{spec}, {100 * d['changed'] / d['values']:.1f}% of values changed"
+            goal = 0.5 if fraction == 0.04 else 1.0
+            rows.append(row(f"shard delta vs full, time ({spec}, {100 * fraction:g}%)", median(t["shards"]),
+                            median(t["full"]), goal, samples=(t["shards"], t["full"]),
+                            note=f"{what}; median of {reps}; diffed on each rank's shards, the trainer's side"))
+            rows.append(row(f"gathered delta vs full, time ({spec}, {100 * fraction:g}%)", median(t["gathered"]),
+                            median(t["full"]), GOAL_TIME, samples=(t["gathered"], t["full"]),
+                            note="the full weights gathered first, then diffed (the way before)"))
+            if spec == "fsdp2":
+                rows.append(row(f"shard delta vs full, collective bytes ({100 * fraction:g}%)", m["shards"],
+                                m["full"], 0.2 if fraction == 0.04 else 1.0, unit="B",
+                                note="received by rank 0 through the trainer's collectives, against the other "
+                                     "rank's shards in fp32 (what a full sync must bring to rank 0)"))
+            if fraction == 0.04:
+                rows.append(row(f"shard delta vs full, engine bytes ({spec})", d["bytes"], obs["full_bytes"],
+                                GOAL_BYTES, unit="B",
+                                note="positions (int32) and values (bf16) to the engine, against the bf16 stream"))
+    return rows + [
         row("dense round vs full, bytes", obs["dense"]["bytes"], obs["full_bytes"], 3.0, unit="B",
             note="the first (and every dense_every-th) sync through the sparse backend: every position, int32, "
                  "beside every bf16 value"),

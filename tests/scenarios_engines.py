@@ -123,6 +123,27 @@ def sync_expecting_failure(url: str, port: int, connect_only: bool = False, kind
     return outcomes
 
 
+def _scaled_norms(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v * 2 if "norm" in k else v for k, v in sd.items()}
+
+
+def _halved_norms(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v / 2 if "norm" in k else v for k, v in sd.items()}
+
+
+def _transposed(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k.replace("q_proj", "q_t"): v.t() if "q_proj" in k else v for k, v in sd.items()}
+
+
+def _untransposed(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k.replace("q_t", "q_proj"): v.t() if "q_t" in k else v for k, v in sd.items()}
+
+
+# Hub layouts a trainer gives its model (``set_hub_layout``): one that computes some Hub tensors (the norms,
+# doubled), one that only moves elements (q_proj transposed, renamed).
+_LAYOUTS = {"computed": (_scaled_norms, _halved_norms), "transposed": (_transposed, _untransposed)}
+
+
 def vllm_refused_mid_update(spec: str, url: str, ports: list[int], positions: list[int | str]) -> dict[str, Any]:
     """For each chunk the vLLM stand-in refuses (``positions``: its index, negative from the last, or ``"middle"``),
     on a fresh port each: a sync of a Llama on ``spec`` (engine timeout 8 s), what it raised and when (wall clock,
@@ -395,6 +416,8 @@ def deltas_through_standin(cases: list[dict[str, Any]], ports: list[int]) -> dic
         wire = getattr(torch, case["wire"]) if case.get("wire") else None
         merge = bool(case.get("merge"))
         keep = (lambda n: "norm" in n) if case.get("keep") else None  # noqa: E731 (norms stay in fp32)
+        if case.get("layout"):
+            wm.set_hub_layout(*_LAYOUTS[case["layout"]])
         delta = DeltaSync(wm, dtype=wire, merge_adapters=merge, bucket_bytes=16 * 1024, keep_dtype=keep,
                           dense_every=case.get("dense_every"))
         rank0 = dist.get_rank() == 0

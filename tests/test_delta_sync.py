@@ -24,6 +24,11 @@ CASES = [{"spec": "fsdp2", "family": "llama", "wire": "bfloat16"},
 FAMILY_CASES = [{"spec": "fsdp2", "family": f, "wire": "bfloat16"}
                 for f in ("gemma3", "gpt-oss", "deepseek-v3", "qwen2-vl", "t5", "llama-reward")]
 FOUR_RANK_CASES = [{"spec": "fsdp2", "family": "llama", "topology": "hsdp", "wire": "bfloat16"}]
+# FSDP1's flat slices and ZeRO-2's replicated weights, diffed on the ranks; a Hub layout given by the trainer that
+# moves elements (diffed on the ranks through its index map) and one that computes some (gathered, and said).
+MORE_CASES = [{"spec": "fsdp", "family": "llama", "wire": "bfloat16"}, {"spec": "zero2", "family": "llama"},
+              {"spec": "fsdp2", "family": "llama", "wire": "bfloat16", "layout": "transposed"},
+              {"spec": "zero3", "family": "llama", "layout": "computed"}]
 
 
 def _run(group: Any, case: dict[str, Any]) -> list[list[dict[str, Any]]]:
@@ -39,9 +44,17 @@ def _check(case: dict[str, Any], syncs: list[list[dict[str, Any]]]) -> None:
         report = sync["report"]
         assert sync["wrong"] == [] and sync["extra"] == [] and sync["compared"] > 0, sync
         assert report["dense"] == (step == 0), report
+        # Diffed where the weights live, except merged LoRA (the merged weight is computed) and pipeline stages
+        # (not yet): gathered, and said why.
+        gathered = case.get("merge") or case["spec"] == "pipeline" or case.get("layout") == "computed"
+        want = "dense" if step == 0 else "gathered" if gathered else "shards"
+        assert report["diffed"] == want and (report["why"] is None) == (want != "gathered"), (report["diffed"],
+                                                                                            report["why"])
+        if want == "gathered" and case.get("layout"):
+            assert "is computed from the model's tensors" in report["why"], report["why"]
         if step == 0:
             assert report["changed"] == report["values"] > 0, report
-        elif case["spec"] == "zero3":  # DeepSpeed's own Adam, at its configured rate: every value moves
+        elif case["spec"].startswith("zero"):  # DeepSpeed's own Adam, at its configured rate: every value moves
             assert 0 < report["changed"] <= report["values"], report
         else:  # a small SGD step: some values change, not all
             assert 0 < report["changed"] < report["values"], report
@@ -50,7 +63,7 @@ def _check(case: dict[str, Any], syncs: list[list[dict[str, Any]]]) -> None:
     assert world * max(snapshots) < 1.2 * sum(snapshots)
 
 
-@matrix.cases(CASES + FAMILY_CASES, [])
+@matrix.cases(CASES + FAMILY_CASES + MORE_CASES, [])
 def test_deltas_give_what_a_dense_sync_gives(group: Any, case: dict[str, Any]) -> None:
     _check(case, _run(group, case))
 

@@ -1,26 +1,31 @@
 """Deltas to an engine: after a dense first sync, only the values that changed, as sparse patches in the Hub's
 coordinates (vLLM's ``sparse_nccl`` backend, 0.33).
 
-Each rank keeps a snapshot of its share of what the engine holds, in the wire dtype: of every tensor of the
-stream, the flat positions ``[r * n // W, (r + 1) * n // W)``. A sync streams the full weights to every rank
-(``stream_full_parameters``' own gathers, one bucket at a time), each rank compares its positions bit for bit
-with its snapshot, and the changed positions (int32, ascending) and values go to the sending rank, which sends
-one patch per changed tensor before the next bucket is gathered. Applied to what the engine holds, the patches
-give exactly what a dense sync of the same stream gives. The snapshot takes in a round's changes only once
-every rank knows the send succeeded; after a failed send the next sync is dense.
+A sparse round is diffed where the weights live (``sync/deltas.py``): each rank compares its own part of every
+parameter, in the wire dtype, with its snapshot of that part, maps the changed elements to the Hub's tensors and
+positions, and only those go to the sending rank, one bucket of Hub tensors at a time; nothing is gathered whole.
+Where the model's Hub tensors are not picked from its own element by element (merged LoRA, a computed layout) or
+a backend's parts cannot be read in place, the round gathers instead: the full weights are streamed to every
+rank (``stream_full_parameters``' own gathers), each rank compares its flat share ``[r * n // W, (r + 1) * n //
+W)`` of each tensor with its snapshot, and the changes go to the sending rank the same way. Dense rounds stream
+everything. Applied to what the engine holds, the patches give exactly what a dense sync of the same stream
+gives. The snapshot takes in a round's changes only once every rank knows the send succeeded; after a failed send
+the next sync is dense.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from .._errors import ArgumentError, EngineError
+from ..sync.deltas import Change, ShardDiff
 from ._engine_wire import rank, refuse_partial, share, world_size
 
 __all__ = ["DeltaSync", "DeltaReport", "SparsePatch"]
@@ -41,7 +46,10 @@ class SparsePatch(NamedTuple):
 
 class DeltaReport(NamedTuple):
     """What one ``DeltaSync.send`` moved, the same on every rank: whether it was dense, the patches (tensors),
-    the values sent and the model's values, the bytes of positions and values, and the seconds taken."""
+    the values sent and the model's values, the bytes of positions and values, and the seconds taken.
+    ``diffed``: ``"dense"``, or where a sparse round compared the values: ``"shards"`` (each rank its own part,
+    before any gather) or ``"gathered"`` (the full tensors gathered first, then compared), with ``why`` the reason
+    for the latter."""
 
     dense: bool
     tensors: int
@@ -49,6 +57,8 @@ class DeltaReport(NamedTuple):
     values: int
     bytes: int
     seconds: float
+    diffed: str = "dense"
+    why: str | None = None
 
 
 class DeltaSync:
@@ -73,7 +83,9 @@ class DeltaSync:
         self.wm, self.dtype, self.keep_dtype, self.merge_adapters = wm, dtype, keep_dtype, merge_adapters
         self.bucket_bytes, self.dense_every, self.src_rank = bucket_bytes, dense_every, src_rank
         self.snapshot_device = torch.device(snapshot_device)
+        self._shards = ShardDiff(wm, dtype, keep_dtype, self.snapshot_device) if not merge_adapters else None
         self._snapshot: dict[str, torch.Tensor] = {}
+        self._gather_always = False
         self._dense = True
         self._syncs = 0
 
@@ -83,7 +95,17 @@ class DeltaSync:
 
     def snapshot_bytes(self) -> int:
         """This rank's snapshot, in bytes."""
-        return sum(t.numel() * t.element_size() for t in self._snapshot.values())
+        own = self._shards.snapshot_bytes() if self._shards is not None else 0
+        return own + sum(t.numel() * t.element_size() for t in self._snapshot.values())
+
+    def _why_gathered(self) -> str | None:
+        """Why this model's values are gathered before they are compared (None: each rank compares its own part).
+        Collective the first time (every rank calls ``send``)."""
+        if self._shards is None:
+            return "merged LoRA changes the whole merged weight: the merged tensors are gathered and compared"
+        if self._gather_always:  # the benchmark's side-by-side of both ways
+            return "asked to gather"
+        return self._shards.plan()
 
     def send(self, sender: Any) -> DeltaReport:
         """One sync, collective: every rank calls it. ``sender`` (used on the sending rank only): vLLM's sparse
@@ -95,6 +117,9 @@ class DeltaSync:
         dense, me, world = self._dense, rank(), world_size()
         sends = me == self.src_rank
         chunked = sends and callable(getattr(sender, "send_weight_chunk", None)) and hasattr(sender, "client")
+        why = self._why_gathered()
+        if not dense and why is None:
+            return self._send_shards(sender, chunked, t0)
         error: str | None = None
         pending: list[tuple[str, torch.Tensor | None, torch.Tensor]] = []
         held: list[Any] = []  # the round's patches, where the sender takes them at once
@@ -121,7 +146,8 @@ class DeltaSync:
                     picked = mine[where]
                     positions = (where + lo).to(torch.int32)
                 local.append((name, tuple(full.shape), full.dtype, positions, picked))
-                pending.append((name, where, picked))
+                if why is not None:  # the shard snapshot is taken after the round instead
+                    pending.append((name, where, picked))
                 values += n
             patches = _to_sender(local, self.src_rank, world, self.wm.device)
             del bucket
@@ -149,9 +175,56 @@ class DeltaSync:
                 self._snapshot[name] = picked
             else:
                 self._snapshot[name][where] = picked
+        if why is None and self._shards is not None:
+            self._snapshot = {}
+            self._shards.take()
+        self._counted()
+        return DeltaReport(dense, tensors, changed, values, size, time.perf_counter() - t0,
+                           "dense" if dense else "gathered", None if dense else why)
+
+    def _counted(self) -> None:
         self._syncs += 1
         self._dense = self.dense_every is not None and self._syncs % self.dense_every == 0
-        return DeltaReport(dense, tensors, changed, values, size, time.perf_counter() - t0)
+
+    def _send_shards(self, sender: Any, chunked: bool, t0: float) -> DeltaReport:
+        """A sparse round diffed on the ranks' own parts: only the changes are gathered, to the sending rank,
+        one bucket of Hub tensors at a time."""
+        assert self._shards is not None
+        sends, world = rank() == self.src_rank, world_size()
+        error = _attempt(sender.client.start_weight_update) if chunked else None
+        held: list[Any] = []
+        tensors = changed = values = size = 0
+        changes = self._shards.diff()
+        for name, shape, _ in self._shards.hub_order:
+            n = math.prod(shape)
+            values += n
+            if n > _LIMIT:
+                error = error or f"{name} has {n} values, more than int32 positions address"
+        for bucket in _buckets(changes, self.bucket_bytes):
+            local = [(c.name, c.shape, c.dtype, c.positions.to(torch.int32), c.values) for c in bucket]
+            patches = _to_sender(local, self.src_rank, world, self.wm.device)
+            if not sends:
+                continue
+            tensors += len(patches)
+            changed += sum(p.values.numel() for p in patches)
+            size += sum(p.indices.numel() * 4 + p.values.numel() * p.values.element_size() for p in patches)
+            if error is None and patches:
+                patches = [_patch(p) for p in patches]
+                if chunked:
+                    error = _attempt(sender.send_weight_chunk, patches)
+                else:
+                    held += patches
+        if sends and error is None:
+            error = _attempt(sender.client.finish_weight_update) if chunked else _attempt(sender.send_weights, held)
+        held.clear()
+        error, tensors, changed, size = share((error, tensors, changed, size), self.src_rank)
+        if error is not None:
+            self._dense = True
+            raise EngineError(f"DeltaSync.send(): the sparse update failed: {error}. Nothing was taken into the "
+                              "snapshot; the next sync is dense")
+        self._shards.commit()
+        self._counted()
+        return DeltaReport(False, tensors, changed, values, size, time.perf_counter() - t0, "shards", None)
 
 
 def _to_sender(local: list[tuple[str, tuple[int, ...], torch.dtype, torch.Tensor, torch.Tensor]], src: int,
@@ -192,10 +265,28 @@ def _to_sender(local: list[tuple[str, tuple[int, ...], torch.dtype, torch.Tensor
             vals.append(buf[val_at[r]:val_at[r] + c * dtype.itemsize].clone().view(dtype))
             pos_at[r] += c
             val_at[r] += c * dtype.itemsize
-        joined = torch.cat(pos)
+        joined, joined_values = torch.cat(pos), torch.cat(vals)
+        if joined.numel() > 1 and not bool((joined[1:] > joined[:-1]).all()):
+            order = joined.argsort()  # ranks' parts that are not in rank order (blocks, experts, permuted rows)
+            joined, joined_values = joined[order], joined_values[order]
         if joined.numel():
-            patches.append(SparsePatch(name, joined.contiguous(), torch.cat(vals).contiguous(), shape))
+            patches.append(SparsePatch(name, joined.contiguous(), joined_values.contiguous(), shape))
     return patches
+
+
+def _buckets(changes: list[Change], limit: int) -> Iterator[list[Change]]:
+    """The Hub tensors' changes in runs of at most ``limit`` bytes of the tensors themselves (the same cut on
+    every rank, whatever changed)."""
+    run: list[Change] = []
+    size = 0
+    for change in changes:
+        run.append(change)
+        size += math.prod(change.shape) * change.dtype.itemsize
+        if size >= limit:
+            yield run
+            run, size = [], 0
+    if run:
+        yield run
 
 
 def _patch(p: SparsePatch) -> Any:

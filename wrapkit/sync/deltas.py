@@ -1,0 +1,347 @@
+"""Each rank's own weights diffed against its snapshot, before anything is gathered (``DeltaSync``'s sparse rounds).
+
+A rank reads the part of every parameter it holds (``Weights.pieces``: an FSDP1 flat-parameter slice, a DTensor
+shard or block, a ZeRO-3 partition, a whole tensor), keeps the share no other rank keeps of it (replicas split
+their part evenly: DDP, HSDP, a parameter tensor parallelism leaves whole), and compares it bit for bit, in the
+wire dtype, with its snapshot of the same elements. The changed elements are mapped to the Hub's coordinates by
+an index map learnt once: the model's Hub export (``layout_of``) is run on tensors whose values are their own
+element numbers (float64, a layer at a time), so each Hub element names the runtime element it came from. Where
+that is a plain rename the positions stay as they are; where it is a permutation or a selection (experts split
+per expert, q/k rows permuted, a fused projection split) each held element gets its Hub tensor and position;
+where an element is computed (not an integer, or from nowhere), the plan is refused with the reason, and the
+caller gathers and diffs as before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from ..adapters.stages.plan import layout_of
+
+__all__ = ["ShardDiff", "Change"]
+
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+class Change(NamedTuple):
+    """This rank's changes of one Hub tensor: flat positions (int64, in the Hub tensor) and their values."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    positions: torch.Tensor
+    values: torch.Tensor
+
+
+class _Held(NamedTuple):
+    """The elements of one parameter this rank diffs: ``read()`` gives them (1-D, the live values), ``where(i)``
+    the flat positions in the parameter of the ones at ``i`` (int64; ascending with ``i``), ``wire`` the dtype
+    they travel in, ``part`` the piece they come from (``(name, start, numel, box)``: equal on the ranks that
+    hold the same elements)."""
+
+    name: str
+    read: Callable[[], torch.Tensor]
+    where: Callable[[torch.Tensor], torch.Tensor]
+    numel: int
+    wire: torch.dtype
+    part: tuple[Any, ...]
+
+
+class _Target(NamedTuple):
+    """Where a parameter's elements go in the Hub's tensors: ``hub`` one name (a rename, positions unchanged), or
+    per held element an index into ``names`` and a position (``which``, ``at``: 6 bytes an element)."""
+
+    hub: str | None
+    names: list[str]
+    which: torch.Tensor | None
+    at: torch.Tensor | None
+
+
+class ShardDiff:
+    """This rank's share of the weights in the wire dtype, its snapshot, and its changes in the Hub's coordinates.
+
+    ``plan()`` (collective, once) says why the model cannot be diffed so, or None; ``take()`` snapshots the share
+    (after a dense round); ``diff()`` gives the changes since, by Hub tensor in the Hub stream's order, the same
+    names on every rank; ``commit()`` takes them into the snapshot once the send succeeded."""
+
+    def __init__(self, wm: Any, dtype: torch.dtype | None, keep_dtype: Callable[[str], bool] | None,
+                 device: torch.device) -> None:
+        self.wm, self.dtype, self.keep_dtype, self.device = wm, dtype, keep_dtype, device
+        self.reason: str | None = None
+        self._planned = False
+        self._held: list[_Held] = []
+        self._targets: dict[str, _Target] = {}
+        self.hub_order: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        self._snapshot: list[torch.Tensor] = []
+        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def snapshot_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._snapshot)
+
+    # -- the plan, once ---------------------------------------------------------------------------------
+    def plan(self) -> str | None:
+        """Why this model's weights cannot be diffed on the ranks (the same on every rank), or None. Collective
+        the first time."""
+        if not self._planned:
+            reason, held = self._local_reason(), []
+            if reason is None:
+                try:
+                    held = self._own_parts()
+                except _Refused as exc:
+                    reason = str(exc)
+            # Every rank's parts, to split those that several ranks hold alike.
+            mine = (reason, [h.part for h in held])
+            metas: list[Any] = [mine]
+            if dist.is_initialized():
+                metas = [None] * dist.get_world_size()
+                dist.all_gather_object(metas, mine)
+            reason = next((r for r, _ in metas if r is not None), None) or _overlapping([m for _, m in metas])
+            if reason is None:
+                self._held = _split_replicas(held, [m for _, m in metas])
+                reason = self._map_to_hub()
+            self.reason, self._planned = reason, True
+            if reason is not None:
+                self._held, self._targets, self.hub_order = [], {}, []
+        return self.reason
+
+    def _local_reason(self) -> str | None:
+        from .._errors import WrapkitError
+        from .._registry import as_adapter
+
+        try:
+            wm = self.wm = as_adapter(self.wm, "a delta sync diffed on the ranks")
+        except WrapkitError as exc:  # a view over another model
+            return str(exc)
+        if wm.merge_root() is not None:
+            return "a PEFT model: its tensors are gathered (merged LoRA changes the whole merged weight)"
+        if wm.gatherer.units() is None:
+            return f"{wm.backend} hands out no units of parameters"
+        return None
+
+    def _own_parts(self) -> list[_Held]:
+        out = []
+        for piece in self.wm.weights.pieces():
+            if piece.source is None or piece.values is None or piece.columns is not None:
+                raise _Refused(f"this rank's part of {piece.name} cannot be read where it lies")
+            local = piece.values(piece.source)
+            part = (piece.name, piece.start, piece.numel, piece.box)
+            out.append(_Held(piece.name, _reader(piece), _positions(piece, 0), local.numel(),
+                             self._wire(piece.name, local.dtype), part))
+        return out
+
+    def _wire(self, name: str, own: torch.dtype) -> torch.dtype:
+        if self.dtype is None or not own.is_floating_point or (self.keep_dtype is not None and self.keep_dtype(name)):
+            return own
+        return self.dtype
+
+    def _map_to_hub(self) -> str | None:
+        """Learn each held parameter's Hub target from an export of element numbers; the reason where some Hub
+        tensor is computed rather than picked."""
+        names: dict[int, list[str]] = {}
+        dtypes: dict[str, torch.dtype] = {}
+        for n, p in self.wm.named_live(buffers=False):
+            names.setdefault(id(p), []).append(n)
+            dtypes[n] = p.dtype
+        shapes = self.wm.weights.param_shapes()
+        groups = list(names.values())
+        offsets, total = {}, 0
+        for group in groups:
+            for n in group:
+                offsets[n] = total
+            total += _numel(shapes[group[0]])
+        if total >= 2**53:
+            return "the model has more elements than float64 numbers them exactly"
+        hub = layout_of(self.wm)
+        owner = {n: g[0] for g in groups for n in g}
+        starts = sorted({offsets[g[0]] for g in groups})
+        first = {offsets[g[0]]: g[0] for g in groups}
+        slot = {start: i for i, start in enumerate(starts)}
+
+        def numbered() -> Iterator[tuple[str, torch.Tensor]]:
+            for group in groups:
+                for n in group:
+                    off, shape = offsets[n], shapes[n]
+                    yield n, torch.arange(off, off + _numel(shape), dtype=torch.float64).view(shape)
+
+        exported = numbered() if hub is None else hub.export(numbered())
+        found: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}  # param -> (hub, param pos, hub pos)
+        for hub_name, codes in exported:
+            flat = codes.detach().reshape(-1).to(torch.float64)
+            if flat.numel() and (not torch.equal(flat, flat.round()) or flat.min() < 0 or flat.max() >= total):
+                return f"the Hub's {hub_name} is computed from the model's tensors, not picked from them"
+            code = flat.to(torch.int64)
+            # Which parameter each element came from: the last start at or below its number.
+            at = torch.searchsorted(torch.tensor(starts, dtype=torch.int64), code, right=True) - 1
+            params = [first[starts[i]] for i in torch.unique(at).tolist()]
+            kinds = {self._wire(param, dtypes[param]) for param in params}
+            if len(kinds) > 1:
+                return f"the Hub's {hub_name} joins tensors that travel in different dtypes"
+            dtype = kinds.pop() if kinds else torch.float32
+            self.hub_order.append((hub_name, tuple(codes.shape), dtype))
+            for param in params:
+                mask = at.eq(slot[offsets[param]])
+                found.setdefault(param, []).append((hub_name, code[mask] - offsets[param],
+                                                    torch.nonzero(mask).flatten()))
+        for h in self._held:
+            targets = found.get(owner.get(h.name, h.name))
+            if not targets:
+                continue  # not exported (a tied head the Hub drops): nothing to send
+            target = _target(targets, h.where(torch.arange(h.numel)), _numel(shapes[h.name]))
+            if target is None:
+                return f"{h.name} goes to more than one of the Hub's tensors"
+            self._targets[h.name] = target
+        return None
+
+    # -- the rounds -------------------------------------------------------------------------------------
+    def take(self) -> None:
+        """Snapshot this rank's share as it is now (after a dense round the engine holds it)."""
+        self._snapshot = [h.read().to(h.wire).to(self.device, copy=True) for h in self._held]
+        self._pending = []
+
+    def diff(self) -> list[Change]:
+        """This rank's changes since the snapshot, one entry per Hub tensor (possibly empty), in ``hub_order``."""
+        got: dict[str, tuple[list[torch.Tensor], list[torch.Tensor]]] = {n: ([], []) for n, _, _ in self.hub_order}
+        mixed: set[str] = set()  # Hub tensors whose positions come from several parts, or permuted: sorted
+        self._pending = []
+        for i, h in enumerate(self._held):
+            now = h.read().to(h.wire).to(self.device)
+            snap = self._snapshot[i]
+            bits = _INT[now.element_size()]
+            where = (now.view(bits) != snap.view(bits)).nonzero().flatten()
+            if not where.numel():
+                continue
+            values = now[where]
+            self._pending.append((i, where, values))
+            target = self._targets.get(h.name)
+            if target is None:
+                continue
+            if target.hub is not None:
+                if got[target.hub][0]:
+                    mixed.add(target.hub)
+                got[target.hub][0].append(h.where(where))
+                got[target.hub][1].append(values)
+                continue
+            assert target.which is not None and target.at is not None
+            which, at = target.which[where], target.at[where].to(torch.int64)
+            for k, hub_name in enumerate(target.names):
+                mask = which == k
+                got[hub_name][0].append(at[mask])
+                got[hub_name][1].append(values[mask])
+                mixed.add(hub_name)
+        out = []
+        for name, shape, dtype in self.hub_order:
+            pos, vals = got[name]
+            positions = torch.cat(pos) if len(pos) > 1 else pos[0] if pos else torch.zeros(0, dtype=torch.int64)
+            values = torch.cat(vals) if len(vals) > 1 else vals[0] if vals else torch.zeros(0, dtype=dtype)
+            if name in mixed:
+                order = positions.argsort()
+                positions, values = positions[order], values[order]
+            out.append(Change(name, shape, dtype, positions, values))
+        return out
+
+    def commit(self) -> None:
+        """Take the last ``diff()``'s changes into the snapshot (every rank, once the send succeeded)."""
+        for i, where, values in self._pending:
+            self._snapshot[i][where] = values
+        self._pending = []
+
+
+class _Refused(Exception):
+    pass
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _reader(piece: Any) -> Callable[[], torch.Tensor]:
+    values, source = piece.values, piece.source
+    return lambda: values(source).detach().reshape(-1)
+
+
+def _positions(piece: Any, lo: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The flat positions in the full parameter of a piece's elements ``lo + i`` (its values' order)."""
+    if piece.box is None:
+        start = piece.start + lo
+        return lambda i: i + start
+    offsets, sizes = piece.box
+    full = piece.full_shape
+
+    def where(i: torch.Tensor) -> torch.Tensor:
+        j, out, stride = i + lo, torch.zeros_like(i), 1
+        for dim in reversed(range(len(sizes))):  # row-major in the block and in the whole: ascending with i
+            out += (j % sizes[dim] + offsets[dim]) * stride
+            j = j // sizes[dim]
+            stride *= full[dim]
+        return out
+
+    return where
+
+
+def _overlapping(every: list[list[tuple[Any, ...]]]) -> str | None:
+    """Where two ranks hold parts of a parameter that overlap without being the same part (replicas split
+    their part; anything else would send an element twice)."""
+    by_name: dict[str, set[tuple[Any, ...]]] = {}
+    for parts in every:
+        for part in parts:
+            by_name.setdefault(part[0], set()).add(part)
+    for name, held in by_name.items():
+        ranges = sorted((p[1], p[1] + p[2]) for p in held if p[3] is None)
+        boxes = [p[3] for p in held if p[3] is not None]
+        if ranges and boxes:
+            return f"the ranks hold {name} in ranges and in blocks at once"
+        if any(b[0] < a[1] for a, b in zip(ranges, ranges[1:], strict=False)):
+            return f"the ranks' ranges of {name} overlap"
+        for i, a in enumerate(boxes):
+            for b in boxes[i + 1:]:
+                if all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a[0], a[1], b[0], b[1],
+                                                                                 strict=True)):
+                    return f"the ranks' blocks of {name} overlap"
+    return None
+
+
+def _split_replicas(held: list[_Held], every: list[list[tuple[Any, ...]]]) -> list[_Held]:
+    """Where several ranks hold the same part of a parameter, each keeps an even share of it."""
+    me = dist.get_rank() if dist.is_initialized() else 0
+    out = []
+    for h in held:
+        holders = [r for r, parts in enumerate(every) if h.part in parts]
+        k, n = holders.index(me), len(holders)
+        lo, hi = h.numel * k // n, h.numel * (k + 1) // n
+        if lo == hi:
+            continue
+        out.append(_Held(h.name, _sliced(h.read, lo, hi), _shifted(h.where, lo), hi - lo, h.wire, h.part))
+    return out
+
+
+def _shifted(where: Callable[[torch.Tensor], torch.Tensor], lo: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    return lambda i: where(i + lo)
+
+
+def _sliced(read: Callable[[], torch.Tensor], lo: int, hi: int) -> Callable[[], torch.Tensor]:
+    return lambda: read()[lo:hi]
+
+
+def _target(targets: list[tuple[str, torch.Tensor, torch.Tensor]], held: torch.Tensor, numel: int) -> _Target | None:
+    """A held parameter's target: a rename where one Hub tensor holds all of it in order, else an index per
+    held element (``held``: their flat positions); None where an element goes to two Hub tensors."""
+    if len(targets) == 1:
+        hub, src, dst = targets[0]
+        if src.numel() == numel and torch.equal(src, dst) and torch.equal(src, torch.arange(numel)):
+            return _Target(hub, [hub], None, None)
+    which = torch.full((numel,), -1, dtype=torch.int16 if len(targets) < 2**15 else torch.int32)
+    at = torch.zeros(numel, dtype=torch.int32)
+    for k, (_, src, dst) in enumerate(targets):
+        if bool((which[src] >= 0).any()):
+            return None
+        which[src] = k
+        at[src] = dst.to(torch.int32)
+    # Kept for this rank's elements only; an element the Hub drops has no target (-1) and matches no name.
+    return _Target(None, [t[0] for t in targets], which[held], at[held])
