@@ -24,11 +24,13 @@ CASES = [{"spec": "fsdp2", "family": "llama", "wire": "bfloat16"},
 FAMILY_CASES = [{"spec": "fsdp2", "family": f, "wire": "bfloat16"}
                 for f in ("gemma3", "gpt-oss", "deepseek-v3", "qwen2-vl", "t5", "llama-reward")]
 FOUR_RANK_CASES = [{"spec": "fsdp2", "family": "llama", "topology": "hsdp", "wire": "bfloat16"}]
-# FSDP1's flat slices and ZeRO-2's replicated weights, diffed on the ranks; a Hub layout given by the trainer that
-# moves elements (diffed on the ranks through its index map) and one that computes some (gathered, and said).
+# FSDP1's flat slices, ZeRO-2's replicated weights and a bf16 ZeRO-3 engine's partitions (its optimizer steps fp32
+# masters), diffed on the ranks; a Hub layout given by the trainer that moves elements (diffed on the ranks through
+# its index map) and one that computes some (gathered, and said).
 MORE_CASES = [{"spec": "fsdp", "family": "llama", "wire": "bfloat16"}, {"spec": "zero2", "family": "llama"},
               {"spec": "fsdp2", "family": "llama", "wire": "bfloat16", "layout": "transposed"},
-              {"spec": "zero3", "family": "llama", "layout": "computed"}]
+              {"spec": "zero3", "family": "llama", "layout": "computed"},
+              {"spec": "zero3", "family": "qwen2-tied", "precision": "bf16", "lr": 0.1}]
 
 
 def _run(group: Any, case: dict[str, Any]) -> list[list[dict[str, Any]]]:
@@ -44,9 +46,9 @@ def _check(case: dict[str, Any], syncs: list[list[dict[str, Any]]]) -> None:
         report = sync["report"]
         assert sync["wrong"] == [] and sync["extra"] == [] and sync["compared"] > 0, sync
         assert report["dense"] == (step == 0), report
-        # Diffed where the weights live, except merged LoRA (the merged weight is computed) and pipeline stages
-        # (not yet): gathered, and said why.
-        gathered = case.get("merge") or case["spec"] == "pipeline" or case.get("layout") == "computed"
+        # Diffed where the weights live (a pipeline stage on its own rank), except merged LoRA and a computed
+        # layout: gathered, and said why.
+        gathered = case.get("merge") or case.get("layout") == "computed"
         want = "dense" if step == 0 else "gathered" if gathered else "shards"
         assert report["diffed"] == want and (report["why"] is None) == (want != "gathered"), (report["diffed"],
                                                                                             report["why"])

@@ -102,7 +102,7 @@ class ShardDiff:
             reason = next((r for r, _ in metas if r is not None), None) or _overlapping([m for _, m in metas])
             if reason is None:
                 self._held = _split_replicas(held, [m for _, m in metas])
-                reason = self._map_to_hub()
+                reason = self._agreed_order(self._map_to_hub())
             self.reason, self._planned = reason, True
             if reason is not None:
                 self._held, self._targets, self.hub_order = [], {}, []
@@ -118,16 +118,39 @@ class ShardDiff:
             return str(exc)
         if wm.merge_root() is not None:
             return "a PEFT model: its tensors are gathered (merged LoRA changes the whole merged weight)"
-        if wm.gatherer.units() is None:
-            return f"{wm.backend} hands out no units of parameters"
+        return None
+
+    def _agreed_order(self, reason: str | None) -> str | None:
+        """Every rank's outcome of the Hub map, and one order of the Hub's tensors for all: each rank's own
+        (a pipeline stage exports its own tensors), joined in rank order; a tensor the ranks export differently,
+        or by more of them than the others (two stages exporting a tied weight), is refused."""
+        mine = (reason, self.hub_order)
+        every: list[Any] = [mine]
+        if dist.is_initialized():
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, mine)
+        refused = next((str(r) for r, _ in every if r is not None), None)
+        if refused is not None:
+            return refused
+        order: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
+        exporters: dict[str, list[tuple[Any, ...]]] = {}
+        for _, hub in every:
+            for name, shape, dtype in hub:
+                exporters.setdefault(name, []).append((shape, dtype))
+                if order.setdefault(name, (shape, dtype)) != (shape, dtype):
+                    return f"the ranks export the Hub's {name} with different shapes or dtypes"
+        if len({len(v) for v in exporters.values()}) > 1:  # a tensor two stages both export (a tied one)
+            return "some of the Hub's tensors are exported by more ranks than others"
+        self.hub_order = [(name, shape, dtype) for name, (shape, dtype) in order.items()]
         return None
 
     def _own_parts(self) -> list[_Held]:
         out = []
         for piece in self.wm.weights.pieces():
-            if piece.source is None or piece.values is None or piece.columns is not None:
+            readable = piece.live is not None or (piece.source is not None and piece.values is not None)
+            if not readable or piece.columns is not None:
                 raise _Refused(f"this rank's part of {piece.name} cannot be read where it lies")
-            local = piece.values(piece.source)
+            local = _reader(piece)()
             part = (piece.name, piece.start, piece.numel, piece.box)
             out.append(_Held(piece.name, _reader(piece), _positions(piece, 0), local.numel(),
                              self._wire(piece.name, local.dtype), part))
@@ -262,6 +285,9 @@ def _numel(shape: tuple[int, ...]) -> int:
 
 
 def _reader(piece: Any) -> Callable[[], torch.Tensor]:
+    if piece.live is not None:
+        live: Callable[[], torch.Tensor] = piece.live
+        return lambda: live().detach().reshape(-1)
     values, source = piece.values, piece.source
     return lambda: values(source).detach().reshape(-1)
 

@@ -72,6 +72,9 @@ class Piece(NamedTuple):
     source: torch.Tensor | None = None
     values: Callable[[torch.Tensor], torch.Tensor] | None = None
     box: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    # Where the read side above is not the module's weights (a 16-bit engine's optimizer steps fp32 masters, read
+    # through its ``Resume`` part): these elements as the module holds them, 1-D (a delta sync diffs them).
+    live: Callable[[], torch.Tensor] | None = None
 
     def block(self, full: torch.Tensor) -> torch.Tensor:
         """This piece's values out of the whole tensor ``full``, flattened, as ``write`` takes them."""

@@ -9,6 +9,7 @@ exactly, and a write into the weights refreshes them (``Written``)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -127,7 +128,8 @@ class ZeroWeights(WholeWeights):
             read = keep is None
             if part is None:
                 out.append(Piece(canonical_name(name), 0, p.numel(), tuple(p.shape), full_writer(p, keep),
-                                 source=p if read else None, values=flat_view if read else None))
+                                 source=p if read else None, values=flat_view if read else None,
+                                 live=functools.partial(flat_view, p)))
                 continue
             size = part.numel()
             start = dist.get_rank(p.ds_process_group) * size  # type: ignore[attr-defined]
@@ -135,7 +137,8 @@ class ZeroWeights(WholeWeights):
             if valid:
                 shape = tuple(p.ds_shape)  # type: ignore[attr-defined]
                 out.append(Piece(canonical_name(name), start, valid, shape, partition_writer(p, part, valid, keep),
-                                 source=part if read else None, values=_first(valid) if read else None))
+                                 source=part if read else None, values=_first(valid) if read else None,
+                                 live=functools.partial(_first(valid), part)))
         return out
 
     def written(self, kind: Written, values: Mapping[str, torch.Tensor] | None = None) -> None:
