@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from ..adapters.stages.plan import layout_of
+from ..adapters.stages.plan import layout_of, state_hooks
 
 __all__ = ["ShardDiff", "Change"]
 
@@ -178,7 +178,9 @@ class ShardDiff:
             total += _numel(shapes[group[0]])
         if total >= 2**53:
             return "the model has more elements than float64 numbers them exactly"
+        # The export stream_full_parameters applies: the Hub layout, else the model's own state-dict hooks.
         hub = layout_of(self.wm)
+        hub = hub if hub is not None else state_hooks(self.wm, False)
         owner = {n: g[0] for g in groups for n in g}
         starts = sorted({offsets[g[0]] for g in groups})
         first = {offsets[g[0]]: g[0] for g in groups}
@@ -197,6 +199,8 @@ class ShardDiff:
             if flat.numel() and (not torch.equal(flat, flat.round()) or flat.min() < 0 or flat.max() >= total):
                 return f"the Hub's {hub_name} is computed from the model's tensors, not picked from them"
             code = flat.to(torch.int64)
+            if torch.unique(code).numel() != code.numel():
+                return f"the Hub's {hub_name} repeats elements of the model's tensors"
             # Which parameter each element came from: the last start at or below its number.
             at = torch.searchsorted(torch.tensor(starts, dtype=torch.int64), code, right=True) - 1
             params = [first[starts[i]] for i in torch.unique(at).tolist()]
