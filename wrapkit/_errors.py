@@ -72,10 +72,8 @@ class Listed(str):
 
     error: type[WrapkitError]
 
-    def __new__(cls, exc: WrapkitError, text: str | None = None) -> Listed:
-        self = super().__new__(cls, str(exc) if text is None else text)
-        self.error = type(exc)
-        return self
+    def __new__(cls, exc: WrapkitError) -> Listed:
+        return _listed(str(exc), type(exc))
 
     def __reduce__(self) -> Any:  # gathered from other ranks as objects: the type travels with the text
         return (_listed, (str(self), self.error))

@@ -25,12 +25,11 @@ import torch
 import torch.distributed as dist
 
 from .._errors import ArgumentError, EngineError
-from ..sync.deltas import Change, ShardDiff
+from ..sync.deltas import BITS, Change, ShardDiff
 from ._engine_wire import rank, refuse_partial, share, world_size
 
 __all__ = ["DeltaSync", "DeltaReport", "SparsePatch"]
 
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _LIMIT = 2**31 - 1  # vLLM's patches carry int32 flat positions
 
 
@@ -115,25 +114,17 @@ class DeltaSync:
         every rank where the send failed (the next sync is then dense)."""
         t0 = time.perf_counter()
         dense, me, world = self._dense, rank(), world_size()
-        sends = me == self.src_rank
-        chunked = sends and callable(getattr(sender, "send_weight_chunk", None)) and hasattr(sender, "client")
         why = self._why_gathered()
+        out = _Round(sender, self.src_rank, self.wm.device)
         if not dense and why is None:
-            return self._send_shards(sender, chunked, t0)
-        error: str | None = None
+            return self._send_shards(out, t0)
         pending: list[tuple[str, torch.Tensor | None, torch.Tensor]] = []
-        held: list[Any] = []  # the round's patches, where the sender takes them at once
-        tensors = changed = values = size = 0
-        if chunked:
-            error = _attempt(sender.client.start_weight_update)
         stream = self.wm.stream_full_parameters(self.bucket_bytes, self.dtype, self.merge_adapters,
                                                 keep_dtype=self.keep_dtype)
         for bucket in stream:
             local = []
             for name, full in bucket.named_tensors():
-                n = full.numel()
-                if n > _LIMIT:
-                    error = error or f"{name} has {n} values, more than int32 positions address"
+                n = out.tensor(name, full.numel())
                 lo, hi = n * me // world, n * (me + 1) // world
                 mine = full.reshape(-1)[lo:hi].to(self.snapshot_device)
                 snap = self._snapshot.get(name)
@@ -141,35 +132,16 @@ class DeltaSync:
                     where, picked = None, mine.clone()
                     positions = torch.arange(lo, hi, dtype=torch.int32)
                 else:
-                    bits = _INT[mine.element_size()]
+                    bits = BITS[mine.element_size()]
                     where = (mine.view(bits) != snap.view(bits)).nonzero().flatten()
                     picked = mine[where]
                     positions = (where + lo).to(torch.int32)
                 local.append((name, tuple(full.shape), full.dtype, positions, picked))
                 if why is not None:  # the shard snapshot is taken after the round instead
                     pending.append((name, where, picked))
-                values += n
-            patches = _to_sender(local, self.src_rank, world, self.wm.device)
+            out.bucket(local)
             del bucket
-            if not sends:
-                continue
-            tensors += len(patches)
-            changed += sum(p.values.numel() for p in patches)
-            size += sum(p.indices.numel() * 4 + p.values.numel() * p.values.element_size() for p in patches)
-            if error is None and patches:
-                patches = [_patch(p) for p in patches]
-                if chunked:
-                    error = _attempt(sender.send_weight_chunk, patches)
-                else:
-                    held += patches
-        if sends and error is None:
-            error = _attempt(sender.client.finish_weight_update) if chunked else _attempt(sender.send_weights, held)
-        held.clear()
-        error, tensors, changed, size = share((error, tensors, changed, size), self.src_rank)
-        if error is not None:
-            self._dense = True  # what the engine holds is unknown: the next sync sends everything
-            raise EngineError(f"DeltaSync.send(): the {'dense' if dense else 'sparse'} update failed: {error}. "
-                              "Nothing was taken into the snapshot; the next sync is dense")
+        tensors, changed, size = self._finished(out, dense)
         for name, where, picked in pending:
             if where is None:
                 self._snapshot[name] = picked
@@ -178,53 +150,76 @@ class DeltaSync:
         if why is None and self._shards is not None:
             self._snapshot = {}
             self._shards.take()
-        self._counted()
-        return DeltaReport(dense, tensors, changed, values, size, time.perf_counter() - t0,
+        return DeltaReport(dense, tensors, changed, out.values, size, time.perf_counter() - t0,
                            "dense" if dense else "gathered", None if dense else why)
 
-    def _counted(self) -> None:
-        self._syncs += 1
-        self._dense = self.dense_every is not None and self._syncs % self.dense_every == 0
-
-    def _send_shards(self, sender: Any, chunked: bool, t0: float) -> DeltaReport:
+    def _send_shards(self, out: _Round, t0: float) -> DeltaReport:
         """A sparse round diffed on the ranks' own parts: only the changes are gathered, to the sending rank,
         one bucket of Hub tensors at a time."""
         assert self._shards is not None
-        sends, world = rank() == self.src_rank, world_size()
-        error = _attempt(sender.client.start_weight_update) if chunked else None
-        held: list[Any] = []
-        tensors = changed = values = size = 0
         changes = self._shards.diff()
         for name, shape, _ in self._shards.hub_order:
-            n = math.prod(shape)
-            values += n
-            if n > _LIMIT:
-                error = error or f"{name} has {n} values, more than int32 positions address"
+            out.tensor(name, math.prod(shape))
         for bucket in _buckets(changes, self.bucket_bytes):
-            local = [(c.name, c.shape, c.dtype, c.positions.to(torch.int32), c.values) for c in bucket]
-            patches = _to_sender(local, self.src_rank, world, self.wm.device)
-            if not sends:
-                continue
-            tensors += len(patches)
-            changed += sum(p.values.numel() for p in patches)
-            size += sum(p.indices.numel() * 4 + p.values.numel() * p.values.element_size() for p in patches)
-            if error is None and patches:
-                patches = [_patch(p) for p in patches]
-                if chunked:
-                    error = _attempt(sender.send_weight_chunk, patches)
-                else:
-                    held += patches
-        if sends and error is None:
-            error = _attempt(sender.client.finish_weight_update) if chunked else _attempt(sender.send_weights, held)
-        held.clear()
-        error, tensors, changed, size = share((error, tensors, changed, size), self.src_rank)
-        if error is not None:
-            self._dense = True
-            raise EngineError(f"DeltaSync.send(): the sparse update failed: {error}. Nothing was taken into the "
-                              "snapshot; the next sync is dense")
+            out.bucket([(c.name, c.shape, c.dtype, c.positions.to(torch.int32), c.values) for c in bucket])
+        tensors, changed, size = self._finished(out, False)
         self._shards.commit()
-        self._counted()
-        return DeltaReport(False, tensors, changed, values, size, time.perf_counter() - t0, "shards", None)
+        return DeltaReport(False, tensors, changed, out.values, size, time.perf_counter() - t0, "shards", None)
+
+    def _finished(self, out: _Round, dense: bool) -> tuple[int, int, int]:
+        """The round's outcome on every rank: its counts, or ``EngineError`` everywhere (the next sync dense)."""
+        error, tensors, changed, size = out.finish()
+        if error is not None:
+            self._dense = True  # what the engine holds is unknown: the next sync sends everything
+            raise EngineError(f"DeltaSync.send(): the {'dense' if dense else 'sparse'} update failed: {error}. "
+                              "Nothing was taken into the snapshot; the next sync is dense")
+        self._syncs += 1
+        self._dense = self.dense_every is not None and self._syncs % self.dense_every == 0
+        return tensors, changed, size
+
+
+class _Round:
+    """The sending side of one update: each bucket's changes joined on the sending rank and handed to ``sender``
+    (``send_weight_chunk`` inside one session of its client, or held for ``send_weights`` at the end), counted;
+    then the outcome shared by every rank."""
+
+    def __init__(self, sender: Any, src_rank: int, device: torch.device) -> None:
+        self.sender, self.src, self.device = sender, src_rank, device
+        self.sends, self.world = rank() == src_rank, world_size()
+        self.chunked = self.sends and callable(getattr(sender, "send_weight_chunk", None)) and hasattr(sender,
+                                                                                                       "client")
+        self.error = _attempt(sender.client.start_weight_update) if self.chunked else None
+        self.held: list[Any] = []  # the round's patches, where the sender takes them at once
+        self.tensors = self.changed = self.values = self.size = 0
+
+    def tensor(self, name: str, n: int) -> int:
+        """Count a tensor of ``n`` values that the round covers (vLLM's patches address it with int32)."""
+        self.values += n
+        if n > _LIMIT:
+            self.error = self.error or f"{name} has {n} values, more than int32 positions address"
+        return n
+
+    def bucket(self, local: list[tuple[str, tuple[int, ...], torch.dtype, torch.Tensor, torch.Tensor]]) -> None:
+        patches = _to_sender(local, self.src, self.world, self.device)
+        if not self.sends:
+            return
+        self.tensors += len(patches)
+        self.changed += sum(p.values.numel() for p in patches)
+        self.size += sum(p.indices.numel() * 4 + p.values.numel() * p.values.element_size() for p in patches)
+        if self.error is None and patches:
+            patches = [_patch(p) for p in patches]
+            if self.chunked:
+                self.error = _attempt(self.sender.send_weight_chunk, patches)
+            else:
+                self.held += patches
+
+    def finish(self) -> tuple[str | None, int, int, int]:
+        if self.sends and self.error is None:
+            self.error = (_attempt(self.sender.client.finish_weight_update) if self.chunked
+                          else _attempt(self.sender.send_weights, self.held))
+        self.held.clear()
+        out: tuple[str | None, int, int, int] = share((self.error, self.tensors, self.changed, self.size), self.src)
+        return out
 
 
 def _to_sender(local: list[tuple[str, tuple[int, ...], torch.dtype, torch.Tensor, torch.Tensor]], src: int,

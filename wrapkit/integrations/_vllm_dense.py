@@ -252,9 +252,7 @@ class DenseSender:
                     self.broken = True
                     error = error or f"update_weights did not answer within {self.timeout:.0f} s"
                 elif error is None:
-                    status, answer = _status(box or {})
-                    if status != 200:
-                        error = f"update_weights was refused: {said(answer, status)}"
+                    error = _answered(box or {}, refusals_only=True)
             if error is None and sent != declared:
                 error = f"{sent} of the {declared} tensors declared were sent"
             if error is None:

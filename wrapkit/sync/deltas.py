@@ -14,6 +14,7 @@ caller gathers and diffs as before.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -22,9 +23,9 @@ import torch.distributed as dist
 
 from ..adapters.stages.plan import layout_of, state_hooks
 
-__all__ = ["ShardDiff", "Change"]
+__all__ = ["ShardDiff", "Change", "BITS"]
 
-_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an itemsize's integer view, to compare bits
 
 
 class Change(NamedTuple):
@@ -94,11 +95,7 @@ class ShardDiff:
                 except _Refused as exc:
                     reason = str(exc)
             # Every rank's parts, to split those that several ranks hold alike.
-            mine = (reason, [h.part for h in held])
-            metas: list[Any] = [mine]
-            if dist.is_initialized():
-                metas = [None] * dist.get_world_size()
-                dist.all_gather_object(metas, mine)
+            metas = _everyone((reason, [h.part for h in held]))
             reason = next((r for r, _ in metas if r is not None), None) or _overlapping([m for _, m in metas])
             if reason is None:
                 self._held = _split_replicas(held, [m for _, m in metas])
@@ -124,11 +121,7 @@ class ShardDiff:
         """Every rank's outcome of the Hub map, and one order of the Hub's tensors for all: each rank's own
         (a pipeline stage exports its own tensors), joined in rank order; a tensor the ranks export differently,
         or by more of them than the others (two stages exporting a tied weight), is refused."""
-        mine = (reason, self.hub_order)
-        every: list[Any] = [mine]
-        if dist.is_initialized():
-            every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, mine)
+        every = _everyone((reason, self.hub_order))
         refused = next((str(r) for r, _ in every if r is not None), None)
         if refused is not None:
             return refused
@@ -150,10 +143,11 @@ class ShardDiff:
             readable = piece.live is not None or (piece.source is not None and piece.values is not None)
             if not readable or piece.columns is not None:
                 raise _Refused(f"this rank's part of {piece.name} cannot be read where it lies")
-            local = _reader(piece)()
+            read = _reader(piece)
+            local = read()
             part = (piece.name, piece.start, piece.numel, piece.box)
-            out.append(_Held(piece.name, _reader(piece), _positions(piece, 0), local.numel(),
-                             self._wire(piece.name, local.dtype), part))
+            out.append(_Held(piece.name, read, _positions(piece, 0), local.numel(), self._wire(piece.name, local.dtype),
+                             part))
         return out
 
     def _wire(self, name: str, own: torch.dtype) -> torch.dtype:
@@ -175,7 +169,7 @@ class ShardDiff:
         for group in groups:
             for n in group:
                 offsets[n] = total
-            total += _numel(shapes[group[0]])
+            total += math.prod(shapes[group[0]])
         if total >= 2**53:
             return "the model has more elements than float64 numbers them exactly"
         # The export stream_full_parameters applies: the Hub layout, else the model's own state-dict hooks.
@@ -184,13 +178,12 @@ class ShardDiff:
         owner = {n: g[0] for g in groups for n in g}
         starts = sorted({offsets[g[0]] for g in groups})
         first = {offsets[g[0]]: g[0] for g in groups}
-        slot = {start: i for i, start in enumerate(starts)}
 
         def numbered() -> Iterator[tuple[str, torch.Tensor]]:
             for group in groups:
                 for n in group:
                     off, shape = offsets[n], shapes[n]
-                    yield n, torch.arange(off, off + _numel(shape), dtype=torch.float64).view(shape)
+                    yield n, torch.arange(off, off + math.prod(shape), dtype=torch.float64).view(shape)
 
         exported = numbered() if hub is None else hub.export(numbered())
         found: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}  # param -> (hub, param pos, hub pos)
@@ -203,21 +196,20 @@ class ShardDiff:
                 return f"the Hub's {hub_name} repeats elements of the model's tensors"
             # Which parameter each element came from: the last start at or below its number.
             at = torch.searchsorted(torch.tensor(starts, dtype=torch.int64), code, right=True) - 1
-            params = [first[starts[i]] for i in torch.unique(at).tolist()]
-            kinds = {self._wire(param, dtypes[param]) for param in params}
+            slots = torch.unique(at).tolist()
+            kinds = {self._wire(first[starts[i]], dtypes[first[starts[i]]]) for i in slots}
             if len(kinds) > 1:
                 return f"the Hub's {hub_name} joins tensors that travel in different dtypes"
             dtype = kinds.pop() if kinds else torch.float32
             self.hub_order.append((hub_name, tuple(codes.shape), dtype))
-            for param in params:
-                mask = at.eq(slot[offsets[param]])
-                found.setdefault(param, []).append((hub_name, code[mask] - offsets[param],
-                                                    torch.nonzero(mask).flatten()))
+            for i in slots:
+                param, mask = first[starts[i]], at.eq(i)
+                found.setdefault(param, []).append((hub_name, code[mask] - starts[i], torch.nonzero(mask).flatten()))
         for h in self._held:
             targets = found.get(owner.get(h.name, h.name))
             if not targets:
                 continue  # not exported (a tied head the Hub drops): nothing to send
-            target = _target(targets, h.where(torch.arange(h.numel)), _numel(shapes[h.name]))
+            target = _target(targets, h.where(torch.arange(h.numel)), math.prod(shapes[h.name]))
             if target is None:
                 return f"{h.name} goes to more than one of the Hub's tensors"
             self._targets[h.name] = target
@@ -237,7 +229,7 @@ class ShardDiff:
         for i, h in enumerate(self._held):
             now = h.read().to(h.wire).to(self.device)
             snap = self._snapshot[i]
-            bits = _INT[now.element_size()]
+            bits = BITS[now.element_size()]
             where = (now.view(bits) != snap.view(bits)).nonzero().flatten()
             if not where.numel():
                 continue
@@ -281,11 +273,13 @@ class _Refused(Exception):
     pass
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+def _everyone(value: Any) -> list[Any]:
+    """``value`` as each rank has it, in rank order."""
+    if not dist.is_initialized():
+        return [value]
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, value)
+    return every
 
 
 def _reader(piece: Any) -> Callable[[], torch.Tensor]:
