@@ -53,11 +53,11 @@ def _times(reps: int) -> dict[str, Any]:
     engine = tiny_llama(1, layers=8, hidden=HIDDEN, vocab=1024).to(torch.bfloat16)
     held = {n: t.detach() for n, t in engine.state_dict().items()}
 
-    class Apply:  # the engine's side of vLLM's sparse receive: each patch written by flat position
+    class Apply:  # the engine's side of vLLM's sparse receive: each patch written by flat position (index_copy_)
         def send_weights(self, patches: list[Any]) -> None:
             with torch.no_grad():
                 for p in patches:
-                    held[p.name].view(-1)[p.indices.long()] = p.values
+                    held[p.name].view(-1).index_copy_(0, p.indices.long(), p.values)
 
     delta = DeltaSync(wm, dtype=torch.bfloat16, bucket_bytes=BUCKET, dense_every=None)
     dense = delta.send(Apply())  # the dense first sync

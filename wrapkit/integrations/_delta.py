@@ -25,7 +25,8 @@ import torch
 import torch.distributed as dist
 
 from .._errors import ArgumentError, EngineError
-from ..sync.deltas import BITS, Change, ShardDiff
+from ..sync import changes
+from ..sync.deltas import Change, ShardDiff
 from ._engine_wire import rank, refuse_partial, share, world_size
 
 __all__ = ["DeltaSync", "DeltaReport", "SparsePatch"]
@@ -132,9 +133,8 @@ class DeltaSync:
                     where, picked = None, mine.clone()
                     positions = torch.arange(lo, hi, dtype=torch.int32)
                 else:
-                    bits = BITS[mine.element_size()]
-                    where = (mine.view(bits) != snap.view(bits)).nonzero().flatten()
-                    picked = mine[where]
+                    where = changes.changed(mine, snap)
+                    picked = changes.take(mine, where)
                     positions = (where + lo).to(torch.int32)
                 local.append((name, tuple(full.shape), full.dtype, positions, picked))
                 if why is not None:  # the shard snapshot is taken after the round instead
@@ -146,7 +146,7 @@ class DeltaSync:
             if where is None:
                 self._snapshot[name] = picked
             else:
-                self._snapshot[name][where] = picked
+                changes.put(self._snapshot[name], where, picked)
         if why is None and self._shards is not None:
             self._snapshot = {}
             self._shards.take()
@@ -157,10 +157,10 @@ class DeltaSync:
         """A sparse round diffed on the ranks' own parts: only the changes are gathered, to the sending rank,
         one bucket of Hub tensors at a time."""
         assert self._shards is not None
-        changes = self._shards.diff()
+        diffs = self._shards.diff()
         for name, shape, _ in self._shards.hub_order:
             out.tensor(name, math.prod(shape))
-        for bucket in _buckets(changes, self.bucket_bytes):
+        for bucket in _buckets(diffs, self.bucket_bytes):
             out.bucket([(c.name, c.shape, c.dtype, c.positions.to(torch.int32), c.values) for c in bucket])
         tensors, changed, size = self._finished(out, False)
         self._shards.commit()
@@ -224,57 +224,72 @@ class _Round:
 
 def _to_sender(local: list[tuple[str, tuple[int, ...], torch.dtype, torch.Tensor, torch.Tensor]], src: int,
                world: int, device: torch.device) -> list[SparsePatch]:
-    """Every rank's changes of one bucket, joined on the sending rank in rank order (so positions ascend), on
-    ``device`` (the model's: where the collectives and the engine's broadcasts run); a patch per tensor with
-    changes. Two collectives: the sizes, then each rank's counts, positions and values in one padded buffer."""
+    """Every rank's changes of one bucket (each tensor's positions ascending on each rank), joined on the sending
+    rank, on ``device`` (the model's: where the collectives and the engine's broadcasts run); a patch per tensor
+    with changes. Two collectives: the sizes, then each rank's counts, positions and values in one padded
+    buffer."""
     if world == 1:
         return [SparsePatch(n, p.to(device), v.to(device).contiguous(), s) for n, s, _, p, v in local if p.numel()]
-    # One byte buffer per rank: the counts (int64), the positions (int32), the values; padded to the longest.
-    counts = torch.tensor([p.numel() for *_, p, _ in local], dtype=torch.int64)
-    parts = [counts.view(torch.uint8)] + [p.view(torch.uint8) for *_, p, _ in local]
-    parts += [v.reshape(-1).view(torch.uint8) for *_, v in local]
-    mine = torch.cat([t.to(device) for t in parts])
+    # One byte buffer per rank: the counts (int64), the positions (int32), then each tensor's values; every
+    # section starts at a multiple of 8 bytes, so the sender reads each in place through a view of its dtype.
+    counts = [p.numel() for *_, p, _ in local]
+    sections = [8 * len(local), _aligned(4 * sum(counts))]
+    sections += [_aligned(c * dtype.itemsize) for c, (_, _, dtype, _, _) in zip(counts, local, strict=True)]
     sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([mine.numel()], dtype=torch.int64, device=device))
-    padded = torch.zeros(int(max(int(t) for t in sizes)), dtype=torch.uint8, device=device)
-    padded[:mine.numel()] = mine
-    into = [torch.empty_like(padded) for _ in range(world)] if rank() == src else None
-    dist.gather(padded, into, dst=src)
+    dist.all_gather(sizes, torch.tensor([sum(sections)], dtype=torch.int64, device=device))
+    mine = torch.empty(int(max(int(t) for t in sizes)), dtype=torch.uint8, device=device)  # padding unread
+    mine[:sections[0]].view(torch.int64).copy_(torch.tensor(counts, dtype=torch.int64))
+    at = sections[0]
+    for _, _, _, positions, _ in local:
+        mine[at:at + 4 * positions.numel()].view(torch.int32).copy_(positions)
+        at += 4 * positions.numel()
+    at = sections[0] + sections[1]
+    for (_, _, dtype, _, values), size in zip(local, sections[2:], strict=True):
+        mine[at:at + values.numel() * dtype.itemsize].view(dtype).copy_(values.reshape(-1))
+        at += size
+    into = [torch.empty_like(mine) for _ in range(world)] if rank() == src else None
+    dist.gather(mine, into, dst=src)
     if into is None:
         return []
     n = len(local)
-    got = []
-    for buf in into:  # each rank's counts, positions and values, cut apart
+    cuts = []  # each rank's counts, positions and the start of its values
+    for buf in into:
         k = buf[:8 * n].view(torch.int64).tolist()
-        at = 8 * n + 4 * sum(k)
-        got.append((k, buf[8 * n:at].view(torch.int32), buf, at))
+        cuts.append((k, buf[8 * n:8 * n + 4 * sum(k)].view(torch.int32), 8 * n + _aligned(4 * sum(k))))
     patches = []
     pos_at = [0] * world
-    val_at = [entry[3] for entry in got]
+    val_at = [c[2] for c in cuts]
     for i, (name, shape, dtype, _, _) in enumerate(local):
         pos, vals = [], []
-        for r, (k, positions, buf, _) in enumerate(got):
+        for r, ((k, positions, _), buf) in enumerate(zip(cuts, into, strict=True)):
             c = k[i]
-            pos.append(positions[pos_at[r]:pos_at[r] + c])
-            # Values of several dtypes lie back to back: copied out before the view, whatever their offset.
-            vals.append(buf[val_at[r]:val_at[r] + c * dtype.itemsize].clone().view(dtype))
+            if c:
+                pos.append(positions[pos_at[r]:pos_at[r] + c])
+                vals.append(buf[val_at[r]:val_at[r] + c * dtype.itemsize].view(dtype))
             pos_at[r] += c
-            val_at[r] += c * dtype.itemsize
+            val_at[r] += _aligned(c * dtype.itemsize)
+        if not pos:
+            continue
         joined, joined_values = torch.cat(pos), torch.cat(vals)
-        if joined.numel() > 1 and not bool((joined[1:] > joined[:-1]).all()):
-            order = joined.argsort()  # ranks' parts that are not in rank order (blocks, experts, permuted rows)
+        # Each rank's positions ascend; joined in rank order they ascend too unless the ranks' parts interleave
+        # (blocks, experts, permuted rows): then sorted.
+        if any(int(a[-1]) >= int(b[0]) for a, b in zip(pos, pos[1:], strict=False)):
+            order = joined.argsort()
             joined, joined_values = joined[order], joined_values[order]
-        if joined.numel():
-            patches.append(SparsePatch(name, joined.contiguous(), joined_values.contiguous(), shape))
+        patches.append(SparsePatch(name, joined, joined_values, shape))
     return patches
 
 
-def _buckets(changes: list[Change], limit: int) -> Iterator[list[Change]]:
+def _aligned(n: int) -> int:
+    return -(-n // 8) * 8
+
+
+def _buckets(diffs: list[Change], limit: int) -> Iterator[list[Change]]:
     """The Hub tensors' changes in runs of at most ``limit`` bytes of the tensors themselves (the same cut on
     every rank, whatever changed)."""
     run: list[Change] = []
     size = 0
-    for change in changes:
+    for change in diffs:
         run.append(change)
         size += math.prod(change.shape) * change.dtype.itemsize
         if size >= limit:

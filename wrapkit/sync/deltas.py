@@ -22,10 +22,9 @@ import torch
 import torch.distributed as dist
 
 from ..adapters.stages.plan import layout_of, state_hooks
+from .changes import changed, put, take
 
-__all__ = ["ShardDiff", "Change", "BITS"]
-
-BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an itemsize's integer view, to compare bits
+__all__ = ["ShardDiff", "Change"]
 
 
 class Change(NamedTuple):
@@ -78,7 +77,7 @@ class ShardDiff:
         self._targets: dict[str, _Target] = {}
         self.hub_order: list[tuple[str, tuple[int, ...], torch.dtype]] = []
         self._snapshot: list[torch.Tensor] = []
-        self._pending: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []  # (part, where or all, values)
 
     def snapshot_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._snapshot)
@@ -227,14 +226,17 @@ class ShardDiff:
         mixed: set[str] = set()  # Hub tensors whose positions come from several parts, or permuted: sorted
         self._pending = []
         for i, h in enumerate(self._held):
-            now = h.read().to(h.wire).to(self.device)
-            snap = self._snapshot[i]
-            bits = BITS[now.element_size()]
-            where = (now.view(bits) != snap.view(bits)).nonzero().flatten()
+            live = h.read()
+            now = live.to(h.wire).to(self.device)
+            where = changed(now, self._snapshot[i])
             if not where.numel():
                 continue
-            values = now[where]
-            self._pending.append((i, where, values))
+            values = take(now, where)
+            if 5 * where.numel() <= now.numel():
+                self._pending.append((i, where, values))
+            else:  # most of it changed: the whole share becomes the snapshot (smaller than positions, no scatter)
+                fresh = now.untyped_storage().data_ptr() != live.untyped_storage().data_ptr()
+                self._pending.append((i, None, now if fresh else now.clone()))
             target = self._targets.get(h.name)
             if target is None:
                 continue
@@ -265,7 +267,10 @@ class ShardDiff:
     def commit(self) -> None:
         """Take the last ``diff()``'s changes into the snapshot (every rank, once the send succeeded)."""
         for i, where, values in self._pending:
-            self._snapshot[i][where] = values
+            if where is None:
+                self._snapshot[i] = values
+            else:
+                put(self._snapshot[i], where, values)
         self._pending = []
 
 
