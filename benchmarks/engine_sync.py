@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+import time
 from typing import Any
 
 import torch
@@ -54,10 +55,14 @@ def _times(reps: int) -> dict[str, Any]:
     held = {n: t.detach() for n, t in engine.state_dict().items()}
 
     class Apply:  # the engine's side of vLLM's sparse receive: each patch written by flat position (index_copy_)
+        writes: list[float] = []  # seconds each round spent writing into the engine's copy
+
         def send_weights(self, patches: list[Any]) -> None:
+            t0 = time.perf_counter()
             with torch.no_grad():
                 for p in patches:
                     held[p.name].view(-1).index_copy_(0, p.indices.long(), p.values)
+            Apply.writes.append(time.perf_counter() - t0)
 
     delta = DeltaSync(wm, dtype=torch.bfloat16, bucket_bytes=BUCKET, dense_every=None)
     dense = delta.send(Apply())  # the dense first sync
@@ -129,14 +134,17 @@ def _rounds(spec: str, reps: int, engine: torch.nn.Module, held: dict[str, torch
         gathered._snapshot = {k: v.clone() for k, v in primed[1].items()}
 
     reports: dict[str, Any] = {}
+    writes: list[float] = []  # seconds each full sync spent writing into the engine's copy
+    shard_writes: list[float] = []  # and each shard round
 
     def full() -> None:
-        stream = wm.stream_full_parameters(BUCKET, torch.bfloat16, dst_rank=0)
-        if dist.get_rank() == 0:
-            load_into(engine, stream)
-        else:
-            for _ in stream:
-                pass
+        spent = 0.0
+        for bucket in wm.stream_full_parameters(BUCKET, torch.bfloat16, dst_rank=0):
+            if dist.get_rank() == 0:
+                t0 = time.perf_counter()
+                load_into(engine, [bucket])
+                spent += time.perf_counter() - t0
+        writes.append(spent)
 
     out = {}
     for fraction in (0.001, 0.04, 0.5):
@@ -145,9 +153,20 @@ def _rounds(spec: str, reps: int, engine: torch.nn.Module, held: dict[str, torch
             for view, was in zip(views, original, strict=True):
                 view.copy_(was)
                 view.mul_(torch.where(torch.rand(view.shape, generator=gen) < fraction, 1 + 2**-5, 1.0))
-        ways = {"shards": lambda: reports.__setitem__("shards", shards.send(apply())),
+        shard_writes.clear()
+
+        def shard_round() -> None:
+            before = len(apply.writes)
+            reports["shards"] = shards.send(apply())
+            shard_writes.append(sum(apply.writes[before:]))
+
+        ways = {"shards": shard_round,
                 "gathered": lambda: reports.__setitem__("gathered", gathered.send(apply())), "full": full}
+        writes.clear()
         times = _alternate(ways, reps, untimed=restore)
+        # The same rounds less rank 0's writes into the engine's copy (the warm-up's come first).
+        trainer = {"shards": [t - w for t, w in zip(times["shards"], shard_writes[-reps:], strict=True)],
+                   "full": [t - w for t, w in zip(times["full"], writes[-reps:], strict=True)]}
         moved = {}
         for key, fn in ways.items():
             restore()
@@ -159,7 +178,7 @@ def _rounds(spec: str, reps: int, engine: torch.nn.Module, held: dict[str, torch
         moved["full"] = sum(p.numel() * p.element_size() for p in as_adapter(wm).module.parameters()
                             if p.numel()) if spec == "zero3" else sum(
             v.numel() * v.element_size() for v in views) * (dist.get_world_size() - 1)
-        out[fraction] = {"times": times, "moved": moved, "report": reports["shards"]._asdict(),
+        out[fraction] = {"times": times, "trainer": trainer, "moved": moved, "report": reports["shards"]._asdict(),
                          "gathered_report": reports["gathered"]._asdict()}
     return out
 
@@ -220,6 +239,11 @@ def run(quick: bool = False) -> list[dict[str, Any]]:
             rows.append(row(f"shard delta vs full, time ({spec}, {100 * fraction:g}%)", median(t["shards"]),
                             median(t["full"]), goal, samples=(t["shards"], t["full"]),
                             note=f"{what}; median of {reps}; diffed on each rank's shards, the trainer's side"))
+            w = r["trainer"]
+            rows.append(row(f"shard delta vs full, time less the engine's writes ({spec}, {100 * fraction:g}%)",
+                            median(w["shards"]), median(w["full"]), goal, samples=(w["shards"], w["full"]),
+                            note="the same rounds less rank 0's writes into the engine's copy (by position for "
+                                 "the patches, whole tensors for the full sync)"))
             rows.append(row(f"gathered delta vs full, time ({spec}, {100 * fraction:g}%)", median(t["gathered"]),
                             median(t["full"]), GOAL_TIME, samples=(t["gathered"], t["full"]),
                             note="the full weights gathered first, then diffed (the way before)"))

@@ -101,3 +101,43 @@ def test_a_model_in_sub_groups_is_refused_on_every_rank(group4: Any, tmp_path: A
     for outcomes in group4.run(se.syncs_refused, spec, topology, str(tmp_path), timeout=120):
         assert len(outcomes) == 3 and all(o.startswith("UnsupportedModelError") and "lies over 2 of the job's 4 ranks"
                                           in o for o in outcomes), outcomes
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float16", "float8_e4m3fn", "int64"])
+def test_the_bit_comparison_is_the_same_with_and_without_numpy(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The diff's positions, values and snapshot update agree, bit for bit, through NumPy and through torch's own
+    calls (the path without NumPy, and off the CPU); -0.0 against 0.0 and NaNs count as changes by their bits."""
+    import torch
+
+    from wrapkit.sync import changes
+
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(50_000, generator=gen)
+    snap = (base * 100).to(dt) if not dt.is_floating_point else base.to(dt)
+    now = snap.clone()
+    hit = torch.rand(50_000, generator=gen) < 0.3
+    now[hit] = (base[hit] * 3 + 1).to(dt) if dt.is_floating_point else (base[hit] * 1000).to(dt)
+    if dt.is_floating_point and dt.itemsize > 1:
+        snap[:4] = torch.tensor([0.0, float("nan"), 1.0, 2.0]).to(dt)
+        now[:4] = torch.tensor([-0.0, float("nan"), 1.0, float("nan")]).to(dt)
+    results = []
+    for numpy_there in (True, False):
+        changes._numpy.cache_clear()
+        if not numpy_there:
+            monkeypatch.setitem(__import__("sys").modules, "numpy", None)
+        assert (changes._numpy() is not None) == numpy_there
+        where = changes.changed(now, snap)
+        values = changes.take(now, where)
+        updated = snap.clone()
+        changes.put(updated, where, values)
+        results.append((where, values, updated))
+        monkeypatch.undo()
+    changes._numpy.cache_clear()
+    bits = changes.BITS[now.element_size()]
+    want = (now.view(bits) != snap.view(bits)).nonzero().flatten()
+    assert want.numel() > 10_000
+    for where, values, updated in results:
+        assert torch.equal(where, want)
+        assert torch.equal(values.view(bits), now.view(bits)[want])
+        assert torch.equal(updated.view(bits), now.view(bits))  # the snapshot takes in exactly the changes
