@@ -3,26 +3,22 @@
 A rank reads the part of every parameter it holds (``Weights.pieces``: an FSDP1 flat-parameter slice, a DTensor
 shard or block, a ZeRO-3 partition, a whole tensor), keeps the share no other rank keeps of it (replicas split
 their part evenly: DDP, HSDP, a parameter tensor parallelism leaves whole), and compares it bit for bit, in the
-wire dtype, with its snapshot of the same elements. The changed elements are mapped to the Hub's coordinates by
-an index map learnt once: the model's Hub export (``layout_of``) is run on tensors whose values are their own
-element numbers (float64, a layer at a time), so each Hub element names the runtime element it came from. Where
-that is a plain rename the positions stay as they are; where it is a permutation or a selection (experts split
-per expert, q/k rows permuted, a fused projection split) each held element gets its Hub tensor and position;
-where an element is computed (not an integer, or from nowhere), the plan is refused with the reason, and the
-caller gathers and diffs as before.
+wire dtype, with its snapshot of the same elements (``changes``). The changed elements go to the Hub's tensors and
+positions through the index map ``hub_map`` learns once from the model's own export; where that map is refused
+(a Hub tensor computed from the parameters) the caller gathers and diffs as before.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from ..adapters.stages.plan import layout_of, state_hooks
 from .changes import changed, put, take
+from .hub_map import HubOrder, Target, hub_targets
 
 __all__ = ["ShardDiff", "Change"]
 
@@ -51,16 +47,6 @@ class _Held(NamedTuple):
     part: tuple[Any, ...]
 
 
-class _Target(NamedTuple):
-    """Where a parameter's elements go in the Hub's tensors: ``hub`` one name (a rename, positions unchanged), or
-    per held element an index into ``names`` and a position (``which``, ``at``: 6 bytes an element)."""
-
-    hub: str | None
-    names: list[str]
-    which: torch.Tensor | None
-    at: torch.Tensor | None
-
-
 class ShardDiff:
     """This rank's share of the weights in the wire dtype, its snapshot, and its changes in the Hub's coordinates.
 
@@ -74,8 +60,8 @@ class ShardDiff:
         self.reason: str | None = None
         self._planned = False
         self._held: list[_Held] = []
-        self._targets: dict[str, _Target] = {}
-        self.hub_order: list[tuple[str, tuple[int, ...], torch.dtype]] = []
+        self._targets: dict[str, Target] = {}
+        self.hub_order: HubOrder = []
         self._snapshot: list[torch.Tensor] = []
         self._pending: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []  # (part, where or all, values)
 
@@ -155,64 +141,12 @@ class ShardDiff:
         return self.dtype
 
     def _map_to_hub(self) -> str | None:
-        """Learn each held parameter's Hub target from an export of element numbers; the reason where some Hub
+        """Each held parameter's Hub target, and the Hub's tensors this rank exports; the reason where some Hub
         tensor is computed rather than picked."""
-        names: dict[int, list[str]] = {}
-        dtypes: dict[str, torch.dtype] = {}
-        for n, p in self.wm.named_live(buffers=False):
-            names.setdefault(id(p), []).append(n)
-            dtypes[n] = p.dtype
-        shapes = self.wm.weights.param_shapes()
-        groups = list(names.values())
-        offsets, total = {}, 0
-        for group in groups:
-            for n in group:
-                offsets[n] = total
-            total += math.prod(shapes[group[0]])
-        if total >= 2**53:
-            return "the model has more elements than float64 numbers them exactly"
-        # The export stream_full_parameters applies: the Hub layout, else the model's own state-dict hooks.
-        hub = layout_of(self.wm)
-        hub = hub if hub is not None else state_hooks(self.wm, False)
-        owner = {n: g[0] for g in groups for n in g}
-        starts = sorted({offsets[g[0]] for g in groups})
-        first = {offsets[g[0]]: g[0] for g in groups}
-
-        def numbered() -> Iterator[tuple[str, torch.Tensor]]:
-            for group in groups:
-                for n in group:
-                    off, shape = offsets[n], shapes[n]
-                    yield n, torch.arange(off, off + math.prod(shape), dtype=torch.float64).view(shape)
-
-        exported = numbered() if hub is None else hub.export(numbered())
-        found: dict[str, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}  # param -> (hub, param pos, hub pos)
-        for hub_name, codes in exported:
-            flat = codes.detach().reshape(-1).to(torch.float64)
-            if flat.numel() and (not torch.equal(flat, flat.round()) or flat.min() < 0 or flat.max() >= total):
-                return f"the Hub's {hub_name} is computed from the model's tensors, not picked from them"
-            code = flat.to(torch.int64)
-            if torch.unique(code).numel() != code.numel():
-                return f"the Hub's {hub_name} repeats elements of the model's tensors"
-            # Which parameter each element came from: the last start at or below its number.
-            at = torch.searchsorted(torch.tensor(starts, dtype=torch.int64), code, right=True) - 1
-            slots = torch.unique(at).tolist()
-            kinds = {self._wire(first[starts[i]], dtypes[first[starts[i]]]) for i in slots}
-            if len(kinds) > 1:
-                return f"the Hub's {hub_name} joins tensors that travel in different dtypes"
-            dtype = kinds.pop() if kinds else torch.float32
-            self.hub_order.append((hub_name, tuple(codes.shape), dtype))
-            for i in slots:
-                param, mask = first[starts[i]], at.eq(i)
-                found.setdefault(param, []).append((hub_name, code[mask] - starts[i], torch.nonzero(mask).flatten()))
-        for h in self._held:
-            targets = found.get(owner.get(h.name, h.name))
-            if not targets:
-                continue  # not exported (a tied head the Hub drops): nothing to send
-            target = _target(targets, h.where(torch.arange(h.numel)), math.prod(shapes[h.name]))
-            if target is None:
-                return f"{h.name} goes to more than one of the Hub's tensors"
-            self._targets[h.name] = target
-        return None
+        held: list[tuple[str, Callable[[], torch.Tensor]]] = [
+            (h.name, functools.partial(h.where, torch.arange(h.numel))) for h in self._held]
+        reason, self.hub_order, self._targets = hub_targets(self.wm, held, self._wire)
+        return reason
 
     # -- the rounds -------------------------------------------------------------------------------------
     def take(self) -> None:
@@ -356,21 +290,3 @@ def _shifted(where: Callable[[torch.Tensor], torch.Tensor], lo: int) -> Callable
 
 def _sliced(read: Callable[[], torch.Tensor], lo: int, hi: int) -> Callable[[], torch.Tensor]:
     return lambda: read()[lo:hi]
-
-
-def _target(targets: list[tuple[str, torch.Tensor, torch.Tensor]], held: torch.Tensor, numel: int) -> _Target | None:
-    """A held parameter's target: a rename where one Hub tensor holds all of it in order, else an index per
-    held element (``held``: their flat positions); None where an element goes to two Hub tensors."""
-    if len(targets) == 1:
-        hub, src, dst = targets[0]
-        if src.numel() == numel and torch.equal(src, dst) and torch.equal(src, torch.arange(numel)):
-            return _Target(hub, [hub], None, None)
-    which = torch.full((numel,), -1, dtype=torch.int16 if len(targets) < 2**15 else torch.int32)
-    at = torch.zeros(numel, dtype=torch.int32)
-    for k, (_, src, dst) in enumerate(targets):
-        if bool((which[src] >= 0).any()):
-            return None
-        which[src] = k
-        at[src] = dst.to(torch.int32)
-    # Kept for this rank's elements only; an element the Hub drops has no target (-1) and matches no name.
-    return _Target(None, [t[0] for t in targets], which[held], at[held])
