@@ -410,9 +410,13 @@ def deltas_through_standin(cases: list[dict[str, Any]], ports: list[int]) -> dic
 
     out: dict[str, Any] = {}
     for case, port in zip(cases, ports, strict=True):
-        model = _adapted(case["family"]) if case.get("merge") else family_model(case["family"], seed=0)
-        wm = wrapkit.adapt(build(case["spec"], model=model, precision=case.get("precision", "fp32"),
-                                 topology=case.get("topology", "flat")))
+        if case["spec"] in _FRAMEWORKS:
+            model = _FRAMEWORKS[case["spec"]](case)
+        else:
+            model = _adapted(case["family"]) if case.get("merge") else family_model(case["family"], seed=0)
+            model = build(case["spec"], model=model, precision=case.get("precision", "fp32"),
+                          topology=case.get("topology", "flat"))
+        wm = wrapkit.adapt(model)
         wire = getattr(torch, case["wire"]) if case.get("wire") else None
         merge = bool(case.get("merge"))
         keep = (lambda n: "norm" in n) if case.get("keep") else None  # noqa: E731 (norms stay in fp32)
@@ -426,10 +430,8 @@ def deltas_through_standin(cases: list[dict[str, Any]], ports: list[int]) -> dic
         syncs: list[dict[str, Any]] = []
         try:
             for step in range(4):
-                if step and case["spec"] == "pipeline":  # a stage's loss is not the model's: move some values
-                    with torch.no_grad():
-                        for p in wm.unwrap().parameters():
-                            p.view(-1)[:: 7 + step].add_(0.01)
+                if step and (case["spec"] == "pipeline" or case["spec"] in _FRAMEWORKS):
+                    _moved(wm, step)  # a stage's loss is not the model's; the frameworks' own loops are not run
                 elif step:
                     _train_step(wm, model, case.get("lr", 1e-4))
                 obs: dict[str, Any] = {}
@@ -452,6 +454,47 @@ def deltas_through_standin(cases: list[dict[str, Any]], ports: list[int]) -> dic
         out[repr(sorted(case.items()))] = syncs
         del wm, model
     return out
+
+
+def _moved(wm: Any, step: int) -> None:
+    """Move every ``7 + step``-th value of each rank's own part of every parameter (a DTensor's local shard);
+    alike on every rank, so that replicas stay replicas, as training keeps them."""
+    with torch.no_grad():
+        for p in wm.unwrap().parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if local.numel():
+                local.view(-1)[:: 7 + step].add_(0.01)
+
+
+def _transformers_ep(case: dict[str, Any]) -> Any:
+    """Qwen3-MoE with its experts split over two ranks beside FSDP2, as transformers makes it."""
+    from tests.scenarios_foreign import _transformers_ep as split
+
+    return split(case["tmp"])
+
+
+def _titan_ep(case: dict[str, Any]) -> Any:
+    """torchtitan's layout of experts, split by hand over an (efsdp, ep) mesh beside FSDP2 (four ranks)."""
+    from tests.scenarios_experts import TitanMoE, _split_by_hand
+
+    return _split_by_hand(TitanMoE(0))
+
+
+def _megatron(case: dict[str, Any]) -> Any:
+    """A Megatron-Core model split by tensor (``tp``) and pipeline (``pp``) parallelism, or its Qwen3-MoE-style
+    mixture with the experts over ``ep`` ranks; its own Hub mapping (fused QKV and gate/up split)."""
+    from tests.megatron_cpu import build as megatron_build
+    from tests.megatron_cpu import build_mixture
+
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    if case.get("ep"):
+        return build_mixture(case["ep"], case.get("tp", 1), dtype)
+    return megatron_build(case.get("style", "llama"), case.get("tp", 1), case.get("pp", 1), dtype)
+
+
+# Models built by other frameworks' own code, by the case's spec.
+_FRAMEWORKS: dict[str, Callable[[dict[str, Any]], Any]] = {"ep": _transformers_ep, "titan-ep": _titan_ep,
+                                                           "megatron": _megatron}
 
 
 def syncs_refused(spec: str, topology: str, root: str) -> list[str]:

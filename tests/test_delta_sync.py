@@ -32,6 +32,14 @@ MORE_CASES = [{"spec": "fsdp", "family": "llama", "wire": "bfloat16"}, {"spec": 
               {"spec": "zero3", "family": "llama", "layout": "computed"},
               {"spec": "zero3", "family": "qwen2-tied", "precision": "bf16", "lr": 0.1}]
 
+# Other frameworks' models, their values moved by hand between syncs: experts split over their own ranks by
+# transformers beside FSDP2 and by hand as torchtitan lays them out (four ranks); Megatron-Core split by tensor
+# and by pipeline parallelism (its Hub mapping splits the fused QKV and gate/up projections), its mixture over
+# expert-parallel ranks, and tensor by pipeline parallelism on four ranks.
+FRAMEWORK_CASES = [{"spec": "ep", "wire": "bfloat16"}, {"spec": "megatron", "tp": 2},
+                   {"spec": "megatron", "pp": 2, "wire": "bfloat16"}, {"spec": "megatron", "ep": 2},
+                   {"spec": "titan-ep", "ranks": 4}, {"spec": "megatron", "tp": 2, "pp": 2, "ranks": 4}]
+
 
 def _run(group: Any, case: dict[str, Any]) -> list[list[dict[str, Any]]]:
     per_rank = group.run(se.deltas_through_standin, [case], [free_port()], timeout=240)
@@ -73,6 +81,14 @@ def test_deltas_give_what_a_dense_sync_gives(group: Any, case: dict[str, Any]) -
 @matrix.cases(FOUR_RANK_CASES, [])
 def test_deltas_on_four_rank_layouts(group4: Any, case: dict[str, Any]) -> None:
     _check(case, _run(group4, case))
+
+
+@matrix.cases(FRAMEWORK_CASES, [])
+def test_deltas_on_other_frameworks_models(request: Any, tmp_path_factory: Any, case: dict[str, Any]) -> None:
+    group = request.getfixturevalue("group4" if case.get("ranks") == 4 else "group")
+    tmp = tmp_path_factory.getbasetemp() / "deltas"
+    tmp.mkdir(exist_ok=True)
+    _check(case, _run(group, {**case, "tmp": str(tmp)}))
 
 
 def test_a_failed_round_fails_every_rank_and_the_next_is_dense(group: Any) -> None:

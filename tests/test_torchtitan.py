@@ -83,6 +83,19 @@ def test_torchtitans_own_adapter_gives_the_hub_layout(ranks: list[dict[str, Any]
         assert got["load"] == [[], []] and got["loaded_equal"], got
 
 
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "deepseek_v3"])
+def test_torchtitans_models_take_deltas_diffed_on_their_shards(ranks: list[dict[str, Any]], family: str) -> None:
+    """DeltaSync of torchtitan's models to vLLM's sparse receiver: the sparse rounds are diffed on each rank's
+    FSDP2 shards, mapped to the Hub's coordinates through torchtitan's own to_hf (the fused wqkv split into q/k/v,
+    the grouped experts per expert, the tied Qwen3's embedding once), and after each the receiver holds exactly what
+    a dense stream gives."""
+    for obs in ranks:
+        syncs = obs[f"hub_{family}"]["delta"]
+        assert [s[0] for s in syncs] == ["dense", "shards", "shards"], syncs
+        assert [s[1] for s in syncs] == [None, None, None] and [s[2] for s in syncs] == [False, True, True], syncs
+        assert all(s[3] == [] for s in syncs), syncs
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_moe"])
 def test_qwen3_checkpoints_resume_and_references_are_sharded_alike(ranks: list[dict[str, Any]], family: str) -> None:
     """torchtitan's tied Qwen3 and Qwen3-MoE, sharded and stepped by torchtitan: its CheckpointManager checkpoint

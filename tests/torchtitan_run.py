@@ -173,7 +173,45 @@ def hub_checks(make: Any, out: str) -> dict[str, Any]:
             obs["fed_logits"] = float((fed(tokens).logits - whole(tokens)).abs().max())
     # A Hub directory written by torchtitan's own to_hf (another model's weights) loaded into the sharded one.
     obs.update(loads_theirs(wm, adapter, make(7), os.path.join(out, "theirs")))
+    obs["delta"] = deltas(wm)
     return obs
+
+
+def deltas(wm: Any) -> list[Any]:
+    """``DeltaSync`` of the sharded model to vLLM's sparse receiver (the tests' stand-in, on rank 0): a dense sync,
+    then two sparse ones with every rank's own values moved between; per sync, which way it was diffed, why it
+    gathered, whether it sent fewer values than the model has, and (rank 0) the tensors the receiver holds that
+    differ from a dense stream of the same moment."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the stand-in, from the repository
+    from tests import vllm_standin as vs
+    from wrapkit.cli._workers import free_port
+    from wrapkit.integrations.vllm import DeltaSync
+
+    port = [free_port()]
+    dist.broadcast_object_list(port, src=0)
+    transfer = vs.TransferGroup(port[0]) if dist.get_rank() == 0 else None
+    sender = vs.SparseSender(transfer) if transfer is not None else None
+    delta = DeltaSync(wm, dtype=torch.bfloat16, bucket_bytes=2**16, dense_every=None)
+    out: list[Any] = []
+    try:
+        for step in range(3):
+            if step:
+                with torch.no_grad():
+                    for p in wm.unwrap().parameters():
+                        local = p.to_local() if hasattr(p, "to_local") else p
+                        local.view(-1)[:: 5 + step].add_(0.01)  # alike on every rank: replicas stay replicas
+            report = delta.send(sender)
+            stream = wm.stream_full_parameters(2**16, torch.bfloat16)
+            want = {n: t.clone() for b in stream for n, t in b.named_tensors()}
+            held = sender.held if sender is not None else want
+            wrong = sorted(n for n in want if n not in held or not torch.equal(held[n], want[n]))
+            out.append([report.diffed, report.why, report.changed < report.values, wrong])
+    finally:
+        if transfer is not None:
+            transfer.close()
+    return out
 
 
 def trained(model: nn.Module, directory: str) -> tuple[nn.Module, Any]:

@@ -60,7 +60,7 @@ class ShardDiff:
         self.reason: str | None = None
         self._planned = False
         self._held: list[_Held] = []
-        self._targets: dict[str, Target] = {}
+        self._targets: list[Target | None] = []  # by held part
         self.hub_order: HubOrder = []
         self._snapshot: list[torch.Tensor] = []
         self._pending: list[tuple[int, torch.Tensor | None, torch.Tensor]] = []  # (part, where or all, values)
@@ -84,10 +84,10 @@ class ShardDiff:
             reason = next((r for r, _ in metas if r is not None), None) or _overlapping([m for _, m in metas])
             if reason is None:
                 self._held = _split_replicas(held, [m for _, m in metas])
-                reason = self._agreed_order(self._map_to_hub())
+                reason = self._map_to_hub()
             self.reason, self._planned = reason, True
             if reason is not None:
-                self._held, self._targets, self.hub_order = [], {}, []
+                self._held, self._targets, self.hub_order = [], [], []
         return self.reason
 
     def _local_reason(self) -> str | None:
@@ -102,23 +102,34 @@ class ShardDiff:
             return "a PEFT model: its tensors are gathered (merged LoRA changes the whole merged weight)"
         return None
 
-    def _agreed_order(self, reason: str | None) -> str | None:
+    def _agreed_order(self, reason: str | None, dests: dict[str, tuple[str, ...]]) -> str | None:
         """Every rank's outcome of the Hub map, and one order of the Hub's tensors for all: each rank's own
-        (a pipeline stage exports its own tensors), joined in rank order; a tensor the ranks export differently,
-        or by more of them than the others (two stages exporting a tied weight), is refused."""
-        every = _everyone((reason, self.hub_order))
-        refused = next((str(r) for r, _ in every if r is not None), None)
+        (a pipeline stage exports its own tensors), joined in rank order. Refused: a tensor the ranks export
+        with different shapes or dtypes; a parameter name whose elements go to different Hub tensors on different
+        ranks (not one parameter: local experts named alike); a Hub tensor that ranks export from different
+        parameters (two stages each exporting a tied weight would send it twice)."""
+        every = _everyone((reason, self.hub_order, dests))
+        refused = next((str(r) for r, _, _ in every if r is not None), None)
         if refused is not None:
             return refused
         order: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-        exporters: dict[str, list[tuple[Any, ...]]] = {}
-        for _, hub in every:
+        for _, hub, _ in every:
             for name, shape, dtype in hub:
-                exporters.setdefault(name, []).append((shape, dtype))
                 if order.setdefault(name, (shape, dtype)) != (shape, dtype):
                     return f"the ranks export the Hub's {name} with different shapes or dtypes"
-        if len({len(v) for v in exporters.values()}) > 1:  # a tensor two stages both export (a tied one)
-            return "some of the Hub's tensors are exported by more ranks than others"
+        goes: dict[str, tuple[str, ...]] = {}
+        comes: dict[str, set[str]] = {}
+        for rank, (_, _, mine) in enumerate(every):
+            sources: dict[str, set[str]] = {}
+            for param, hubs in mine.items():
+                if goes.setdefault(param, hubs) != hubs:
+                    return f"the ranks' {param} are not one tensor: they go to different Hub tensors"
+                for hub_name in hubs:
+                    sources.setdefault(hub_name, set()).add(param)
+            for hub_name, params in sources.items():
+                if comes.setdefault(hub_name, params) != params:
+                    return (f"the ranks export the Hub's {hub_name} from different tensors (rank {rank}: "
+                            f"{sorted(params)})")
         self.hub_order = [(name, shape, dtype) for name, (shape, dtype) in order.items()]
         return None
 
@@ -126,7 +137,7 @@ class ShardDiff:
         out = []
         for piece in self.wm.weights.pieces():
             readable = piece.live is not None or (piece.source is not None and piece.values is not None)
-            if not readable or piece.columns is not None:
+            if not readable or (piece.columns is not None and piece.box is None):
                 raise _Refused(f"this rank's part of {piece.name} cannot be read where it lies")
             read = _reader(piece)
             local = read()
@@ -145,8 +156,9 @@ class ShardDiff:
         tensor is computed rather than picked."""
         held: list[tuple[str, Callable[[], torch.Tensor]]] = [
             (h.name, functools.partial(h.where, torch.arange(h.numel))) for h in self._held]
-        reason, self.hub_order, self._targets = hub_targets(self.wm, held, self._wire)
-        return reason
+        found = hub_targets(self.wm, held, self._wire)
+        self.hub_order, self._targets = found.order, found.targets
+        return self._agreed_order(found.reason, found.dests)
 
     # -- the rounds -------------------------------------------------------------------------------------
     def take(self) -> None:
@@ -171,7 +183,7 @@ class ShardDiff:
             else:  # most of it changed: the whole share becomes the snapshot (smaller than positions, no scatter)
                 fresh = now.untyped_storage().data_ptr() != live.untyped_storage().data_ptr()
                 self._pending.append((i, None, now if fresh else now.clone()))
-            target = self._targets.get(h.name)
+            target = self._targets[i]
             if target is None:
                 continue
             if target.hub is not None:

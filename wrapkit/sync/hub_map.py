@@ -18,7 +18,7 @@ import torch
 
 from ..adapters.stages.plan import layout_of, state_hooks
 
-__all__ = ["Target", "HubOrder", "hub_targets"]
+__all__ = ["Target", "HubMap", "HubOrder", "hub_targets"]
 
 
 class Target(NamedTuple):
@@ -34,12 +34,23 @@ class Target(NamedTuple):
 HubOrder = list[tuple[str, tuple[int, ...], torch.dtype]]  # the Hub's tensors: name, shape, wire dtype
 
 
+class HubMap(NamedTuple):
+    """``reason``: why the model's Hub tensors are not picked from its parameters (None where they are);
+    ``order``: the Hub's tensors this rank exports (in the export's order); ``targets``: each held part's target
+    (None: not exported), in the order given; ``dests``: for each of this rank's parameters, the Hub tensors its
+    elements go to (sorted), so that ranks can check they agree on what a parameter of one name is."""
+
+    reason: str | None
+    order: HubOrder
+    targets: list[Target | None]
+    dests: dict[str, tuple[str, ...]]
+
+
 def hub_targets(wm: Any, held: list[tuple[str, Callable[[], torch.Tensor]]],
-                wire: Callable[[str, torch.dtype], torch.dtype]) -> tuple[str | None, HubOrder, dict[str, Target]]:
-    """The reason the model's Hub tensors are not picked from its parameters (None where they are), the Hub's
-    tensors this rank exports (name, shape, wire dtype; in the export's order), and each held parameter's
-    target. ``held``: the parameters this rank diffs, each with the flat positions of its elements (computed
-    when needed); ``wire``: the dtype a parameter's values travel in."""
+                wire: Callable[[str, torch.dtype], torch.dtype]) -> HubMap:
+    """This rank's map to the Hub (``HubMap``). ``held``: the parts of parameters this rank diffs (a parameter
+    may have several), each with the flat positions of its elements (computed when needed); ``wire``: the
+    dtype a parameter's values travel in."""
     hub_order: HubOrder = []
     names: dict[int, list[str]] = {}
     dtypes: dict[str, torch.dtype] = {}
@@ -54,7 +65,7 @@ def hub_targets(wm: Any, held: list[tuple[str, Callable[[], torch.Tensor]]],
             offsets[n] = total
         total += math.prod(shapes[group[0]])
     if total >= 2**53:
-        return "the model has more elements than float64 numbers them exactly", [], {}
+        return HubMap("the model has more elements than float64 numbers them exactly", [], [], {})
     # The export stream_full_parameters applies: the Hub layout, else the model's own state-dict hooks.
     hub = layout_of(wm)
     hub = hub if hub is not None else state_hooks(wm, False)
@@ -73,31 +84,34 @@ def hub_targets(wm: Any, held: list[tuple[str, Callable[[], torch.Tensor]]],
     for hub_name, codes in exported:
         flat = codes.detach().reshape(-1).to(torch.float64)
         if flat.numel() and (not torch.equal(flat, flat.round()) or flat.min() < 0 or flat.max() >= total):
-            return f"the Hub's {hub_name} is computed from the model's tensors, not picked from them", [], {}
+            why = f"the Hub's {hub_name} is computed from the model's tensors, not picked from them"
+            return HubMap(why, [], [], {})
         code = flat.to(torch.int64)
         if torch.unique(code).numel() != code.numel():
-            return f"the Hub's {hub_name} repeats elements of the model's tensors", [], {}
+            return HubMap(f"the Hub's {hub_name} repeats elements of the model's tensors", [], [], {})
         # Which parameter each element came from: the last start at or below its number.
         at = torch.searchsorted(torch.tensor(starts, dtype=torch.int64), code, right=True) - 1
         slots = torch.unique(at).tolist()
         kinds = {wire(first[starts[i]], dtypes[first[starts[i]]]) for i in slots}
         if len(kinds) > 1:
-            return f"the Hub's {hub_name} joins tensors that travel in different dtypes", [], {}
+            return HubMap(f"the Hub's {hub_name} joins tensors that travel in different dtypes", [], [], {})
         dtype = kinds.pop() if kinds else torch.float32
         hub_order.append((hub_name, tuple(codes.shape), dtype))
         for i in slots:
             param, mask = first[starts[i]], at.eq(i)
             found.setdefault(param, []).append((hub_name, code[mask] - starts[i], torch.nonzero(mask).flatten()))
-    out: dict[str, Target] = {}
+    out: list[Target | None] = []
     for name, positions in held:
         targets = found.get(owner.get(name, name))
         if not targets:
-            continue  # not exported (a tied head the Hub drops): nothing to send
+            out.append(None)  # not exported (a tied head the Hub drops): nothing to send
+            continue
         target = _target(targets, positions(), math.prod(shapes[name]))
         if target is None:
-            return f"{name} goes to more than one of the Hub's tensors", [], {}
-        out[name] = target
-    return None, hub_order, out
+            return HubMap(f"{name} goes to more than one of the Hub's tensors", [], [], {})
+        out.append(target)
+    dests = {n: tuple(sorted({t[0] for t in found.get(owner[n], [])})) for n in owner}
+    return HubMap(None, hub_order, out, dests)
 
 
 def _target(targets: list[tuple[str, torch.Tensor, torch.Tensor]], held: torch.Tensor, numel: int) -> Target | None:

@@ -69,15 +69,17 @@ class TpSplit:
         per = local.shape[0] // self.stride
         row = math.prod(full_shape[1:])
         return [Piece(name, (j * self.size + self.rank) * per * row, per * row, full_shape,
-                      copy_into(local[j * per:(j + 1) * per])) for j in range(self.stride)]
+                      copy_into(local[j * per:(j + 1) * per]), live=_reader(local[j * per:(j + 1) * per]))
+                for j in range(self.stride)]
 
     def column_pieces(self, name: str, local: torch.Tensor, full_shape: Shape) -> list[Piece]:
         """A split along the columns (dim 1) as pieces: chunk ``j`` of this rank's slice is full columns chunk
         ``j * size + rank`` of every row, so a load reads those columns alone."""
         per = local.shape[1] // self.stride
+        first = [(j * self.size + self.rank) * per for j in range(self.stride)]
         return [Piece(name, 0, math.prod(full_shape), full_shape, copy_into(local[:, j * per:(j + 1) * per]),
-                      columns=((j * self.size + self.rank) * per, (j * self.size + self.rank + 1) * per))
-                for j in range(self.stride)]
+                      columns=(first[j], first[j] + per), box=((0, first[j]), (full_shape[0], per)),
+                      live=_reader(local[:, j * per:(j + 1) * per])) for j in range(self.stride)]
 
     def writer(self, local: torch.Tensor, full_shape: Shape) -> Any:
         """A ``Piece.write`` taking this rank's chunks out of the full value."""
@@ -170,7 +172,7 @@ class MegatronWeights:
             seen.add(id(p))
             split = self.split(p)
             if split is None:
-                out.append(Piece(name, 0, p.numel(), tuple(p.shape), copy_into(p.data)))
+                out.append(Piece(name, 0, p.numel(), tuple(p.shape), copy_into(p.data), live=_reader(p.data)))
                 continue
             full = split.full_shape(p)
             if split.dim == 0:  # each of its chunks is a contiguous range of the flattened full value
@@ -244,3 +246,9 @@ class MegatronGatherer:
 
     def full_bytes(self) -> int:
         return sum(self.weights.global_numel(p) * p.element_size() for p in self.model._unique_parameters())
+
+
+def _reader(local: torch.Tensor) -> Any:
+    """A ``Piece.live`` for a rank's slice (or a chunk of it): its elements as the module holds them, 1-D (the
+    training state does not read these parts: only a delta sync's diff, where ``box`` places a column block)."""
+    return lambda: local.detach().reshape(-1)
