@@ -100,14 +100,14 @@ def _times(kind: str, url: str, port: int, reps: int) -> dict[str, Any]:
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
     sys.path.insert(0, str(ROOT))
-    from tests.standin_http import Standin
+    from tests.harness.standin_http import Standin
     from wrapkit.cli._workers import free_port
 
     reps = 3 if quick else 7
     rows = []
     with two_ranks() as group:
         for kind, script in (("sglang", "sglang_standin.py"), ("vllm", "vllm_server_standin.py")):
-            server = Standin(ROOT / "tests" / script)
+            server = Standin(ROOT / "tests" / "engines" / script)
             try:
                 server.mode(size=SIZE)
                 obs = group.run(_times, kind, server.url, free_port(), reps, timeout=600)[0]

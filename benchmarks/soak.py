@@ -1,6 +1,6 @@
 """Soak: 300 cycles of generation(), a training step, copy_to(ref, alpha=0.1) and an offload to the
 CPU and back, on FSDP1, FSDP2 and ZeRO-3, two gloo ranks. Goal: the process's resident memory
-after the last cycle <= 1.02x what it was after the warm-up (the test, tests/test_soak.py, also
+after the last cycle <= 1.02x what it was after the warm-up (the test, tests/sync/test_soak.py, also
 checks hooks, attributes, parameter objects, file descriptors, temporary files and the losses
 against a control run; it runs 30 cycles)."""
 
@@ -16,14 +16,14 @@ NAME = "soak"
 GOAL = 1.02
 CYCLES, WARMUP = 300, 20
 
-# The scenario lives with the tests (tests/scenarios_soak.py), beside this folder in a checkout.
+# The scenario lives with the tests (tests/sync/scenarios_soak.py), beside this folder in a checkout.
 _ROOT = str(Path(__file__).resolve().parent.parent)
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)
 
 
 def run(quick: bool = False) -> list[dict[str, Any]]:
-    from tests.scenarios_soak import soak
+    from tests.sync.scenarios_soak import soak
 
     cycles, warmup = (30, 10) if quick else (CYCLES, WARMUP)
     rows = []

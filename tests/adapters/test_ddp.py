@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests import scenarios
+from tests.harness import scenarios
 
 
 def test_compile_outside_ddp_is_peeled_even_with_keep_compile(group: Any) -> None:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests import scenarios
+from tests.harness import scenarios
 
 
 def test_zero3_placeholders_counted_by_full_size(group: Any) -> None:

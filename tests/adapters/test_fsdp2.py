@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tests import scenarios
+from tests.harness import scenarios
 
 
 def test_fsdp2_dtensor_counts_and_unwrap(group: Any) -> None:

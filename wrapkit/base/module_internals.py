@@ -5,7 +5,7 @@ A module's own parameter, buffer and child dicts are read directly because the p
 (``named_parameters``, ``state_dict``) skip ``None`` slots, drop duplicates, run state-dict hooks
 (collectives under FSDP) or cannot tell a persistent buffer from another. Outside ``adapters/``,
 which read their own backend's fields, everything goes through these functions
-(``tests/test_private_reads.py``).
+(``tests/project/test_private_reads.py``).
 """
 
 from __future__ import annotations

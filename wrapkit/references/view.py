@@ -222,7 +222,7 @@ class OffPlacement:
 # The policy's members a view reads through as they are: what the backend, group and device are (its
 # weights are read through the view's parts, above). Every other member of ``Adapter`` that the view does
 # not define itself is refused: a primitive added later that writes, moves or copies weights cannot reach the policy's
-# through a view unless it is named here (``tests/test_view.py`` checks that none of these writes).
+# through a view unless it is named here (``tests/references/test_view.py`` checks that none of these writes).
 READS = frozenset({
     "backend", "backend_object", "config", "data_parallel_rank", "data_parallel_size", "device", "distributed",
     "hub_layout", "is_encoder_decoder", "is_sharded", "mesh", "module", "outer_groups", "peels", "process_group",

@@ -222,7 +222,7 @@ class Adapter:
         return Topology(getattr(self._backend_obj, "process_group", None), (), None)
 
     # The parts of ``topology()`` that most code needs alone. A backend describes itself once, in
-    # ``topology``, and never defines these (``tests/test_registry.py``).
+    # ``topology``, and never defines these (``tests/contract/test_registry.py``).
     def process_group(self) -> Any:
         """The group the model is replicated or sharded over (``None``: the default group)."""
         return self.topology().group

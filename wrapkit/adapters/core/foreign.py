@@ -4,7 +4,7 @@ A pipeline stage holds only its own layers, an expert-parallel rank only its own
 rank only its slices, all in plain tensors. Taken for a plain model, each rank's part would pass for the
 whole one: exports would be silently incomplete and loads would write the wrong slices. ``foreign_marks``
 finds what these frameworks leave on the model, and ``adapt()`` refuses a model that carries any, naming
-the parameter or module, the mark and the fix (``tests/test_foreign.py`` lists each mark with its producer).
+the parameter or module, the mark and the fix (``tests/adapters/test_foreign.py`` lists each mark with its producer).
 """
 
 from __future__ import annotations

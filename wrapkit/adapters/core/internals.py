@@ -7,7 +7,7 @@ partition of a ZeRO-3 parameter, FSDP2's input and output casts). Their private 
 stable across the versions wrapkit is tested with; a version that renamed one would otherwise
 fail deep inside an operation with an ``AttributeError``. Checking on ``adapt()`` turns that
 into an ``UnsupportedModelError`` that names the version and what to install.
-``tests/test_private_reads.py`` fails on a private field read anywhere in the package and not
+``tests/project/test_private_reads.py`` fails on a private field read anywhere in the package and not
 listed here.
 """
 
@@ -41,7 +41,7 @@ DEVICE_MESH = ("_flatten",)
 ZERO3_PARAM = ("ds_tensor", "ds_shape", "ds_numel", "ds_status")
 
 # Every private field of another library that wrapkit reads or writes, by the object that carries it.
-# tests/test_architecture.py finds each one in the package and fails on a name missing here.
+# tests/project/test_architecture.py finds each one in the package and fails on a name missing here.
 PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     # Checked on adapt() (above).
     "FSDP1 unit": FSDP1_UNIT,
