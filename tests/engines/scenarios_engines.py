@@ -468,14 +468,14 @@ def _moved(wm: Any, step: int) -> None:
 
 def _transformers_ep(case: dict[str, Any]) -> Any:
     """Qwen3-MoE with its experts split over two ranks beside FSDP2, as transformers makes it."""
-    from tests.scenarios_foreign import _transformers_ep as split
+    from tests.adapters.scenarios_foreign import _transformers_ep as split
 
     return split(case["tmp"])
 
 
 def _titan_ep(case: dict[str, Any]) -> Any:
     """torchtitan's layout of experts, split by hand over an (efsdp, ep) mesh beside FSDP2 (four ranks)."""
-    from tests.scenarios_experts import TitanMoE, _split_by_hand
+    from tests.parallel.scenarios_experts import TitanMoE, _split_by_hand
 
     return _split_by_hand(TitanMoE(0))
 
@@ -483,8 +483,8 @@ def _titan_ep(case: dict[str, Any]) -> Any:
 def _megatron(case: dict[str, Any]) -> Any:
     """A Megatron-Core model split by tensor (``tp``) and pipeline (``pp``) parallelism, or its Qwen3-MoE-style
     mixture with the experts over ``ep`` ranks; its own Hub mapping (fused QKV and gate/up split)."""
-    from tests.megatron_cpu import build as megatron_build
-    from tests.megatron_cpu import build_mixture
+    from tests.parallel.megatron_cpu import build as megatron_build
+    from tests.parallel.megatron_cpu import build_mixture
 
     dtype = getattr(torch, case.get("dtype", "float32"))
     if case.get("ep"):

@@ -184,8 +184,8 @@ def deltas(wm: Any) -> list[Any]:
     differ from a dense stream of the same moment."""
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the stand-in, from the repository
-    from tests import vllm_standin as vs
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the stand-in, from the repository
+    from tests.engines import vllm_standin as vs
     from wrapkit.cli._workers import free_port
     from wrapkit.integrations.vllm import DeltaSync
 
