@@ -400,7 +400,7 @@ def adapters_refused(engine_kind: str, urls: list[str], root: str, engine_ranks:
     return outcomes
 
 
-def deltas_through_standin(cases: list[dict[str, Any]], ports: list[int]) -> dict[str, Any]:
+def deltas_through_standin(cases: list[dict[str, Any]]) -> dict[str, Any]:
     """For each case (``spec``, ``family``, ``precision``, ``topology``, ``wire``, ``keep`` (norms in fp32),
     ``merge``, ``lr``, ``fail_on``, ``drop``, ``dense_every``): four ``DeltaSync`` sends to vLLM's sparse
     receiver (``vllm_standin.SparseSender``), a training step before each but the first; after each, what the
@@ -409,7 +409,7 @@ def deltas_through_standin(cases: list[dict[str, Any]], ports: list[int]) -> dic
     from wrapkit.integrations._delta import DeltaSync
 
     out: dict[str, Any] = {}
-    for case, port in zip(cases, ports, strict=True):
+    for case in cases:
         if case["spec"] in _FRAMEWORKS:
             model = _FRAMEWORKS[case["spec"]](case)
         else:
@@ -425,15 +425,17 @@ def deltas_through_standin(cases: list[dict[str, Any]], ports: list[int]) -> dic
         delta = DeltaSync(wm, dtype=wire, merge_adapters=merge, bucket_bytes=16 * 1024, keep_dtype=keep,
                           dense_every=case.get("dense_every"))
         rank0 = dist.get_rank() == 0
-        transfer = vs.TransferGroup(port) if rank0 else None
+        transfer = vs.TransferGroup() if rank0 else None
         sender = vs.SparseSender(transfer, case.get("fail_on"), case.get("drop")) if transfer is not None else None
         syncs: list[dict[str, Any]] = []
         try:
             for step in range(4):
-                if step and (case["spec"] == "pipeline" or case["spec"] in _FRAMEWORKS):
+                if step and (case["spec"] == "pipeline" or case["spec"] in _FRAMEWORKS or case.get("nan")):
                     _moved(wm, step)  # a stage's loss is not the model's; the frameworks' own loops are not run
                 elif step:
                     _train_step(wm, model, case.get("lr", 1e-4))
+                if case.get("nan"):  # a NaN in one weight before the second sync, gone again before the fourth
+                    _poisoned(wm, case["nan"], float("nan") if step in (1, 2) else 0.0)
                 obs: dict[str, Any] = {}
                 try:
                     obs["report"] = delta.send(sender)._asdict()
@@ -454,6 +456,15 @@ def deltas_through_standin(cases: list[dict[str, Any]], ports: list[int]) -> dic
         out[repr(sorted(case.items()))] = syncs
         del wm, model
     return out
+
+
+def _poisoned(wm: Any, name: str, value: float) -> None:
+    """Set the first element of every rank's own part of each parameter whose name holds ``name``."""
+    with torch.no_grad():
+        for n, p in wm.unwrap().named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if name in n and local.numel():
+                local.view(-1)[0] = value
 
 
 def _moved(wm: Any, step: int) -> None:

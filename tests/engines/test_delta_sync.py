@@ -10,7 +10,6 @@ import pytest
 
 from tests.engines import scenarios_engines as se
 from tests.harness import _matrix as matrix
-from wrapkit.cli._workers import free_port
 
 # Gathered (FSDP2 on a bf16 wire, ZeRO-3 on a mixture's experts with fp32 norms beside bf16), LoRA merged on the
 # way (FSDP1), DDP in bf16 on a tied model, tensor parallelism, pipeline stages.
@@ -42,7 +41,7 @@ FRAMEWORK_CASES = [{"spec": "ep", "wire": "bfloat16"}, {"spec": "megatron", "tp"
 
 
 def _run(group: Any, case: dict[str, Any]) -> list[list[dict[str, Any]]]:
-    per_rank = group.run(se.deltas_through_standin, [case], [free_port()], timeout=240)
+    per_rank = group.run(se.deltas_through_standin, [case], timeout=240)
     return [obs[repr(sorted(case.items()))] for obs in per_rank]
 
 
@@ -99,6 +98,20 @@ def test_a_failed_round_fails_every_rank_and_the_next_is_dense(group: Any) -> No
         assert "EngineError" in rank[1]["error"] and "refused the patches" in rank[1]["error"], rank[1]
         assert rank[2]["report"]["dense"] and not rank[3]["report"]["dense"], rank
     assert syncs[0][2]["wrong"] == [] and syncs[0][3]["wrong"] == []  # whole again after the dense round
+
+
+def test_a_nan_weight_is_refused_naming_its_tensor_before_it_is_sent(group: Any) -> None:
+    """vLLM's sparse patches reserve NaN for unchanged positions and its loader refuses a NaN value: a weight gone
+    NaN fails the sparse round and the dense one after it on every rank, naming the tensor, with nothing of its
+    bucket sent; once the weight is finite again the next sync is dense and whole."""
+    case = {"spec": "fsdp2", "family": "llama", "wire": "bfloat16", "nan": "layers.0.mlp.down_proj"}
+    syncs = _run(group, case)
+    for rank in syncs:
+        assert [("error" in s) for s in rank] == [False, True, True, False], rank
+        for sync in rank[1:3]:
+            assert "EngineError" in sync["error"] and "model.layers.0.mlp.down_proj.weight holds NaN" in sync["error"]
+        assert rank[3]["report"]["dense"], rank[3]
+    assert syncs[0][3]["wrong"] == [] and syncs[0][3]["compared"] > 0  # whole again
 
 
 def test_a_patch_the_engine_drops_is_served_until_the_next_dense_sync(group: Any) -> None:

@@ -116,10 +116,12 @@ class TransferGroup:
     """The transfer group of trainer rank 0 (rank 0) and one engine worker (rank 1, a thread of this process
     with a model of its own), each a gloo group of two over one TCP store."""
 
-    def __init__(self, port: int, timeout: float = 60.0) -> None:
+    def __init__(self, port: int = 0, timeout: float = 60.0) -> None:
         wait = datetime.timedelta(seconds=timeout)
+        # Port 0: the store takes one the system gives it as it binds (a port chosen earlier may have been taken
+        # meanwhile by a group of the model's, as Megatron's many are).
         self.store = dist.TCPStore("127.0.0.1", port, 2, is_master=True, timeout=wait, wait_for_workers=False)
-        client = dist.TCPStore("127.0.0.1", port, 2, is_master=False, timeout=wait)
+        client = dist.TCPStore("127.0.0.1", self.store.port, 2, is_master=False, timeout=wait)
         groups: dict[int, Any] = {}
 
         def join(rank: int, store: Any) -> None:
@@ -207,6 +209,9 @@ class SparseSender:
                 got.append((name, shape, indices, values))
             if self.syncs == self.fail_on:
                 raise RuntimeError("Call to collective_rpc method failed: the stand-in's worker refused the patches")
+            if any(not _valid(shape, indices, values) for _, shape, indices, values in got):
+                raise ValueError("Sparse checkpoint patches contain NaN values, out-of-range indices, or duplicate "
+                                 "indices")  # load_checkpoint_weight_patches' checks, before any write
             for name, shape, indices, values in got:  # in place, by flat position (not transactional)
                 if self.drop is not None and self.drop in name and indices.numel() < math.prod(shape):
                     continue  # a sparse patch lost (a dense one, every position, still arrives)
@@ -214,3 +219,13 @@ class SparseSender:
                 held.view(-1)[indices.long()] = values
         except Exception as exc:
             box["error"] = f"{type(exc).__name__}: {exc}"
+
+
+def _valid(shape: list[int], indices: torch.Tensor, values: torch.Tensor) -> bool:
+    """vLLM's checks of a sparse patch: no NaN value (NaN marks an unchanged position), positions in range, none
+    twice."""
+    if values.is_floating_point() and bool(values.isnan().any()):
+        return False
+    order = indices.long().sort().values
+    return not order.numel() or (int(order[0]) >= 0 and int(order[-1]) < math.prod(shape)
+                                 and not bool((order[1:] == order[:-1]).any()))

@@ -186,12 +186,9 @@ def deltas(wm: Any) -> list[Any]:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the stand-in, from the repository
     from tests.engines import vllm_standin as vs
-    from wrapkit.cli._workers import free_port
     from wrapkit.integrations.vllm import DeltaSync
 
-    port = [free_port()]
-    dist.broadcast_object_list(port, src=0)
-    transfer = vs.TransferGroup(port[0]) if dist.get_rank() == 0 else None
+    transfer = vs.TransferGroup() if dist.get_rank() == 0 else None
     sender = vs.SparseSender(transfer) if transfer is not None else None
     delta = DeltaSync(wm, dtype=torch.bfloat16, bucket_bytes=2**16, dense_every=None)
     out: list[Any] = []

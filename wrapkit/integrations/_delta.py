@@ -207,6 +207,8 @@ class _Round:
         self.changed += sum(p.values.numel() for p in patches)
         self.size += sum(p.indices.numel() * 4 + p.values.numel() * p.values.element_size() for p in patches)
         if self.error is None and patches:
+            self.error = _nan_in(patches)
+        if self.error is None and patches:
             patches = [_patch(p) for p in patches]
             if self.chunked:
                 self.error = _attempt(self.sender.send_weight_chunk, patches)
@@ -278,6 +280,17 @@ def _to_sender(local: list[tuple[str, tuple[int, ...], torch.dtype, torch.Tensor
             joined, joined_values = joined[order], joined_values[order]
         patches.append(SparsePatch(name, joined, joined_values, shape))
     return patches
+
+
+def _nan_in(patches: list[SparsePatch]) -> str | None:
+    """Why the engine would refuse these patches (None: it would not): vLLM's sparse patches take NaN to mean an
+    unchanged position, so its loader refuses a NaN value; said here with the tensor's name, before anything of
+    this bucket is sent."""
+    for p in patches:
+        if p.values.is_floating_point() and bool(torch.isnan(p.values).any()):
+            return (f"{p.name} holds NaN values, which vLLM's sparse patches reserve for unchanged positions (its "
+                    "engine refuses them): the weights went NaN in training; nothing of this bucket was sent")
+    return None
 
 
 def _aligned(n: int) -> int:
