@@ -142,11 +142,7 @@ class DeltaSync:
             out.bucket(local)
             del bucket
         tensors, changed, size = self._finished(out, dense)
-        for name, where, picked in pending:
-            if where is None:
-                self._snapshot[name] = picked
-            else:
-                changes.put(self._snapshot[name], where, picked)
+        changes.commit(self._snapshot, pending)
         if why is None and self._shards is not None:
             self._snapshot = {}
             self._shards.take()
@@ -208,7 +204,7 @@ class _Round:
         self.size += sum(p.indices.numel() * 4 + p.values.numel() * p.values.element_size() for p in patches)
         if self.error is None and patches:
             self.error = _nan_in(patches)
-        if self.error is None and patches:
+        if self.error is None and patches:  # nothing of a refused bucket goes out
             patches = [_patch(p) for p in patches]
             if self.chunked:
                 self.error = _attempt(self.sender.send_weight_chunk, patches)

@@ -9,11 +9,12 @@ NumPy, torch's own calls give the same positions.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, MutableMapping
 from typing import Any
 
 import torch
 
-__all__ = ["BITS", "changed", "take", "put"]
+__all__ = ["BITS", "changed", "take", "put", "commit"]
 
 BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # an itemsize's integer view, to compare bits
 
@@ -59,3 +60,14 @@ def put(t: torch.Tensor, where: torch.Tensor, values: torch.Tensor) -> None:
         t[where] = values
         return
     a[where.numpy()] = v
+
+
+def commit(snapshot: MutableMapping[Any, torch.Tensor] | list[torch.Tensor],
+           pending: Iterable[tuple[Any, torch.Tensor | None, torch.Tensor]]) -> None:
+    """Take a round's changes into ``snapshot``: each ``(key, where, values)`` written in place at ``where``, or,
+    where ``where`` is None, ``values`` (the whole of it) becomes that entry."""
+    for key, where, values in pending:
+        if where is None:
+            snapshot[key] = values
+        else:
+            put(snapshot[key], where, values)

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .changes import changed, put, take
+from .changes import changed, commit, take
 from .hub_map import HubOrder, Target, hub_targets
 
 __all__ = ["ShardDiff", "Change"]
@@ -212,11 +212,7 @@ class ShardDiff:
 
     def commit(self) -> None:
         """Take the last ``diff()``'s changes into the snapshot (every rank, once the send succeeded)."""
-        for i, where, values in self._pending:
-            if where is None:
-                self._snapshot[i] = values
-            else:
-                put(self._snapshot[i], where, values)
+        commit(self._snapshot, self._pending)
         self._pending = []
 
 
