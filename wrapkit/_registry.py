@@ -28,11 +28,13 @@ import torch
 
 from ._errors import AdapterRegistrationError, UnsupportedModelError
 from ._protocol import Handle
-from .adapters import BUILTIN_ADAPTERS, CONTENT_ADAPTERS, Adapter, PlainAdapter
+from .adapters import BUILTIN_ADAPTERS, CONTENT_ADAPTERS, Adapter, DeepSpeedAdapter, PlainAdapter
 from .adapters.core.base import Entry
+from .adapters.flat.inside import fsdp1_mark
 from .adapters.pipeline import over_stages
 from .adapters.slices.megatron import megatron_module
 from .adapters.stages.plan import adopt_torch_stage, recorded_stage
+from .adapters.zero.inside import hooked_engines, live_engines, zero_mark
 from .layers import LAYERS, Layer
 
 __all__ = ["as_adapter", "copy_target", "register_adapter", "registered_adapters"]
@@ -209,4 +211,55 @@ def as_adapter(model: Any, purpose: str = "this") -> Adapter:
         claimed = next((a for a in CONTENT_ADAPTERS if a.claims(cur)), None)
         if claimed is not None:
             return claimed(model, [*entries, (claimed.name, cur)], cur, cur)
+        inside = _inside(model, entries, cur)
+        if inside is not None:
+            return inside
     return (backend or PlainAdapter)(model, entries, backend_obj, cur)
+
+
+def _layer_chain(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """``module`` and each layer (compile, PEFT) below it, outermost first."""
+    chain = [module]
+    for _ in range(64):
+        layer = next((lyr for lyr in LAYERS if lyr.matches(chain[-1])), None)
+        if layer is None:
+            break
+        chain.append(layer.inner(chain[-1]))
+    return chain
+
+
+def _inside(model: torch.nn.Module, entries: list[Entry], cur: torch.nn.Module) -> Adapter | None:
+    """The adapter of a module that no wrapper holds here but that is the inside of one (``engine.module``,
+    ``fsdp.module``, a trainer's ``self.model``): read through the DeepSpeed engine found to hold it, refused
+    where the wrapper cannot be found (FSDP1, a ZeRO module whose engine is gone); None for a bare module."""
+    where = f"{_describe_object(model)} (stack: {' > '.join([*(n for n, _ in entries), type(cur).__name__])})"
+    flat = fsdp1_mark(cur)
+    if flat is not None:
+        raise UnsupportedModelError(
+            f"{where} is the module inside an FSDP1 wrapper, not a whole model: {flat}, so each rank holds only its "
+            "shard and a bare read would be silently wrong. Pass the FullyShardedDataParallel root that wraps it "
+            "(the value accelerator.prepare() returned, or the FSDP(...) object) to adapt() instead."
+        )
+    objs = list({id(o): o for o in (model, *(o for _, o in entries), cur)}.values())
+    mark = zero_mark(cur)
+    # DeepSpeed's own hooks name the engine at no cost; a scan of live objects only where the module says it
+    # was handed to one (an unmarked ZeRO-0 module is whole, with the weights its optimizer steps).
+    engines = hooked_engines(objs) or (live_engines() if mark is not None else [])
+    holding = [e for e in engines if any(o is m for o in objs for m in _layer_chain(e.module))]
+    if len(holding) > 1:
+        raise UnsupportedModelError(
+            f"{where} is held by {len(holding)} live DeepSpeed engines, so which one steps it is not known; pass "
+            "the engine that trains it (deepspeed.initialize's first value, or accelerator.prepare's) to adapt()."
+        )
+    if not holding:
+        if mark is None:
+            return None
+        raise UnsupportedModelError(
+            f"{where} carries DeepSpeed's marks ({mark}) but no live DeepSpeed engine holds it, so its parameters "
+            "cannot be read whole; pass the engine (deepspeed.initialize's first value, or accelerator.prepare's) "
+            "to adapt(), or a model that was never partitioned."
+        )
+    engine = holding[0]
+    adapter = DeepSpeedAdapter(model, [(DeepSpeedAdapter.name, engine), *entries], engine, cur)
+    adapter.given_inside = "DeepSpeedEngine"
+    return adapter

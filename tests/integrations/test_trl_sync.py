@@ -42,3 +42,23 @@ def test_trl_sync_weights_split_models(group: Any, kind: str, families: list[str
     """Layouts TRL's sync has no branch for (tensor parallelism, transformers' pipeline stages): the helper is
     handed the split model, and wrapkit reads it whole."""
     _check(group.run(sc.trl_sync, kind, [{"family": f} for f in families], timeout=300))
+
+
+@pytest.mark.parametrize("kind", ["zero3", "zero2", "fsdp"])
+def test_trl_sync_weights_with_no_wrapper_listed(group: Any, kind: str) -> None:
+    """The accelerator lists no prepared model, so TRL's helper holds only the module inside the wrapper: under
+    DeepSpeed wrapkit finds the engine from the module and sends exactly the Hub's tensors; inside FSDP1, whose
+    wrapper cannot be found, the sync raises naming the wrapper to pass, on every rank, and sends nothing."""
+    if kind.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    cases = [{"family": "llama", "unlisted": True}, {"family": "qwen3-moe", "peft": "lora", "unlisted": True}]
+    obs = group.run(sc.trl_sync, kind, cases, timeout=300)
+    if kind != "fsdp":
+        _check(obs)
+        return
+    for rank_obs in obs:
+        for o in rank_obs:
+            for sync in o["syncs"]:
+                for mode in ("colocate", "server"):
+                    said = " ".join(sync[mode])
+                    assert said.startswith("raised UnsupportedModelError") and "inside an FSDP1" in said, said

@@ -46,7 +46,9 @@ def prepared_module(model: torch.nn.Module, accelerator: Any = None) -> torch.nn
     """``model`` as the trainer trains it: the wrapper ``accelerator.prepare`` put around it (DDP, the
     FSDP1 root, a DeepSpeed engine; FSDP2 shards in place). Trainers hand their vLLM helpers the model
     from before ``prepare`` (TRL) or the one inside it (ms-swift), and FSDP1's root wrapper holds
-    parameters the inner module does not reach; a model the accelerator never prepared is itself."""
+    parameters the inner module does not reach. A model the accelerator does not list is itself: ``adapt()`` reads
+    the inside of a DeepSpeed engine through the engine it finds, and refuses FSDP1's (whose wrapper cannot be found)
+    naming what to pass, so the fallback is never a silent bare read."""
     for prepared in getattr(accelerator, "_models", None) or []:
         if _holds(prepared, model):
             return prepared  # type: ignore[no-any-return]

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from .._adapt import adapt
 from .._errors import ReferenceModelError
 from .._gather import generation_modes, set_modes
 from .._imports import require
@@ -41,7 +40,7 @@ from ..adapters.zero.reference import config_dtype, inference_ds_config
 from ..references.placement import place
 from ..references.wrapping import bare_module
 from ._patch import Patch, swap, swap_methods
-from ._trl_sync import iter_named_params, vllm_weights
+from ._trl_sync import iter_named_params, prepared_policy, vllm_weights
 
 __all__ = [
     "prepare_deepspeed", "prepare_fsdp", "unwrap_model_for_generation", "patch_trl", "TRLPatch",
@@ -146,9 +145,10 @@ def unwrap_model_for_generation(
     checkpointing off. ``generation_kwargs`` override the model's ``generation_config`` for the
     duration. On exit every submodule's training flag, the checkpointing setting and the
     generation config are restored exactly, so ``gradient_checkpointing_kwargs`` is accepted for
-    TRL compatibility but not needed.
+    TRL compatibility but not needed. A ``model`` from inside a wrapper that ``accelerator`` prepared is read
+    through that wrapper.
     """
-    wm = adapt(model)
+    wm = prepared_policy(model, accelerator)
     if gather_deepspeed3_params or not (wm.backend == "deepspeed" and wm.zero_stage == 3):
         with wm.generation() as inner, _generation_config(inner, generation_kwargs):
             yield inner

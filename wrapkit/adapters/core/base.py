@@ -43,6 +43,9 @@ class Adapter:
     # How the doctor and the tests build one (``core/recipes.py``); None: detected and served, never built.
     recipe: ClassVar[Recipe | None] = None
 
+    # The wrapper whose inside was given to adapt() (found from the module, read through it), else None.
+    given_inside: str | None = None
+
     # Set from ``parts()`` (``adapters/core/parts.py``); likeness and states are None where the backend has none.
     weights: Weights
     gatherer: Gatherer

@@ -30,6 +30,9 @@ def describe(adapter: AdapterView) -> str:
         f"backend:      {adapter.backend}"
         + (f" (ZeRO stage {adapter.zero_stage})" if adapter.zero_stage is not None else ""),
         f"stack:        {' > '.join(adapter.stack)}",
+        *([f"given:        the module inside the {adapter.given_inside}, not the {adapter.given_inside} itself "
+           "(found from the module and read through it; its forward runs without the wrapper's)"]
+          if adapter.given_inside else []),
         f"device:       {adapter.device}",
         f"group:        rank {adapter.rank} of {adapter.world_size}" + _replicas_text(adapter),
         *_mesh_lines(adapter),

@@ -71,6 +71,8 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     # How DeepSpeed itself links each parameter to its fragment of new optimizer state (after a load).
     "DeepSpeed ZeRO-1/2 and bf16 optimizer": ("_lazy_init_hp_params_optimizer_state",),
     "FSDP1 ShardingStrategy": ("_HYBRID_SHARD_ZERO2",),
+    # The mark FSDP1 leaves on each parameter it flattened: a module handed over from inside it is refused by it.
+    "FSDP1 flattened parameter": ("_fsdp_flattened",),
     # torch's own module internals and namespaces, stable across every torch release wrapkit supports.
     "torch.nn.Module": ("_parameters", "_buffers", "_modules", "_forward_hooks", "_forward_pre_hooks",
                         "_non_persistent_buffers_set", "_state_dict_hooks", "_load_state_dict_pre_hooks", "_version"),

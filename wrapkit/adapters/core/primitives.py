@@ -98,6 +98,9 @@ class AdapterView(BackendPrimitives, Ranks, Protocol):
     def _innermost(self) -> torch.nn.Module: ...
 
     @property
+    def given_inside(self) -> str | None: ...
+
+    @property
     def device(self) -> torch.device: ...
 
     @property
