@@ -252,13 +252,21 @@ def _inside(model: torch.nn.Module, entries: list[Entry], cur: torch.nn.Module) 
             "the engine that trains it (deepspeed.initialize's first value, or accelerator.prepare's) to adapt()."
         )
     if not holding:
-        if mark is None:
-            return None
-        raise UnsupportedModelError(
-            f"{where} carries DeepSpeed's marks ({mark}) but no live DeepSpeed engine holds it, so its parameters "
-            "cannot be read whole; pass the engine (deepspeed.initialize's first value, or accelerator.prepare's) "
-            "to adapt(), or a model that was never partitioned."
-        )
+        if mark is not None and mark[1]:
+            raise UnsupportedModelError(
+                f"{where} carries DeepSpeed's marks ({mark[0]}) but no live DeepSpeed engine holds it, so its "
+                "parameters cannot be read whole; pass the engine (deepspeed.initialize's first value, or "
+                "accelerator.prepare's) to adapt(), or a model that was never partitioned."
+            )
+        sizes = [p.numel() for p in cur.parameters()]
+        if sizes and not any(sizes):
+            raise UnsupportedModelError(
+                f"{where} has {len(sizes)} parameters and every one holds 0 elements: placeholders of a partitioned "
+                "model, not weights (a deep copy of a ZeRO-3 module keeps them without DeepSpeed's marks). Pass the "
+                "wrapper that holds the weights, or build the copy from them (wrapkit.prepare_reference(policy), or "
+                "load adapt(wrapper).full_state_dict() into a fresh model)."
+            )
+        return None  # a bare module, or whole weights of its own (a deep copy of a ZeRO 1-2 module)
     engine = holding[0]
     adapter = DeepSpeedAdapter(model, [(DeepSpeedAdapter.name, engine), *entries], engine, cur)
     adapter.given_inside = "DeepSpeedEngine"

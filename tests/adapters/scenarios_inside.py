@@ -168,4 +168,14 @@ def inside_refusals() -> dict[str, str]:
     t0 = time.perf_counter()
     out["zero3 without engine"] = _refusal(orphan)
     out["zero3 without engine seconds"] = f"{time.perf_counter() - t0:.3f}"
+    # Deep copies (a reference made by hand): ZeRO-2's holds whole weights of its own, ZeRO-3's only placeholders.
+    for stage in ("zero2", "zero3"):
+        engine = build(stage, model=family_model("llama", 0))
+        twin = copy.deepcopy(engine.module)
+        said = _refusal(twin)
+        if said == "adapted as plain":
+            mine = wrapkit.adapt(twin).full_state_dict(rank0_only=False)
+            theirs = wrapkit.adapt(engine).full_state_dict(rank0_only=False)
+            said += " " + str(_differences(mine, theirs))
+        out[f"{stage} deep copy"] = said
     return out

@@ -62,6 +62,9 @@ def test_insides_that_cannot_be_read_whole_are_refused(group: Any) -> None:
         said = obs["zero3 without engine"]
         assert said.startswith("UnsupportedModelError: ") and "ZeRO-3 placeholder" in said, said
         assert "no live DeepSpeed engine holds it" in said and "pass the engine" in said, said
+        assert obs["zero2 deep copy"] == "adapted as plain []", obs  # whole weights of its own, read as they are
+        said = obs["zero3 deep copy"]
+        assert said.startswith("UnsupportedModelError: ") and "every one holds 0 elements" in said, said
 
 
 def test_the_inside_of_data_parallel_is_the_whole_model() -> None:

@@ -140,6 +140,9 @@ def _case(kind: str, case: dict[str, Any], patched: bool = True) -> dict[str, An
         optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
         prepared, optimizer = accelerator.prepare(model, optimizer)
         inner = accelerator.unwrap_model(prepared)  # what ms-swift's trainer holds as self.model
+        if case.get("unlisted"):
+            # An accelerator that lists no prepared model: the trainer's module is all the sync is given.
+            accelerator._models.clear()
         trainers = {mode: _trainer(inner, accelerator, mode, bool(case.get("peft")), served)
                     for mode in ("server", "colocate")}
         mixin = importlib.import_module("swift.rlhf_trainers.rollout_mixin")
@@ -182,7 +185,8 @@ def _case(kind: str, case: dict[str, Any], patched: bool = True) -> dict[str, An
 
 def swift_sync(kind: str, cases: list[dict[str, Any]], patched: bool = True) -> list[dict[str, Any]]:
     """Each case (``family``; ``peft``: None, ``"lora"``, ``"lora-mts"``; ``served_lora``: the rollout serves the
-    adapter, so the base weights go out once and then the adapter alone) on accelerate's ``kind``."""
+    adapter, so the base weights go out once and then the adapter alone; ``unlisted``: the accelerator lists no
+    prepared model) on accelerate's ``kind``."""
     return [{**case, **_case(kind, case, patched)} for case in cases]
 
 

@@ -5,7 +5,8 @@ write ``engine.module``. Read as a bare module it is silently wrong: at ZeRO-3 e
 placeholder, and at ZeRO 1-2 a load is undone by the optimizer's fp32 masters at the next step. The engine that
 holds it is found from the module instead: DeepSpeed hangs its forward hooks on ``engine.module`` (closures over
 the engine), and where those are absent, a module that carries DeepSpeed's marks (ZeRO-3's partition metadata,
-ZeRO 1-2's links to fp32 fragments) is looked up among the live engines.
+ZeRO 1-2's links to fp32 fragments) is looked up among the live engines. A ZeRO 1-2 module no engine holds (a deep
+copy, say) carries the marks but holds its own whole weights: it is the bare module it looks like.
 """
 
 from __future__ import annotations
@@ -25,13 +26,14 @@ def _engine_class() -> type | None:
     return lookup("deepspeed.runtime.engine", "DeepSpeedEngine")
 
 
-def zero_mark(model: torch.nn.Module) -> str | None:
-    """What DeepSpeed left on ``model``'s parameters, in words, or None."""
+def zero_mark(model: torch.nn.Module) -> tuple[str, bool] | None:
+    """What DeepSpeed left on ``model``'s parameters, in words, and whether they are ZeRO-3 placeholders (nothing
+    readable without a gather); None where it left nothing."""
     for name, p in model.named_parameters():
         if hasattr(p, "ds_id"):
-            return f"{name!r} is a ZeRO-3 placeholder (ds_id, ds_numel={getattr(p, 'ds_numel', '?')})"
+            return f"{name!r} is a ZeRO-3 placeholder (ds_id, ds_numel={getattr(p, 'ds_numel', '?')})", True
         if hasattr(p, "_hp_mapping"):
-            return f"{name!r} is linked to a ZeRO optimizer's fp32 fragment (_hp_mapping)"
+            return f"{name!r} is linked to a ZeRO optimizer's fp32 fragment (_hp_mapping)", False
     return None
 
 
