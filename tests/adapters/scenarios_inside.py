@@ -178,4 +178,13 @@ def inside_refusals() -> dict[str, str]:
             theirs = wrapkit.adapt(engine).full_state_dict(rank0_only=False)
             said += " " + str(_differences(mine, theirs))
         out[f"{stage} deep copy"] = said
+    # FSDP2 and tensor parallelism shard in place: the module below the root (PEFT's base model, the decoder)
+    # holds DTensors, read whole from their placements.
+    for spec, below, prefix in (("fsdp2>peft", lambda m: m.base_model.model, "base_model.model."),
+                                ("tp", lambda m: m.model, "model.")):
+        outer = build(spec)
+        mine = wrapkit.adapt(below(outer)).full_state_dict(rank0_only=False)
+        theirs = wrapkit.adapt(outer).full_state_dict(rank0_only=False)
+        out[f"{spec} below the root"] = str(_differences(mine, {k: theirs[prefix + k] for k in mine}) + [
+            f"missing {k}" for k in theirs if k.startswith(prefix) and k[len(prefix):] not in mine])
     return out

@@ -52,7 +52,7 @@ def test_the_inside_of_a_wrapper_reads_as_the_wrapper(request: pytest.FixtureReq
 def test_insides_that_cannot_be_read_whole_are_refused(group: Any) -> None:
     for obs in group.run(sc.inside_refusals, timeout=180):
         for what, said in obs.items():
-            if what.startswith("fsdp") and what != "fsdp root":
+            if what.startswith("fsdp ") and what != "fsdp root":
                 assert said.startswith("UnsupportedModelError: ") and "inside an FSDP1 wrapper" in said, (what, said)
                 assert "Pass the FullyShardedDataParallel root" in said, said
         assert obs["fsdp root"] == "adapted as fsdp", obs
@@ -63,6 +63,7 @@ def test_insides_that_cannot_be_read_whole_are_refused(group: Any) -> None:
         assert said.startswith("UnsupportedModelError: ") and "ZeRO-3 placeholder" in said, said
         assert "no live DeepSpeed engine holds it" in said and "pass the engine" in said, said
         assert obs["zero2 deep copy"] == "adapted as plain []", obs  # whole weights of its own, read as they are
+        assert obs["fsdp2>peft below the root"] == obs["tp below the root"] == "[]", obs
         said = obs["zero3 deep copy"]
         assert said.startswith("UnsupportedModelError: ") and "every one holds 0 elements" in said, said
 
