@@ -34,7 +34,7 @@ from .adapters.flat.inside import fsdp1_mark
 from .adapters.pipeline import over_stages
 from .adapters.slices.megatron import megatron_module
 from .adapters.stages.plan import adopt_torch_stage, recorded_stage
-from .adapters.zero.inside import hooked_engines, live_engines, zero_mark
+from .adapters.zero.inside import engines_hook_modules, hooked_engines, live_engines, zero_mark
 from .layers import LAYERS, Layer
 
 __all__ = ["as_adapter", "copy_target", "register_adapter", "registered_adapters"]
@@ -243,8 +243,8 @@ def _inside(model: torch.nn.Module, entries: list[Entry], cur: torch.nn.Module) 
     objs = list({id(o): o for o in (model, *(o for _, o in entries), cur)}.values())
     mark = zero_mark(cur)
     # DeepSpeed's own hooks name the engine at no cost; a scan of live objects only where the module says it
-    # was handed to one (an unmarked ZeRO-0 module is whole, with the weights its optimizer steps).
-    engines = hooked_engines(objs) or (live_engines() if mark is not None else [])
+    # was handed to one, or where this DeepSpeed hooks nothing (an unmarked ZeRO-0 module is then not told apart).
+    engines = hooked_engines(objs) or (live_engines() if mark is not None or not engines_hook_modules() else [])
     holding = [e for e in engines if any(o is m for o in objs for m in _layer_chain(e.module))]
     if len(holding) > 1:
         raise UnsupportedModelError(

@@ -171,7 +171,11 @@ def inside_refusals() -> dict[str, str]:
     # Deep copies (a reference made by hand): ZeRO-2's holds whole weights of its own, ZeRO-3's only placeholders.
     for stage in ("zero2", "zero3"):
         engine = build(stage, model=family_model("llama", 0))
-        twin = copy.deepcopy(engine.module)
+        try:
+            twin = copy.deepcopy(engine.module)
+        except TypeError as exc:  # DeepSpeed 0.16's ZeRO-3 hooks cannot be copied: no copy to read
+            out[f"{stage} deep copy"] = f"deepcopy raised {exc}"
+            continue
         said = _refusal(twin)
         if said == "adapted as plain":
             mine = wrapkit.adapt(twin).full_state_dict(rank0_only=False)

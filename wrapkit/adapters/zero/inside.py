@@ -5,8 +5,9 @@ write ``engine.module``. Read as a bare module it is silently wrong: at ZeRO-3 e
 placeholder, and at ZeRO 1-2 a load is undone by the optimizer's fp32 masters at the next step. The engine that
 holds it is found from the module instead: DeepSpeed hangs its forward hooks on ``engine.module`` (closures over
 the engine), and where those are absent, a module that carries DeepSpeed's marks (ZeRO-3's partition metadata,
-ZeRO 1-2's links to fp32 fragments) is looked up among the live engines. A ZeRO 1-2 module no engine holds (a deep
-copy, say) carries the marks but holds its own whole weights: it is the bare module it looks like.
+ZeRO 1-2's links to fp32 fragments) is looked up among the live engines; so is every module under a DeepSpeed
+release whose engines hang no hooks (0.16), where a ZeRO-0 module carries no mark. A ZeRO 1-2 module no engine
+holds (a deep copy, say) carries the marks but holds its own whole weights: it is the bare module it looks like.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from ..._imports import lookup
 
-__all__ = ["zero_mark", "hooked_engines", "live_engines"]
+__all__ = ["zero_mark", "hooked_engines", "live_engines", "engines_hook_modules"]
 
 
 def _engine_class() -> type | None:
@@ -50,6 +51,13 @@ def hooked_engines(objs: Sequence[torch.nn.Module]) -> list[Any]:
                 if isinstance(value, cls) and getattr(value, "module", None) is obj:
                     found.setdefault(id(value), value)
     return list(found.values())
+
+
+def engines_hook_modules() -> bool:
+    """Whether this DeepSpeed's engines hang hooks on their module (0.19 does, 0.16 does not), so that
+    ``hooked_engines`` finds every engine; True where DeepSpeed was never imported (no engine can exist)."""
+    cls = _engine_class()
+    return cls is None or hasattr(cls, "_create_module_forward_pre_hook")
 
 
 def live_engines() -> list[Any]:
