@@ -54,7 +54,7 @@ def _times(kind: str, url: str, port: int, reps: int) -> dict[str, Any]:
 
     import wrapkit
     from wrapkit.cli._models import build, tiny_llama
-    from wrapkit.integrations._engine_wire import in_thread
+    from wrapkit.integrations.engines._engine_wire import in_thread
     from wrapkit.integrations.sglang import SGLangEngine
     from wrapkit.integrations.vllm import VLLMEngine
 
@@ -76,7 +76,7 @@ def _times(kind: str, url: str, port: int, reps: int) -> dict[str, Any]:
     def bare() -> None:
         if group is None:
             return
-        from wrapkit.integrations._engine_wire import call
+        from wrapkit.integrations.engines._engine_wire import call
 
         box, thread = in_thread(lambda: call(url, "standin_bare", {"sizes": sizes}, 120))
         for n in sizes:

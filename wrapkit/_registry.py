@@ -231,7 +231,8 @@ def _layer_chain(module: torch.nn.Module) -> list[torch.nn.Module]:
 def _inside(model: torch.nn.Module, entries: list[Entry], cur: torch.nn.Module) -> Adapter | None:
     """The adapter of a module that no wrapper holds here but that is the inside of one (``engine.module``,
     ``fsdp.module``, a trainer's ``self.model``): read through the DeepSpeed engine found to hold it, refused
-    where the wrapper cannot be found (FSDP1, a ZeRO module whose engine is gone); None for a bare module."""
+    where the wrapper cannot be found (FSDP1, the empty placeholders a deep copy of a ZeRO-3 module keeps); None
+    for a bare module."""
     where = f"{_describe_object(model)} (stack: {' > '.join([*(n for n, _ in entries), type(cur).__name__])})"
     flat = fsdp1_mark(cur)
     if flat is not None:
@@ -252,21 +253,18 @@ def _inside(model: torch.nn.Module, entries: list[Entry], cur: torch.nn.Module) 
             "the engine that trains it (deepspeed.initialize's first value, or accelerator.prepare's) to adapt()."
         )
     if not holding:
-        if mark is not None and mark[1]:
-            raise UnsupportedModelError(
-                f"{where} carries DeepSpeed's marks ({mark[0]}) but no live DeepSpeed engine holds it, so its "
-                "parameters cannot be read whole; pass the engine (deepspeed.initialize's first value, or "
-                "accelerator.prepare's) to adapt(), or a model that was never partitioned."
-            )
         sizes = [p.numel() for p in cur.parameters()]
-        if sizes and not any(sizes):
+        if mark is None and sizes and not any(sizes):
             raise UnsupportedModelError(
                 f"{where} has {len(sizes)} parameters and every one holds 0 elements: placeholders of a partitioned "
                 "model, not weights (a deep copy of a ZeRO-3 module keeps them without DeepSpeed's marks). Pass the "
                 "wrapper that holds the weights, or build the copy from them (wrapkit.prepare_reference(policy), or "
                 "load adapt(wrapper).full_state_dict() into a fresh model)."
             )
-        return None  # a bare module, or whole weights of its own (a deep copy of a ZeRO 1-2 module)
+        # A bare module; whole weights of its own (a deep copy of a ZeRO 1-2 module); or a model partitioned at load
+        # (deepspeed.zero.Init, as transformers does under ZeRO-3) that is yet to be handed to an engine: what
+        # prepare_reference and TRL's prepare_deepspeed wrap.
+        return None
     engine = holding[0]
     adapter = DeepSpeedAdapter(model, [(DeepSpeedAdapter.name, engine), *entries], engine, cur)
     adapter.given_inside = "DeepSpeedEngine"

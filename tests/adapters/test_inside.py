@@ -59,9 +59,6 @@ def test_insides_that_cannot_be_read_whole_are_refused(group: Any) -> None:
         assert "is a FullyShardedDataParallel unit" in obs["fsdp uop=True per_block=True"], obs
         assert "is flattened by FullyShardedDataParallel" in obs["fsdp uop=True per_block=False"], obs
         assert "'_flat_param' is flattened" in obs["fsdp uop=False per_block=False"], obs
-        said = obs["zero3 without engine"]
-        assert said.startswith("UnsupportedModelError: ") and "ZeRO-3 placeholder" in said, said
-        assert "no live DeepSpeed engine holds it" in said and "pass the engine" in said, said
         assert obs["zero2 deep copy"] == "adapted as plain []", obs  # whole weights of its own, read as they are
         assert obs["fsdp2>peft below the root"] == obs["tp below the root"] == "[]", obs
         said = obs["zero3 deep copy"]

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import wrapkit
 from wrapkit.cli._families import family_inputs, family_model
 from wrapkit.cli._models import build, fill_adapters
-from wrapkit.integrations._engine_wire import call
+from wrapkit.integrations.engines._engine_wire import call
 from wrapkit.integrations.sglang import SGLangEngine
 
 
@@ -152,7 +152,7 @@ def vllm_refused_mid_update(spec: str, url: str, ports: list[int], positions: li
     the stand-in accepts."""
     import time
 
-    from wrapkit.integrations._engine_wire import call
+    from wrapkit.integrations.engines._engine_wire import call
 
     wm = wrapkit.adapt(build(spec, model=family_model("llama", seed=0)))
     out: dict[str, Any] = {"refusals": []}
@@ -211,7 +211,7 @@ def join_engine_threads() -> None:
     timeout): the next scenario on this worker then starts with the threads it had before."""
     import threading
 
-    from wrapkit.integrations._engine_wire import CALL_THREAD
+    from wrapkit.integrations.engines._engine_wire import CALL_THREAD
 
     for thread in threading.enumerate():
         if thread.name == CALL_THREAD:
@@ -343,7 +343,7 @@ def adapters_to_standins(cases: list[dict[str, Any]], urls: list[str], root: str
     """For each case (``engine``, ``spec``, ``family``, ``precision``): an adapter sync to every replica, a
     training step, another sync, and one from a new engine object (a restarted trainer); after each, what the
     replicas list and, in fp32, the first replica's logits for the served version against the model's own."""
-    from wrapkit.integrations._adapters import listed
+    from wrapkit.integrations.engines._adapters import listed
     from wrapkit.integrations.vllm import VLLMEngine
 
     out: dict[str, Any] = {}
@@ -406,7 +406,7 @@ def deltas_through_standin(cases: list[dict[str, Any]]) -> dict[str, Any]:
     receiver (``vllm_standin.SparseSender``), a training step before each but the first; after each, what the
     receiver holds against a dense stream."""
     from tests.engines import vllm_standin as vs
-    from wrapkit.integrations._delta import DeltaSync
+    from wrapkit.integrations.engines._delta import DeltaSync
 
     out: dict[str, Any] = {}
     for case in cases:

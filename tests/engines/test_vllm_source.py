@@ -14,7 +14,7 @@ import torch
 from tests.engines import scenarios_engines as se
 from tests.harness import _matrix as matrix
 from wrapkit.cli._workers import free_port
-from wrapkit.integrations._vllm_source import _wire_order
+from wrapkit.integrations.engines._vllm_source import _wire_order
 
 # Gathered (FSDP2, ZeRO-3 on a tied model), whole (DDP in bf16, LoRA merged on the way), experts split per
 # expert (Qwen3-MoE on FSDP1), a bf16 wire with fp32 norms kept, both of vLLM's interfaces, a vision-language

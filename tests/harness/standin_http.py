@@ -89,7 +89,7 @@ class Standin(Servers):
         self.url = self.urls[0]
 
     def mode(self, family: str = "llama", **behaviour: Any) -> Standin:
-        from wrapkit.integrations._engine_wire import call
+        from wrapkit.integrations.engines._engine_wire import call
 
         assert call(self.url, "standin_mode", {"family": family, **behaviour}, 120)["success"]
         return self

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from .._errors import ArgumentError, EngineError
 from .._results import Bucket, entry_bytes
 from ..base.process_groups import join_weight_group
-from ._adapters import AdapterFiles, AdapterSync, Versions, check_arguments, sync_adapters, temporary_root
-from ._engine_wire import (
+from .engines._adapters import AdapterFiles, AdapterSync, Versions, check_arguments, sync_adapters, temporary_root
+from .engines._engine_wire import (
     EngineSync,
     agree,
     answer_of,

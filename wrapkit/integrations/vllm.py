@@ -19,11 +19,11 @@ from .._errors import StateDictError, UnsupportedModelError
 from ..formats.hooks import HookLayout
 from ..formats.hub import HubLayout
 from ..sync.streaming import Bucket
-from ._adapters import AdapterSync
-from ._delta import DeltaReport, DeltaSync, SparsePatch
-from ._engine_wire import EngineSync
-from ._vllm_engine import VLLMEngine
-from ._vllm_source import HubSource, ParamMeta, vllm_interface, weight_source
+from .engines._adapters import AdapterSync
+from .engines._delta import DeltaReport, DeltaSync, SparsePatch
+from .engines._engine_wire import EngineSync
+from .engines._vllm_engine import VLLMEngine
+from .engines._vllm_source import HubSource, ParamMeta, vllm_interface, weight_source
 
 __all__ = ["load_into", "weight_source", "vllm_interface", "HubSource", "ParamMeta", "VLLMEngine", "EngineSync",
            "AdapterSync", "DeltaSync", "DeltaReport", "SparsePatch"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -13,8 +14,8 @@ from typing import Any, NamedTuple
 
 import torch.distributed as dist
 
-from .._agree import broadcast_object, span
-from .._errors import EngineError, UnsupportedModelError
+from ..._agree import broadcast_object, span
+from ..._errors import EngineError, UnsupportedModelError
 
 __all__ = ["EngineSync", "call", "request", "refuse_partial", "distributed", "rank", "world_size", "share", "why",
            "in_thread", "answer_of", "sent_or_answered", "said", "agree", "connection_problem", "join_beside",
@@ -51,6 +52,7 @@ def request(base_url: str, route: str, payload: dict[str, Any] | None, timeout: 
     url = base_url.rstrip("/") + "/" + route.lstrip("/")
     data = json.dumps(payload).encode() if payload is not None else None
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    start = time.monotonic()
     try:
         with urllib.request.urlopen(req, timeout=timeout) as reply:
             status, body = reply.status, reply.read()
@@ -58,8 +60,12 @@ def request(base_url: str, route: str, payload: dict[str, Any] | None, timeout: 
         status, body = exc.code, exc.read()
     except (urllib.error.URLError, TimeoutError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
-        raise EngineError(f"{url} did not answer within {timeout:.0f} s ({reason}); check that the engine is up "
-                          "and serves this route, or pass a longer timeout") from exc
+        # The time actually waited: a refused connection fails at once, long before the timeout.
+        waited = time.monotonic() - start
+        what = (f"did not answer within {waited:.1f} s (timeout {timeout:.0f} s)"
+                if isinstance(reason, TimeoutError) or waited >= timeout else f"failed after {waited:.1f} s")
+        raise EngineError(f"{url} {what} ({reason}); check that the engine is up and serves this route, or pass a "
+                          "longer timeout") from exc
     text = body[:300].decode(errors="replace")
     try:
         answer = json.loads(body or b"{}")
@@ -97,7 +103,7 @@ def refuse_partial(wm: Any, where: str, why: str, fix: str = "") -> None:
     """An engine sync agrees over the job's ranks, so it serves a model that all of them hold: raise
     ``UnsupportedModelError`` (``where``, then ``why`` it needs them all, then ``fix``) for one held by some of them
     only, or for each rank's own unsharded copy in a multi-rank job. The same on every rank, before any collective."""
-    from .._registry import as_adapter
+    from ..._registry import as_adapter
 
     below = as_adapter(wm, "an engine sync")
     if world_size() == 1:

@@ -1,4 +1,4 @@
-"""vLLM servers in other processes (vLLM 0.33's HTTP routes): full weights over its weight-transfer wire
+"""vLLM servers in other processes (vLLM 0.32 and 0.33's HTTP routes): full weights over its weight-transfer wire
 (``connect`` / ``sync``, one server), and a new LoRA adapter on each ``sync_adapters``.
 
 vLLM takes adapters from files only (``/v1/load_lora_adapter`` with a path; no tensors over the wire), with
@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .._errors import ArgumentError
+from ..._errors import ArgumentError
 from ._adapters import AdapterFiles, AdapterSync, Versions, check_arguments, sync_adapters
 from ._engine_wire import EngineSync, connection_problem, request, said
 from ._vllm_dense import DenseSender
@@ -53,8 +53,8 @@ class VLLMEngine:
         """Join the server's weight-transfer group as its rank 0 (on every trainer rank; the sending rank joins,
         the others learn the outcome).
 
-        :raises EngineError: on every rank where the server runs a vLLM before 0.33 (another wire), refused, or its
-            workers did not join within the timeout.
+        :raises EngineError: on every rank where the server runs a vLLM before 0.32 (a wire not checked), refused,
+            or its workers did not join within the timeout.
         :raises ArgumentError: without ``master_port`` or with more than one url.
         """
         if self._dense.port == 0 or len(self.urls) != 1:

@@ -24,9 +24,9 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .._errors import ArgumentError, EngineError
-from ..sync import changes
-from ..sync.deltas import Change, ShardDiff
+from ..._errors import ArgumentError, EngineError
+from ...sync import changes
+from ...sync.deltas import Change, ShardDiff
 from ._engine_wire import rank, refuse_partial, share, world_size
 
 __all__ = ["DeltaSync", "DeltaReport", "SparsePatch"]

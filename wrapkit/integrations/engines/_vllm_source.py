@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from .._errors import ArgumentError, EngineError
-from .._imports import is_available
-from .._results import Bucket
+from ..._errors import ArgumentError, EngineError
+from ..._imports import is_available
+from ..._results import Bucket
 from ._engine_wire import rank, share, world_size
 
 __all__ = ["ParamMeta", "weight_source", "vllm_interface"]

@@ -23,8 +23,8 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from .._errors import ArgumentError, EngineError
-from .._imports import require
+from ..._errors import ArgumentError, EngineError
+from ..._imports import require
 from ._engine_wire import rank, refuse_partial, request, share
 
 __all__ = ["AdapterSync", "AdapterFiles", "Versions", "sync_adapters", "listed", "temporary_root", "check_arguments"]
@@ -180,7 +180,7 @@ def _remove(root: str, served: str) -> None:
 
 
 def _read(path: str, adapter: str) -> AdapterFiles:
-    from ..exchange.peft import adapter_dirs
+    from ...exchange.peft import adapter_dirs
 
     where = (adapter_dirs(path, adapter) or {}).get(adapter)
     if where is None:

