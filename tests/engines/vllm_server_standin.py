@@ -70,8 +70,10 @@ class Engine:
             return handler(req)  # type: ignore[no-any-return]
         except Exception as exc:  # a worker's error, as vLLM's collective_rpc reports it
             self.refused_at = time.time()
-            return 500, {"error": {"message": f"Call to collective_rpc method failed: {type(exc).__name__}: {exc}",
-                                   "type": "InternalServerError", "code": 500}}
+            # vLLM's own words (a real 0.32 server's): str(exc) only, so a bare assertion arrives as ''.
+            message = (f"Call to collective_rpc method failed: Worker failed with error '{exc}', please check the "
+                       "stack trace above for the root cause")
+            return 500, {"error": {"message": message, "type": "InternalServerError", "code": 500}}
 
     def init_weight_transfer_engine(self, req: dict[str, Any]) -> tuple[int, Any]:
         info = req["init_info"]
@@ -176,6 +178,8 @@ class _Refusing:
             # A load that fails after a while: the trainer has moved on to broadcasting the next chunk by then
             # (vLLM's consumer has the next chunk in flight while it loads one).
             time.sleep(0.5)
+            if self.at == 0 and self.count > 1:  # the first of several: a bare assertion, as a shape that does not fit
+                raise AssertionError()
             raise RuntimeError(f"the stand-in's worker refused chunk {self.at} of {self.count}")
         return work
 

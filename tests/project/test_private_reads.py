@@ -49,6 +49,11 @@ OUTSIDE_ADAPTERS = {
     ("base/process_groups.py", "_new_process_group_helper"),
     ("base/process_groups.py", "_world"),
     ("cli/_worker_cleanup.py", "_clear_sharding_prop_cache"),
+    # Not a backend's state: vLLM's layerwise reload, ended by the gloo plugin inside the engine after a failed update
+    # (no public way gives a layer its previous tensors back).
+    ("integrations/engines/vllm_gloo.py", "_place_kernel_tensors"),
+    ("integrations/engines/vllm_gloo.py", "_original_do_torchao_reload"),
+    ("integrations/engines/vllm_gloo.py", "_do_torchao_reload"),
 }
 
 

@@ -93,3 +93,51 @@ def sync_step_sync(url: str, model: str, port: int, specs: list[str]) -> dict[st
         out[spec] = {"synced": synced, "behind": behind, "again": again, "tensors": first.tensors,
                      "seconds": [first.seconds, second.seconds], "version": second.version}
     return out
+
+
+def _llama(model: str, **changes: Any) -> Any:
+    """The server's Llama, or one whose config differs by ``changes`` (another vocabulary, fewer layers)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if not changes:
+        return LlamaForCausalLM.from_pretrained(model)
+    config = LlamaConfig.from_pretrained(model)
+    for key, value in changes.items():
+        setattr(config, key, value)
+    torch.manual_seed(1)
+    return LlamaForCausalLM(config)
+
+
+def failures(url: str, model: str, port: int) -> dict[str, Any]:
+    """What a sync of a model the server cannot take does (another vocabulary: a tensor that does not fit; fewer
+    layers: layers left without weights), on each rank: the error and how long it took, whether the server was left
+    paused, what the right model's next sync does, and whether the server then generates as that model."""
+    import time
+
+    engine = VLLMEngine(url, backend="gloo", master_port=port, timeout=30)
+    out: dict[str, Any] = {}
+
+    def attempt(key: str, wrong: dict[str, Any]) -> None:
+        wm = wrapkit.adapt(build("ddp", model=_llama(model, **wrong)))
+        if not engine.connected:
+            engine.connect()
+        t0 = time.perf_counter()
+        try:
+            engine.sync(wm)
+            out[key] = {"error": None}
+        except wrapkit.WrapkitError as exc:
+            out[key] = {"error": f"{type(exc).__name__}: {exc}"}
+        out[key]["seconds"] = time.perf_counter() - t0
+
+    attempt("vocabulary", {"vocab_size": 264})
+    if dist.get_rank() == 0:
+        with urllib.request.urlopen(f"{url}/is_paused", timeout=30) as answer:
+            out["paused after refusal"] = json.load(answer).get("is_paused")
+    attempt("right after", {})
+    attempt("right again", {})
+    right = wrapkit.adapt(build("ddp", model=_llama(model)))
+    out["generates"] = _compare(right, url, model)
+    attempt("fewer layers", {"num_hidden_layers": 1})
+    attempt("right at last", {})
+    out["generates at last"] = _compare(right, url, model)
+    return out

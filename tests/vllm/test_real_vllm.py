@@ -34,3 +34,25 @@ def test_sync_step_sync_matches_the_trained_model(group: Any, llama_server: Serv
         for when in ("synced", "again"):
             assert all(case[when]["tokens"]) and case[when]["logprob"] < 1e-4, (spec, when, case)
         assert not all(case["behind"]["tokens"]) or case["behind"]["logprob"] > 1e-2, (spec, case)
+
+
+def test_refused_updates_leave_the_server_ready(group: Any, llama_server: Server) -> None:
+    """A model of another shape is refused on every rank, naming what did not fit; a partial one (fewer layers),
+    which vLLM itself would report done, too. The server is left paused (its weights may be partly the update's),
+    and the right model's next sync succeeds the first time (vLLM would replay the failed update's buffered
+    tensor) and resumes it: it then generates as that model."""
+    obs = group.run(sc.failures, llama_server.url, llama_server.model, free_port(), timeout=400)
+    for rank in obs:
+        said = rank["vocabulary"]["error"]
+        assert said.startswith("EngineError") and "loading model.embed_tokens.weight [264, 128] float32" in said, said
+        assert "the model holds its previous weights" in said and "the server is left paused" in said, said
+        assert rank["vocabulary"]["seconds"] < 30, rank["vocabulary"]
+        said = rank["fewer layers"]["error"]
+        assert said.startswith("EngineError") and "gave no weights to 6 layers" in said, said
+        assert "model.layers.1.self_attn.qkv_proj" in said, said
+        for retry in ("right after", "right again", "right at last"):
+            assert rank[retry]["error"] is None, (retry, rank[retry])
+    first = obs[0]
+    assert first["paused after refusal"] is True, first
+    for when in ("generates", "generates at last"):
+        assert all(first[when]["tokens"]) and first[when]["logprob"] < 1e-4, (when, first[when])

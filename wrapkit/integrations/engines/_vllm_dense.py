@@ -124,6 +124,16 @@ class _Wire:
         self.pending = None
 
 
+def _explained(error: str | None, loading: list[str]) -> str | None:
+    """``error``, and where the server gave no reason (vLLM passes a worker's error on as ``str(exc)``, empty for a
+    bare assertion such as a shape that does not fit), where the reason is and what the workers were loading."""
+    if error is None or ("error ''" not in error and not error.rstrip().endswith(":")):
+        return error
+    shown = ", ".join(loading[:4]) + (f" and {len(loading) - 4} more" if len(loading) > 4 else "")
+    return (f"{error} (vLLM passed on no reason: an error without a message, such as a failed assertion; the "
+            f"server's log has it. The workers were loading the last chunk sent: {shown or 'none yet'})")
+
+
 class DenseSender:
     """The trainer side of vLLM's dense weight transfer for one server (see ``VLLMEngine.connect`` / ``sync``)."""
 
@@ -199,23 +209,27 @@ class DenseSender:
                 error = why(exc)
         tensors = chunks = moved = 0
         pairs: Any = source.iter_full()  # a generator; off the sending rank this only drives the gathers
+        loading: list[str] = []  # the names of the last chunk sent: what the workers were loading
         try:
             parts: list[torch.Tensor] = []
+            names: list[str] = []
             size = 0
-            for _name, tensor in pairs:
+            for name, tensor in pairs:
                 if error is not None or box is None:
                     break
                 parts.append(tensor.contiguous().view(-1).view(torch.uint8))
+                names.append(name)
                 size += parts[-1].numel()
                 tensors += 1
                 if size > self.buffer_bytes or tensors == len(meta):  # vLLM's cut, on both ends
                     error = self._send(parts, box)
-                    chunks, moved, parts, size = chunks + 1, moved + size, [], 0
+                    loading = names if error is None else loading  # a refused send: the workers load the one before
+                    chunks, moved, parts, names, size = chunks + 1, moved + size, [], [], 0
         finally:
             pairs.close()  # a sender that stopped early: the stream is read to its end, the gathers matched
         error = error or source.last_error
         if sends:
-            error = self._end(error, box, thread, version, paused, tensors, len(meta))
+            error = self._end(error, box, thread, version, paused, tensors, len(meta), loading)
         self._agreed(error, "sync")
         tensors, chunks, moved, version = share((tensors, chunks, moved, version), self.src_rank)
         return EngineSync(tensors, chunks, moved, time.perf_counter() - t0, [], version)
@@ -248,9 +262,10 @@ class DenseSender:
         return refused
 
     def _end(self, error: str | None, box: dict[str, Any] | None, thread: Any, version: str, paused: bool,
-             sent: int, declared: int) -> str | None:
+             sent: int, declared: int, loading: list[str]) -> str | None:
         """Wait for the workers' answer, finish the session, check the version the server then reports, and
-        let generation go on (also after a failure)."""
+        let generation go on (also after a failure that came before the update began; one after leaves the server
+        paused)."""
         try:
             if thread is not None:
                 thread.join(1.0 if self.broken else self.timeout)  # out of step: the workers wait for chunks
@@ -269,6 +284,12 @@ class DenseSender:
                              f"not {version!r}: it did not finish this update")
         except Exception as exc:
             error = error or why(exc)
+        error = _explained(error, loading)
+        if paused and error is not None and box is not None:
+            # The workers may have loaded part of this update: generating from such a model is wrong, or crashes
+            # the engine (vLLM leaves unfinished layers on the meta device). The next sync resumes it.
+            return (f"{error}; the server is left paused, since its weights may be partly this update's: sync "
+                    "again (the next sync resumes it), or POST /resume to serve what it holds")
         if paused:
             try:
                 self._expect(self._call("resume", {}), "resume")

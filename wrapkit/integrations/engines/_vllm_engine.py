@@ -81,6 +81,12 @@ class VLLMEngine:
         """
         return self._dense.sync(wm, bucket_bytes, dtype, merge_adapters, keep_dtype, pause)
 
+    @property
+    def connected(self) -> bool:
+        """Whether the transfer group is joined: False before ``connect()`` and after a sync that dropped it (then
+        ``connect()`` again, on every rank)."""
+        return self._dense.connected
+
     def close(self) -> None:
         """Leave the transfer group (the server's side is closed by its ``/shutdown_weight_transfer_engine``)."""
         self._dense.close()

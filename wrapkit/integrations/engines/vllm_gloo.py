@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKEND", "register", "receive_packed"]
+__all__ = ["BACKEND", "register", "receive_packed", "abandon_reload", "unloaded_layers"]
 
 BACKEND = "gloo"
 _Meta = list[tuple[str, str, list[int]]]
@@ -55,7 +55,8 @@ def _chunks(meta: _Meta, buffer_bytes: int) -> Iterator[list[tuple[str, list[int
 
 
 def receive_packed(meta: _Meta, group: Any, buffer_bytes: int, load: Any) -> None:
-    """Receive one update's chunks from rank 0 of ``group`` and hand each to ``load`` as ``[(name, tensor)]``."""
+    """Receive one update's chunks from rank 0 of ``group`` and hand each tensor to ``load`` as ``[(name, tensor)]``
+    (vLLM's own unpacked receive loads them so, one at a time): a failure names the tensor that failed."""
     import torch.distributed as dist
 
     for pieces in _chunks(meta, buffer_bytes):
@@ -63,11 +64,53 @@ def receive_packed(meta: _Meta, group: Any, buffer_bytes: int, load: Any) -> Non
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         group.broadcast([packed], opts).wait()
-        tensors, at = [], 0
+        at = 0
         for name, shape, dtype, size in pieces:
-            tensors.append((name, packed[at: at + size].view(dtype).view(shape)))
+            tensor = packed[at: at + size].view(dtype).view(shape)
             at += size
-        load(tensors)
+            try:
+                load([(name, tensor)])
+            except Exception as exc:
+                # vLLM passes a worker's error on as str(exc), which is empty for a bare assertion (a shape that
+                # does not fit): the trainer is told which tensor failed, and what was raised.
+                raise RuntimeError(f"loading {name} {list(shape)} {str(dtype).removeprefix('torch.')} into the "
+                                   f"model failed: {exc!r}") from exc
+
+
+def unloaded_layers(model: torch.nn.Module) -> list[str]:
+    """The layers holding parameters that the current layerwise reload has given no weight (vLLM would keep their
+    previous values, log "Failed to load weights" and report the update done)."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    missing = []
+    for path, layer in model.named_modules():
+        info = layerwise.get_layerwise_info(layer)
+        if info.can_load() and info.load_numel <= 0 and any(True for _ in layer.parameters(recurse=False)):
+            missing.append(path or type(layer).__name__)
+    return missing
+
+
+def abandon_reload(model: torch.nn.Module) -> int:
+    """End a layerwise reload that failed part-way, so that the model serves and the next update starts clean: each
+    layer still waiting for weights gets its previous tensors back (vLLM left it on the meta device, where a
+    request would crash the engine) and forgets what it buffered (else the next update would replay the failed
+    one's tensors and fail again). Returns how many layers were restored. Layers the failed update had completed
+    keep its weights."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    restored = 0
+    for layer in model.modules():
+        info = layerwise.get_layerwise_info(layer)
+        if not info.can_load():
+            continue
+        if info.kernel_tensors is not None:
+            layerwise._place_kernel_tensors(layer, info)
+            restored += 1
+        info.reset()
+    layerwise.LOADING_LAYERS.clear()
+    if hasattr(model, "_original_do_torchao_reload"):
+        model._do_torchao_reload = model._original_do_torchao_reload
+    return restored
 
 
 def _engine_class() -> type:
@@ -100,7 +143,32 @@ def _engine_class() -> type:
                 raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
             meta = list(zip(update_info.names, update_info.dtype_names, update_info.shapes, strict=True))
             buffer = self.packed_buffer_size_bytes if self.packed else 0  # unpacked: one broadcast per tensor
-            receive_packed(meta, self.model_update_group, buffer, self.model.load_weights)
+            loaded = [0]
+
+            def load(weights: list[tuple[str, torch.Tensor]]) -> None:
+                self.model.load_weights(weights)
+                loaded[0] += 1
+
+            try:
+                receive_packed(meta, self.model_update_group, buffer, load)
+            except Exception as exc:
+                restored = abandon_reload(self.model)
+                kept = ("its previous weights" if loaded[0] == 0 else
+                        f"the {loaded[0]} tensors loaded before it where their layers were complete, its previous "
+                        "weights elsewhere")
+                raise RuntimeError(f"{exc}; the update was abandoned ({restored} layers restored): the model holds "
+                                   f"{kept}, and the next update starts clean") from exc
+            # A partial update is refused, not reported done. Checked here, where a failure ends vLLM's session (one
+            # at finish_weight_update would leave it open): wrapkit's sender, the one trainer side of this backend,
+            # sends the whole model in each update.
+            missing = unloaded_layers(self.model)
+            if missing:
+                restored = abandon_reload(self.model)
+                shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
+                raise RuntimeError(f"the update gave no weights to {len(missing)} layers of the served model "
+                                   f"({shown}): a model of another shape was sent; the update was abandoned "
+                                   f"({restored} layers restored to their previous weights, the others keep the "
+                                   "update's), and the next update starts clean")
 
         def shutdown(self) -> None:
             import torch.distributed as dist
