@@ -137,6 +137,7 @@ def failures(url: str, model: str, port: int) -> dict[str, Any]:
     attempt("right again", {})
     right = wrapkit.adapt(build("ddp", model=_llama(model)))
     out["generates"] = _compare(right, url, model)
+    attempt("more layers", {"num_hidden_layers": 3})
     attempt("fewer layers", {"num_hidden_layers": 1})
     attempt("right at last", {})
     out["generates at last"] = _compare(right, url, model)

@@ -47,6 +47,8 @@ def test_refused_updates_leave_the_server_ready(group: Any, llama_server: Server
         assert said.startswith("EngineError") and "loading model.embed_tokens.weight [264, 128] float32" in said, said
         assert "the model holds its previous weights" in said and "the server is left paused" in said, said
         assert rank["vocabulary"]["seconds"] < 30, rank["vocabulary"]
+        said = rank["more layers"]["error"]  # a layer the server's model does not have: refused, named
+        assert said.startswith("EngineError") and "loading model.layers.2." in said, said
         said = rank["fewer layers"]["error"]
         assert said.startswith("EngineError") and "gave no weights to 6 layers" in said, said
         assert "model.layers.1.self_attn.qkv_proj" in said, said
