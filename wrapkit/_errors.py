@@ -3,6 +3,7 @@ that already catch ``TypeError`` or ``ValueError`` keep working."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
@@ -86,3 +87,8 @@ def _listed(text: str, error: type[WrapkitError]) -> Listed:
     out = str.__new__(Listed, text)
     out.error = error
     return out
+
+
+def first_few(items: Sequence[str], n: int) -> str:
+    """The first ``n`` of ``items`` for a message, and how many more there are."""
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")

@@ -179,7 +179,7 @@ def as_adapter(model: Any, purpose: str = "this") -> Adapter:
                 )
         if peeler is None and backend is not None and not backend.peels:
             # Under FSDP2 the root is the model itself; compile/PEFT layers may still be inside.
-            layer = next((lyr for lyr in LAYERS if lyr.matches(cur)), None)
+            layer = _layer_of(cur)
             if layer is None:
                 break
             entries.append((layer.name, cur))
@@ -217,11 +217,16 @@ def as_adapter(model: Any, purpose: str = "this") -> Adapter:
     return (backend or PlainAdapter)(model, entries, backend_obj, cur)
 
 
+def _layer_of(module: torch.nn.Module) -> type[Layer] | None:
+    """The inner layer (compile, PEFT) ``module`` is, or None."""
+    return next((lyr for lyr in LAYERS if lyr.matches(module)), None)
+
+
 def _layer_chain(module: torch.nn.Module) -> list[torch.nn.Module]:
     """``module`` and each layer (compile, PEFT) below it, outermost first."""
     chain = [module]
     for _ in range(64):
-        layer = next((lyr for lyr in LAYERS if lyr.matches(chain[-1])), None)
+        layer = _layer_of(chain[-1])
         if layer is None:
             break
         chain.append(layer.inner(chain[-1]))

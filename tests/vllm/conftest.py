@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -17,13 +16,9 @@ from typing import Any
 
 import pytest
 
+from wrapkit.cli._workers import free_port
+
 SERVE = Path(__file__).with_name("serve.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def tiny_llama_dir(root: Path, seed: int = 0) -> str:

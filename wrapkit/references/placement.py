@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .._agree import Call, any_over_models, enter
-from .._errors import DistributedStateError, PlacementError
+from .._errors import DistributedStateError, PlacementError, first_few
 from .._gather import set_modes
 
 if TYPE_CHECKING:
@@ -128,7 +128,7 @@ def move_verified(wm: Adapter, target: torch.device, copy: bool) -> None:
                 pass
     off = [name for name, t in wm.placement.tensors() if t.device != target]
     if any_over_models(failure is not None or bool(off), wm):
-        shown = ", ".join(off[:8]) + (f" and {len(off) - 8} more" if len(off) > 8 else "")
+        shown = first_few(off, 8)
         if failure is not None:
             msg = (f"moving the {wm.name} model's parameters to {target} failed ({type(failure).__name__}: "
                    f"{failure})" + (f"; moved back to {next(iter(sources))}" if rolled_back else "")

@@ -66,7 +66,7 @@ PRIVATE_FIELDS: dict[str, tuple[str, ...]] = {
     "DeepSpeed parameter under a bf16 optimizer": ("_hp_mapping",),
     # Read on objects that do not exist when a model is adapted, or outside the backends.
     "DeepSpeed engine config": ("_config", "_param_dict"),
-    # Whether the engine class hangs its forward hooks on the module (0.17+), which name the engine from the module.
+    # Whether the engine class hangs its forward hooks on the module (0.19 does, 0.16 not): they name the engine.
     "DeepSpeed engine class (optional)": ("_create_module_forward_pre_hook",),
     "DeepSpeed GatheredParameters": ("_param_versions",),
     "DeepSpeed ZeRO-3 optimizer": ("_DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition",),

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..._errors import ArgumentError, EngineError
+from ..._errors import ArgumentError, EngineError, first_few
 from ...base.process_groups import join_weight_group
 from ._engine_wire import (
     EngineSync,
@@ -129,9 +129,9 @@ def _explained(error: str | None, loading: list[str]) -> str | None:
     bare assertion such as a shape that does not fit), where the reason is and what the workers were loading."""
     if error is None or ("error ''" not in error and not error.rstrip().endswith(":")):
         return error
-    shown = ", ".join(loading[:4]) + (f" and {len(loading) - 4} more" if len(loading) > 4 else "")
+    shown = first_few(loading, 4) or "none yet"
     return (f"{error} (vLLM passed on no reason: an error without a message, such as a failed assertion; the "
-            f"server's log has it. The workers were loading the last chunk sent: {shown or 'none yet'})")
+            f"server's log has it. The workers were loading the last chunk sent: {shown})")
 
 
 class DenseSender:

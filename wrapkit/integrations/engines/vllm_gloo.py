@@ -117,6 +117,7 @@ def _engine_class() -> type:
     """Built on first use: its base class is vLLM's, importable only where vLLM is installed."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
+    from ..._errors import first_few
     from ...base.process_groups import join_weight_group
     from ._vllm_dense import gloo_group_name
 
@@ -164,9 +165,9 @@ def _engine_class() -> type:
             missing = unloaded_layers(self.model)
             if missing:
                 restored = abandon_reload(self.model)
-                shown = ", ".join(missing[:6]) + (f" and {len(missing) - 6} more" if len(missing) > 6 else "")
                 raise RuntimeError(f"the update gave no weights to {len(missing)} layers of the served model "
-                                   f"({shown}): a model of another shape was sent; the update was abandoned "
+                                   f"({first_few(missing, 6)}): a model of another shape was sent; the update was "
+                                   "abandoned "
                                    f"({restored} layers restored to their previous weights, the others keep the "
                                    "update's), and the next update starts clean")
 
