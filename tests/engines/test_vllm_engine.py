@@ -139,3 +139,15 @@ def test_a_vllm_refusal_mid_update_is_raised_at_once_with_its_reason(group: Any,
             then = "EngineError" if at == -1 else "ArgumentError: VLLMEngine.sync() before connect()"
             assert got["second"].startswith(then), got
     assert all(obs["after"] == "no error" for obs in per_rank), [obs["after"] for obs in per_rank]
+
+
+def test_the_gloo_plugin_cuts_chunks_as_the_sender_does() -> None:
+    """wrapkit's vLLM plugin receives the chunks vLLM's packed producer cuts (one closed right after the tensor that
+    takes it past the buffer), and, unpacked, one per tensor, an empty tensor included."""
+    from wrapkit.integrations.engines.vllm_gloo import _chunks
+
+    meta = [("a", "float32", [4]), ("b", "float32", [0]), ("c", "bfloat16", [8]), ("d", "float32", [2])]
+    assert [[p[0] for p in c] for c in _chunks(meta, 16)] == [["a", "b", "c"], ["d"]]
+    assert [[p[0] for p in c] for c in _chunks(meta, 64)] == [["a", "b", "c", "d"]]
+    assert [[p[0] for p in c] for c in _chunks(meta, None)] == [["a"], ["b"], ["c"], ["d"]]
+    assert [p[3] for c in _chunks(meta, None) for p in c] == [16, 0, 16, 8]

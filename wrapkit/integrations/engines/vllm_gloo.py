@@ -38,8 +38,9 @@ def register() -> None:
         pass
 
 
-def _chunks(meta: _Meta, buffer_bytes: int) -> Iterator[list[tuple[str, list[int], torch.dtype, int]]]:
-    """The sender's cut: pieces accumulate until one takes the chunk past ``buffer_bytes``; the rest closes it."""
+def _chunks(meta: _Meta, buffer_bytes: int | None) -> Iterator[list[tuple[str, list[int], torch.dtype, int]]]:
+    """The sender's cut: pieces accumulate until one takes the chunk past ``buffer_bytes``; the rest closes it.
+    ``None``: unpacked, one broadcast per tensor (an empty one too)."""
     pending: list[tuple[str, list[int], torch.dtype, int]] = []
     total = 0
     for name, dtype_name, shape in meta:
@@ -47,14 +48,14 @@ def _chunks(meta: _Meta, buffer_bytes: int) -> Iterator[list[tuple[str, list[int
         size = math.prod(shape) * dtype.itemsize
         pending.append((name, list(shape), dtype, size))
         total += size
-        if total > buffer_bytes:
+        if buffer_bytes is None or total > buffer_bytes:
             yield pending
             pending, total = [], 0
     if pending:
         yield pending
 
 
-def receive_packed(meta: _Meta, group: Any, buffer_bytes: int, load: Any) -> None:
+def receive_packed(meta: _Meta, group: Any, buffer_bytes: int | None, load: Any) -> None:
     """Receive one update's chunks from rank 0 of ``group`` and hand each tensor to ``load`` as ``[(name, tensor)]``
     (vLLM's own unpacked receive loads them so, one at a time): a failure names the tensor that failed."""
     import torch.distributed as dist
@@ -143,7 +144,7 @@ def _engine_class() -> type:
             if self.model_update_group is None:
                 raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
             meta = list(zip(update_info.names, update_info.dtype_names, update_info.shapes, strict=True))
-            buffer = self.packed_buffer_size_bytes if self.packed else 0  # unpacked: one broadcast per tensor
+            buffer = self.packed_buffer_size_bytes if self.packed else None  # unpacked: a broadcast per tensor
             loaded = [0]
 
             def load(weights: list[tuple[str, torch.Tensor]]) -> None:
