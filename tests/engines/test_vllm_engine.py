@@ -151,3 +151,15 @@ def test_the_gloo_plugin_cuts_chunks_as_the_sender_does() -> None:
     assert [[p[0] for p in c] for c in _chunks(meta, 64)] == [["a", "b", "c", "d"]]
     assert [[p[0] for p in c] for c in _chunks(meta, None)] == [["a"], ["b"], ["c"], ["d"]]
     assert [p[3] for c in _chunks(meta, None) for p in c] == [16, 0, 16, 8]
+
+
+def test_a_peft_model_sent_unmerged_to_vllm_is_refused_before_anything_is_sent() -> None:
+    """Unmerged, a PEFT model's stream is under PEFT's names, which no model vLLM serves has (the real server's
+    loader refuses ``base_model.model.*`` mid-update): refused up front, naming the fix, with no server touched."""
+    import wrapkit
+    from wrapkit.cli._models import build
+    from wrapkit.integrations.vllm import VLLMEngine
+
+    engine = VLLMEngine("http://127.0.0.1:9", backend="gloo", master_port=29999, timeout=1)
+    with pytest.raises(wrapkit.ArgumentError, match=r"merge_adapters=True .* sync_adapters\(\)"):
+        engine.sync(wrapkit.adapt(build("peft")))

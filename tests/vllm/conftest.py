@@ -21,19 +21,31 @@ from wrapkit.cli._workers import free_port
 SERVE = Path(__file__).with_name("serve.py")
 
 
-def tiny_llama_dir(root: Path, seed: int = 0) -> str:
-    """A two-layer Llama saved by transformers: head dimension 64 (vLLM's CPU attention refuses 16), two KV heads
-    (split by tensor parallelism over two ranks)."""
+def tiny_dir(root: Path, family: str = "llama", seed: int = 0) -> str:
+    """A two-layer model of ``family`` saved by transformers: ``llama``, or ``qwen2`` (biases on the query, key and
+    value projections). Head dimension 64 (vLLM's CPU attention refuses 16), two KV heads (split by tensor
+    parallelism over two ranks), the head untied (the CPU build's reload of a tied head is its own bug:
+    test_reload_bugs.py)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    directory = root / f"llama-{seed}"
+    directory = root / f"{family}-{seed}"
     if not directory.exists():
-        config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                             num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-                             tie_word_embeddings=False)
+        shape = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
+                     tie_word_embeddings=False)
         torch.manual_seed(seed)
-        LlamaForCausalLM(config).save_pretrained(directory)
+        if family == "llama":
+            LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(directory)
+        elif family == "qwen2":
+            model = Qwen2ForCausalLM(Qwen2Config(**shape))
+            with torch.no_grad():  # transformers starts biases at zero: make them count
+                for name, param in model.named_parameters():
+                    if name.endswith("_proj.bias"):
+                        param.normal_(0, 0.5)
+            model.save_pretrained(directory)
+        else:
+            raise ValueError(family)
     return str(directory)
 
 
@@ -80,12 +92,21 @@ class Server:
                 self.proc.wait(30)
 
 
-@pytest.fixture(scope="module")
-def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+def _serve(tmp_path_factory: pytest.TempPathFactory, family: str) -> Iterator[Server]:
     pytest.importorskip("vllm", reason="vLLM's CPU build runs in the vLLM stage's own environment (.ci/vllm)")
     root = tmp_path_factory.mktemp("vllm")
-    server = Server(tiny_llama_dir(root), root / "server.log")
+    server = Server(tiny_dir(root, family), root / "server.log")
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _serve(tmp_path_factory, "llama")
+
+
+@pytest.fixture(scope="module")
+def qwen2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _serve(tmp_path_factory, "qwen2")

@@ -57,41 +57,52 @@ def _compare(wm: Any, url: str, model: str) -> dict[str, Any] | None:
                            for x, y in zip(a[1], b[1], strict=False))}
 
 
-def _step(outer: Any, spec: str) -> None:
-    """A training step with a large learning rate (tensor parallelism: every weight scaled alike, since its recipe
-    leaves the replicated norms' gradient all-reduce to its trainer)."""
-    if spec == "tp":
+def _step(wm: Any, outer: Any, spec: str) -> None:
+    """A training step with a large learning rate, so that the server is visibly behind after it. Tensor
+    parallelism: every weight scaled alike, since its recipe leaves the replicated norms' gradient all-reduce to its
+    trainer; pipeline stages too, since a stage's forward is not the model's loss (each stage scales its own);
+    DeepSpeed: the engine's own backward and step, its learning rate raised."""
+    if spec in ("tp", "pipeline"):
         with torch.no_grad():
             for p in outer.parameters():
                 p.mul_(1.25).add_(0.01)
         return
-    optimizer = torch.optim.SGD([p for p in outer.parameters() if p.requires_grad], lr=2.0)
     ids = torch.tensor([[1, 5, 9, 13, 20, 30, 40, 50]])
-    outer(input_ids=ids, labels=ids).loss.backward()
+    loss = wm(input_ids=ids, labels=ids).loss
+    if wm.backend == "deepspeed":
+        for group in outer.optimizer.param_groups:
+            group["lr"] = 0.05
+        outer.backward(loss)
+        outer.step()
+        return
+    optimizer = torch.optim.SGD([p for p in outer.parameters() if p.requires_grad], lr=2.0)
+    loss.backward()
     optimizer.step()
     optimizer.zero_grad()
 
 
 def sync_step_sync(url: str, model: str, port: int, specs: list[str]) -> dict[str, Any]:
-    """For each backend: the server's model loaded from ``model`` too, wrapped as ``spec``; a sync, a step (the
-    server is now behind: the comparison must fail), a sync again. Each comparison against the trained model's own
-    greedy tokens and log-probabilities."""
-    from transformers import LlamaForCausalLM
+    """For each stack (``"zero3"``, ``"ddp>peft"``: LoRA, synced merged): the server's model loaded from ``model``
+    too, wrapped as ``spec``; a sync, a step (the server is now behind: the comparison must fail), a sync again.
+    Each comparison against the trained model's own greedy tokens and log-probabilities."""
+    from transformers import AutoModelForCausalLM
 
     engine = VLLMEngine(url, backend="gloo", master_port=port, timeout=60)
     engine.connect()
     out: dict[str, Any] = {}
     for spec in specs:
-        outer = build(spec, model=LlamaForCausalLM.from_pretrained(model))
+        outer = build(spec, model=AutoModelForCausalLM.from_pretrained(model))
         wm = wrapkit.adapt(outer)
-        first = engine.sync(wm)
+        merge = "peft" in spec
+        first = engine.sync(wm, merge_adapters=merge)
         synced = _compare(wm, url, model)
-        _step(outer, spec)
+        _step(wm, outer, spec)
         behind = _compare(wm, url, model)
-        second = engine.sync(wm)
+        second = engine.sync(wm, merge_adapters=merge)
         again = _compare(wm, url, model)
         out[spec] = {"synced": synced, "behind": behind, "again": again, "tensors": first.tensors,
-                     "seconds": [first.seconds, second.seconds], "version": second.version}
+                     "seconds": [first.seconds, second.seconds], "version": second.version, "backend": wm.backend}
+    engine.close()
     return out
 
 
@@ -117,8 +128,8 @@ def failures(url: str, model: str, port: int) -> dict[str, Any]:
     engine = VLLMEngine(url, backend="gloo", master_port=port, timeout=30)
     out: dict[str, Any] = {}
 
-    def attempt(key: str, wrong: dict[str, Any]) -> None:
-        wm = wrapkit.adapt(build("ddp", model=_llama(model, **wrong)))
+    def attempt(key: str, wrong: dict[str, Any], spec: str = "ddp") -> None:
+        wm = wrapkit.adapt(build(spec, model=_llama(model, **wrong)))
         if not engine.connected:
             engine.connect()
         t0 = time.perf_counter()
@@ -129,6 +140,10 @@ def failures(url: str, model: str, port: int) -> dict[str, Any]:
             out[key] = {"error": f"{type(exc).__name__}: {exc}"}
         out[key]["seconds"] = time.perf_counter() - t0
 
+    attempt("unmerged adapters", {}, "ddp>peft")  # refused before the server is paused
+    if dist.get_rank() == 0:
+        with urllib.request.urlopen(f"{url}/is_paused", timeout=30) as answer:
+            out["paused after unmerged"] = json.load(answer).get("is_paused")
     attempt("vocabulary", {"vocab_size": 264})
     if dist.get_rank() == 0:
         with urllib.request.urlopen(f"{url}/is_paused", timeout=30) as answer:

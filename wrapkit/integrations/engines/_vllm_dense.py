@@ -187,6 +187,14 @@ class DenseSender:
     def sync(self, wm: Any, bucket_bytes: int, dtype: torch.dtype | None, merge_adapters: bool,
              keep_dtype: Callable[[str], bool] | None, pause: bool) -> EngineSync:
         refuse_partial(wm, "VLLMEngine.sync()", "a sync is agreed over every rank of the job")
+        if "peft" in wm.stack and not merge_adapters:
+            # Unmerged, the stream is the PEFT model's own (base_model.model..., lora_A/lora_B), which no model
+            # vLLM serves has: refused here, before the server is paused, rather than by its loader mid-update.
+            raise ArgumentError(f"VLLMEngine.sync(): this {wm.backend} model has PEFT adapters, and "
+                                "merge_adapters=False would send them unmerged under PEFT's names "
+                                "(base_model.model.*, lora_A/lora_B), which the served model does not have: pass "
+                                "merge_adapters=True to send the weights with the adapters merged, or serve them as "
+                                "a LoRA with sync_adapters()")
         if not self.connected:
             raise ArgumentError("VLLMEngine.sync() before connect(): call connect() on every rank first (again "
                                 "after a sync that left the transfer group out of step)")
