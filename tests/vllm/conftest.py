@@ -21,31 +21,44 @@ from wrapkit.cli._workers import free_port
 SERVE = Path(__file__).with_name("serve.py")
 
 
-def tiny_dir(root: Path, family: str = "llama", seed: int = 0) -> str:
-    """A two-layer model of ``family`` saved by transformers: ``llama``, or ``qwen2`` (biases on the query, key and
-    value projections). Head dimension 64 (vLLM's CPU attention refuses 16), two KV heads (split by tensor
-    parallelism over two ranks), the head untied (the CPU build's reload of a tied head is its own bug:
-    test_reload_bugs.py)."""
+def tiny_model(family: str, seed: int = 0) -> Any:
+    """A two-layer model of ``family``: ``llama``; ``qwen2-tied`` (biases on the query, key and value projections,
+    the head tied to the embedding); ``qwen3-moe`` (four experts, two per token). Head dimension 64 (vLLM's CPU
+    attention refuses 16), two KV heads (split by tensor parallelism over two ranks)."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+    )
 
+    shape = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                 num_key_value_heads=2, max_position_embeddings=256)
+    torch.manual_seed(seed)
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(**shape, tie_word_embeddings=False))
+    if family == "qwen2-tied":
+        model = Qwen2ForCausalLM(Qwen2Config(**shape, tie_word_embeddings=True))
+        with torch.no_grad():  # transformers starts biases at zero: make them count
+            for name, param in model.named_parameters():
+                if name.endswith("_proj.bias"):
+                    param.normal_(0, 0.5)
+        return model
+    if family == "qwen3-moe":
+        # The experts' width a multiple of 32: the CPU build's grouped GEMM pads others.
+        return Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape, moe_intermediate_size=64, num_experts=4,
+                                                  num_experts_per_tok=2, head_dim=64, tie_word_embeddings=False))
+    raise ValueError(f"unknown family {family!r}")
+
+
+def tiny_dir(root: Path, family: str = "llama", seed: int = 0) -> str:
+    """``tiny_model(family, seed)`` saved by transformers under ``root``."""
     directory = root / f"{family}-{seed}"
     if not directory.exists():
-        shape = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=256,
-                     tie_word_embeddings=False)
-        torch.manual_seed(seed)
-        if family == "llama":
-            LlamaForCausalLM(LlamaConfig(**shape)).save_pretrained(directory)
-        elif family == "qwen2":
-            model = Qwen2ForCausalLM(Qwen2Config(**shape))
-            with torch.no_grad():  # transformers starts biases at zero: make them count
-                for name, param in model.named_parameters():
-                    if name.endswith("_proj.bias"):
-                        param.normal_(0, 0.5)
-            model.save_pretrained(directory)
-        else:
-            raise ValueError(family)
+        tiny_model(family, seed).save_pretrained(directory)
     return str(directory)
 
 
@@ -109,4 +122,9 @@ def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 
 @pytest.fixture(scope="module")
 def qwen2_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from _serve(tmp_path_factory, "qwen2")
+    yield from _serve(tmp_path_factory, "qwen2-tied")
+
+
+@pytest.fixture(scope="module")
+def moe_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    yield from _serve(tmp_path_factory, "qwen3-moe")

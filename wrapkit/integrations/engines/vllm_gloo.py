@@ -11,7 +11,9 @@ one of its processes, so that with wrapkit installed beside vLLM::
 
     VLLM_SERVER_DEV_MODE=1 vllm serve MODEL --weight-transfer-config '{"backend": "gloo"}'
 
-takes the syncs. Nothing here is imported unless vLLM loads the plugin.
+takes the syncs. It also mends what vLLM's own reload gets wrong: a failed or partial update (refused, and
+abandoned so that the next one starts clean) and, on the CPU build, tied heads and MoE experts left packed from
+the previous weights. Nothing here is imported unless vLLM loads the plugin.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKEND", "register", "receive_packed", "abandon_reload", "unloaded_layers"]
+__all__ = ["BACKEND", "register", "receive_packed", "abandon_reload", "unloaded_layers", "complete_tied",
+           "repack_cpu_experts"]
 
 BACKEND = "gloo"
 _Meta = list[tuple[str, str, list[int]]]
@@ -89,6 +92,53 @@ def unloaded_layers(model: torch.nn.Module) -> list[str]:
         if info.can_load() and info.load_numel <= 0 and any(True for _ in layer.parameters(recurse=False)):
             missing.append(path or type(layer).__name__)
     return missing
+
+
+def complete_tied(model: torch.nn.Module) -> list[str]:
+    """Finish the layers whose every parameter is another layer's, loaded by this update (a tied ``lm_head``: the
+    checkpoint has no tensor of its own for it). vLLM's reload would put the shared tensor back but not process the
+    layer again, and the CPU build computes such a head from a copy packed at start-up: the server would answer
+    with the new embedding and the old head. Each is given its tensors back and processed as at start-up. Returns
+    their paths."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    def waiting(layer: torch.nn.Module) -> bool:
+        info = layerwise.get_layerwise_info(layer)
+        return info.can_load() and info.load_numel <= 0 and info.kernel_tensors is not None
+
+    loaded = {id(p) for layer in model.modules() if not waiting(layer) for p in layer.parameters(recurse=False)}
+    completed = []
+    for path, layer in model.named_modules():
+        if not waiting(layer):
+            continue
+        info = layerwise.get_layerwise_info(layer)
+        assert info.kernel_tensors is not None
+        params = info.kernel_tensors[0]
+        if not params or any(id(p) not in loaded for p in params.values()):
+            continue
+        layerwise._place_kernel_tensors(layer, info)
+        method = getattr(layer, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(layer)
+        info.reset()
+        completed.append(path)
+    return completed
+
+
+def repack_cpu_experts(model: torch.nn.Module) -> list[str]:
+    """Pack the experts of each MoE layer again for the CPU build's grouped GEMM. vLLM packs them once, at the first
+    load; on a reload it copies the checkpoint's layout into the packed storage and leaves it so (its kernel then
+    reads the new values in the wrong order). Call after an update that loaded every layer. Returns their paths."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    packed = []
+    for path, layer in model.named_modules():
+        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if isinstance(experts, CPUUnquantizedExperts):
+            experts.process_weights_after_loading(layer)
+            packed.append(path)
+    return packed
 
 
 def abandon_reload(model: torch.nn.Module) -> int:
@@ -163,6 +213,7 @@ def _engine_class() -> type:
             # A partial update is refused, not reported done. Checked here, where a failure ends vLLM's session (one
             # at finish_weight_update would leave it open): wrapkit's sender, the one trainer side of this backend,
             # sends the whole model in each update.
+            complete_tied(self.model)
             missing = unloaded_layers(self.model)
             if missing:
                 restored = abandon_reload(self.model)
@@ -171,6 +222,7 @@ def _engine_class() -> type:
                                    "abandoned "
                                    f"({restored} layers restored to their previous weights, the others keep the "
                                    "update's), and the next update starts clean")
+            repack_cpu_experts(self.model)  # every layer took this update's weights: none is packed twice
 
         def shutdown(self) -> None:
             import torch.distributed as dist
