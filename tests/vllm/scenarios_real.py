@@ -157,3 +157,35 @@ def failures(url: str, model: str, port: int) -> dict[str, Any]:
     attempt("right at last", {})
     out["generates at last"] = _compare(right, url, model)
     return out
+
+
+def killed_mid_sync(url: str, model: str, port: int, server_pid: int) -> dict[str, Any]:
+    """The server killed (SIGKILL to its process group: API server and worker) as the third chunk of a sync is about
+    to be sent: the error on each rank, how long it took, and whether the engine says to connect again."""
+    import os
+    import signal
+    import time
+
+    engine = VLLMEngine(url, backend="gloo", master_port=port, timeout=60, buffer_bytes=24 * 1024)
+    engine.connect()
+    wm = wrapkit.adapt(build("fsdp2", model=_llama(model)))
+    engine.sync(wm)  # a first sync in full
+    if dist.get_rank() == 0:
+        send, sent = engine._dense._send, [0]
+
+        def killing(parts: Any, box: Any) -> Any:
+            sent[0] += 1
+            if sent[0] == 3:
+                os.killpg(server_pid, signal.SIGKILL)
+            return send(parts, box)
+
+        engine._dense._send = killing
+    t0 = time.perf_counter()
+    out: dict[str, Any] = {"error": None}
+    try:
+        engine.sync(wm)
+    except wrapkit.WrapkitError as exc:
+        out["error"] = f"{type(exc).__name__}: {exc}"
+    out["seconds"] = time.perf_counter() - t0
+    out["connected"] = engine.connected
+    return out

@@ -68,3 +68,19 @@ def test_refused_updates_leave_the_server_ready(group: Any, llama_server: Server
     assert first["paused after unmerged"] is False and first["paused after refusal"] is True, first
     for when in ("generates", "generates at last"):
         assert all(first[when]["tokens"]) and first[when]["logprob"] < 1e-4, (when, first[when])
+
+
+def test_a_server_killed_mid_sync_fails_every_rank_at_once(group: Any, llama_server: Server) -> None:
+    """Last in this module: it kills the module's server. Every rank raises within seconds, saying what failed and
+    not a time-out it did not wait for, and the engine says to connect again."""
+    obs = group.run(sc.killed_mid_sync, llama_server.url, llama_server.model, free_port(), llama_server.proc.pid,
+                    timeout=200)
+    print(obs)
+    assert llama_server.proc.wait(30) is not None
+    for rank in obs:
+        assert rank["error"] is not None and rank["error"].startswith("EngineError"), rank
+        assert rank["seconds"] < 30 and rank["connected"] is False, rank
+        said = rank["error"]
+        assert "update_weights got no answer" in said and "the server may be down" in said, said
+        assert "was refused" not in said and "within 60 s" not in said, said
+    assert obs[0]["error"] == obs[1]["error"], obs  # agreed

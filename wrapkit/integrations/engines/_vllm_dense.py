@@ -296,6 +296,10 @@ class DenseSender:
         if paused and error is not None and box is not None:
             # The workers may have loaded part of this update: generating from such a model is wrong, or crashes
             # the engine (vLLM leaves unfinished layers on the meta device). The next sync resumes it.
+            if _status(box)[0] == 0:  # the update got no answer: the server may be gone rather than paused
+                return (f"{error}; the server may be down (its log says why): once it serves again, connect() "
+                        "on every rank and sync (a restarted server holds its checkpoint's weights); if it is up, "
+                        "it is left paused, since its weights may be partly this update's, until the next sync")
             return (f"{error}; the server is left paused, since its weights may be partly this update's: sync "
                     "again (the next sync resumes it), or POST /resume to serve what it holds")
         if paused:
@@ -337,6 +341,8 @@ def _answered(box: dict[str, Any], refusals_only: bool = False) -> str | None:
     status, answer = _status(box)
     if refusals_only and status == 200:
         return None
+    if status == 0:  # no HTTP answer at all: the server closed the connection, or is gone
+        return f"update_weights got no answer: {said(answer, status)}"
     return f"update_weights was refused: {said(answer, status)}"
 
 
