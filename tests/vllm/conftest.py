@@ -65,16 +65,18 @@ def tiny_dir(root: Path, family: str = "llama", seed: int = 0) -> str:
 class Server:
     """``vllm serve`` of ``model`` in a process of its own, taking weights over wrapkit's gloo backend."""
 
-    def __init__(self, model: str, log: Path, startup: float = 300.0) -> None:
+    def __init__(self, model: str, log: Path, startup: float = 300.0, lora: bool = False) -> None:
         self.model, self.port = model, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_TARGET_DEVICE": "cpu"}
+               "VLLM_TARGET_DEVICE": "cpu", "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+        # Runtime LoRA (sync_adapters' routes): adapters of rank 8 at most, two at a time.
+        lora_args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"] if lora else []
         self.log = log
         self.proc = subprocess.Popen(
             [sys.executable, str(SERVE), "serve", model, "--port", str(self.port), "--skip-tokenizer-init",
              "--enforce-eager", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
-             "--weight-transfer-config", json.dumps({"backend": "gloo"})],
+             "--weight-transfer-config", json.dumps({"backend": "gloo"}), *lora_args],
             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         deadline = time.monotonic() + startup
         while time.monotonic() < deadline:
@@ -105,10 +107,10 @@ class Server:
                 self.proc.wait(30)
 
 
-def _serve(tmp_path_factory: pytest.TempPathFactory, family: str) -> Iterator[Server]:
+def _serve(tmp_path_factory: pytest.TempPathFactory, family: str, lora: bool = False) -> Iterator[Server]:
     pytest.importorskip("vllm", reason="vLLM's CPU build runs in the vLLM stage's own environment (.ci/vllm)")
     root = tmp_path_factory.mktemp("vllm")
-    server = Server(tiny_dir(root, family), root / "server.log")
+    server = Server(tiny_dir(root, family), root / "server.log", lora=lora)
     try:
         yield server
     finally:
@@ -117,7 +119,7 @@ def _serve(tmp_path_factory: pytest.TempPathFactory, family: str) -> Iterator[Se
 
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from _serve(tmp_path_factory, "llama")
+    yield from _serve(tmp_path_factory, "llama", lora=True)
 
 
 @pytest.fixture(scope="module")

@@ -189,3 +189,31 @@ def killed_mid_sync(url: str, model: str, port: int, server_pid: int) -> dict[st
     out["seconds"] = time.perf_counter() - t0
     out["connected"] = engine.connected
     return out
+
+
+def adapters(url: str, model: str, directory: str, spec: str) -> dict[str, Any]:
+    """A LoRA adapter alone, through vLLM's runtime LoRA routes (``sync_adapters``: saved under ``directory``,
+    loaded as ``policy-vN``): a sync, a step, a sync again. Each version is compared with the trained PEFT
+    model's own generation (adapters unmerged); between them the served version is behind."""
+    from peft import LoraConfig, get_peft_model
+
+    from wrapkit.cli._models import fill_adapters
+
+    peft = get_peft_model(_llama(model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    fill_adapters(peft, seed=1)
+    with torch.no_grad():  # small enough that the step below moves the tokens, not so large that they saturate
+        for name, param in peft.named_parameters():
+            if "lora_B" in name:
+                param.mul_(0.05)
+    outer = build(spec, model=peft)
+    wm = wrapkit.adapt(outer)
+    engine = VLLMEngine(url, timeout=60)
+    first = engine.sync_adapters(wm, directory, name="policy")
+    synced = _compare(wm, url, first.name)
+    _step(wm, outer, spec)
+    behind = _compare(wm, url, first.name)
+    second = engine.sync_adapters(wm, directory, name="policy")
+    again = _compare(wm, url, second.name)
+    base = _compare(wm, url, model)  # the base model, served beside the adapter, is not the trained one
+    return {"synced": synced, "behind": behind, "again": again, "base": base, "names": [first.name, second.name],
+            "unloaded": second.unloaded, "tensors": first.tensors, "seconds": [first.seconds, second.seconds]}

@@ -70,6 +70,21 @@ def test_refused_updates_leave_the_server_ready(group: Any, llama_server: Server
         assert all(first[when]["tokens"]) and first[when]["logprob"] < 1e-4, (when, first[when])
 
 
+@pytest.mark.parametrize("spec", ["fsdp2", "zero3"])
+def test_adapters_alone_through_vllms_lora_routes(group: Any, llama_server: Server, tmp_path: Any, spec: str) -> None:
+    """``sync_adapters``: the served ``policy-vN`` generates as the trained PEFT model, after a sync and after a step
+    and a sync; the version before the step is behind, and is unloaded by the next sync."""
+    obs = group.run(sc.adapters, llama_server.url, llama_server.model, str(tmp_path), spec, timeout=300)
+    case = obs[0]
+    print(spec, case)
+    assert case["tensors"] == 8, case  # lora_A and lora_B of q_proj and v_proj in two layers
+    for when in ("synced", "again"):
+        assert all(case[when]["tokens"]) and case[when]["logprob"] < 1e-4, (when, case)
+    for when in ("behind", "base"):
+        assert not all(case[when]["tokens"]) or case[when]["logprob"] > 1e-2, (when, case)
+    assert case["unloaded"] == [case["names"][0]], case
+
+
 def test_a_server_killed_mid_sync_fails_every_rank_at_once(group: Any, llama_server: Server) -> None:
     """Last in this module: it kills the module's server. Every rank raises within seconds, saying what failed and
     not a time-out it did not wait for, and the engine says to connect again."""
