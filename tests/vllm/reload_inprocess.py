@@ -18,7 +18,7 @@ os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1"
 
 import torch  # noqa: E402
 
-from tests.vllm.conftest import tiny_dir, tiny_model  # noqa: E402
+from tests.vllm.server import tiny_dir, tiny_model  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 13], [7, 3, 2, 8, 100]]
 NEW_TOKENS = 6

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from tests.vllm import scenarios_real as sc
-from tests.vllm.conftest import Server
+from tests.vllm.server import Server
 from wrapkit.cli._workers import free_port
 
 pytest.importorskip("vllm", reason="vLLM's CPU build runs in the vLLM stage's own environment (.ci/vllm)")

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.vllm.conftest import Server
+from tests.vllm.server import Server
 from tests.vllm.test_real_vllm import check_sync_step_sync
 
 pytest.importorskip("vllm", reason="vLLM's CPU build runs in the vLLM stage's own environment (.ci/vllm)")

@@ -18,7 +18,9 @@ the previous weights. Nothing here is imported unless vLLM loads the plugin.
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +30,8 @@ __all__ = ["BACKEND", "register", "receive_packed", "abandon_reload", "unloaded_
            "repack_cpu_experts"]
 
 BACKEND = "gloo"
+# Under vLLM's own logger, whose handler prints its records in the server's log.
+LOG = logging.getLogger("vllm.wrapkit_gloo")
 _Meta = list[tuple[str, str, list[int]]]
 
 
@@ -58,16 +62,21 @@ def _chunks(meta: _Meta, buffer_bytes: int | None) -> Iterator[list[tuple[str, l
         yield pending
 
 
-def receive_packed(meta: _Meta, group: Any, buffer_bytes: int | None, load: Any) -> None:
+def receive_packed(meta: _Meta, group: Any, buffer_bytes: int | None, load: Any) -> tuple[float, float]:
     """Receive one update's chunks from rank 0 of ``group`` and hand each tensor to ``load`` as ``[(name, tensor)]``
-    (vLLM's own unpacked receive loads them so, one at a time): a failure names the tensor that failed."""
+    (vLLM's own unpacked receive loads them so, one at a time): a failure names the tensor that failed. Returns
+    the seconds spent waiting for the chunks and loading them."""
     import torch.distributed as dist
 
+    waiting = loading = 0.0
     for pieces in _chunks(meta, buffer_bytes):
         packed = torch.empty(sum(p[3] for p in pieces), dtype=torch.uint8)
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
+        t0 = time.perf_counter()
         group.broadcast([packed], opts).wait()
+        t1 = time.perf_counter()
+        waiting += t1 - t0
         at = 0
         for name, shape, dtype, size in pieces:
             tensor = packed[at: at + size].view(dtype).view(shape)
@@ -79,6 +88,8 @@ def receive_packed(meta: _Meta, group: Any, buffer_bytes: int | None, load: Any)
                 # does not fit): the trainer is told which tensor failed, and what was raised.
                 raise RuntimeError(f"loading {name} {list(shape)} {str(dtype).removeprefix('torch.')} into the "
                                    f"model failed: {exc!r}") from exc
+        loading += time.perf_counter() - t1
+    return waiting, loading
 
 
 def unloaded_layers(model: torch.nn.Module) -> list[str]:
@@ -202,7 +213,7 @@ def _engine_class() -> type:
                 loaded[0] += 1
 
             try:
-                receive_packed(meta, self.model_update_group, buffer, load)
+                waiting, loading = receive_packed(meta, self.model_update_group, buffer, load)
             except Exception as exc:
                 restored = abandon_reload(self.model)
                 kept = ("its previous weights" if loaded[0] == 0 else
@@ -210,10 +221,12 @@ def _engine_class() -> type:
                         "weights elsewhere")
                 raise RuntimeError(f"{exc}; the update was abandoned ({restored} layers restored): the model holds "
                                    f"{kept}, and the next update starts clean") from exc
+            t0 = time.perf_counter()
+            tied = complete_tied(self.model)  # before the check below: a tied head takes no tensor of its own
+            loading += time.perf_counter() - t0
             # A partial update is refused, not reported done. Checked here, where a failure ends vLLM's session (one
             # at finish_weight_update would leave it open): wrapkit's sender, the one trainer side of this backend,
             # sends the whole model in each update.
-            complete_tied(self.model)
             missing = unloaded_layers(self.model)
             if missing:
                 restored = abandon_reload(self.model)
@@ -222,7 +235,13 @@ def _engine_class() -> type:
                                    "abandoned "
                                    f"({restored} layers restored to their previous weights, the others keep the "
                                    "update's), and the next update starts clean")
-            repack_cpu_experts(self.model)  # every layer took this update's weights: none is packed twice
+            t0 = time.perf_counter()
+            repaired = tied + repack_cpu_experts(self.model)
+            loading += time.perf_counter() - t0
+            # What the engine's own part of an update costs, beside the transfer (wrapkit bench vllm_real reads it).
+            LOG.info("wrapkit gloo update: %d tensors, %d bytes; %.4f s receiving, %.4f s loading (%d layers "
+                     "packed again)", len(meta), sum(math.prod(m[2]) * getattr(torch, m[1]).itemsize for m in meta),
+                     waiting, loading, len(repaired))
 
         def shutdown(self) -> None:
             import torch.distributed as dist
