@@ -177,8 +177,10 @@ def saved_key_map(peft_model: torch.nn.Module, adapter_name: str) -> dict[str, s
             f"adapter {adapter_name!r} is {config.peft_type} prompt learning, whose saved embeddings PEFT computes "
             "from the prompt encoder; adapters_only saves adapters that PEFT injects as layers (LoRA and the like)."
         )
-    # The keys as the modules name them (wrappers' infixes included), for PEFT matches them against
-    # its layers' module names; the file gets them without.
+    # The keys as the modules name them (wrappers' infixes included), which PEFT up to 0.21 matches against its
+    # layers' module names, and the same stand-ins under the names without them, which PEFT 0.22 expects (it
+    # strips the infixes from its module names, and selects nothing under FSDP1's): a tensor either call
+    # selects is saved. The file gets the names without.
     stand_ins: dict[str, torch.Tensor] = {}
     canonical: dict[int, str] = {}
     for mod_name, mod in peft_model.named_modules(remove_duplicate=False):
@@ -192,6 +194,9 @@ def saved_key_map(peft_model: torch.nn.Module, adapter_name: str) -> dict[str, s
     with _offline(), _not_distributed(model.get_base_model()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         selected = get_peft_model_state_dict(model, state_dict=stand_ins, adapter_name=adapter_name)
+        if any(canonical[id(t)] != key for key, t in stand_ins.items()):
+            bare = {canonical[id(t)]: t for t in stand_ins.values()}
+            selected.update(get_peft_model_state_dict(model, state_dict=bare, adapter_name=adapter_name))
     out: dict[str, str] = {}
     computed = []
     for saved, t in selected.items():
