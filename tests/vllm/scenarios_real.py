@@ -217,3 +217,36 @@ def adapters(url: str, model: str, directory: str, spec: str) -> dict[str, Any]:
     base = _compare(wm, url, model)  # the base model, served beside the adapter, is not the trained one
     return {"synced": synced, "behind": behind, "again": again, "base": base, "names": [first.name, second.name],
             "unloaded": second.unloaded, "tensors": first.tensors, "seconds": [first.seconds, second.seconds]}
+
+
+def _moved(wm: Any, step: int) -> None:
+    """Every ``7 + step``-th value of each rank's own part of every parameter moved, alike on every rank (replicas
+    stay replicas): a step that changes a seventh of the values."""
+    with torch.no_grad():
+        for p in wm.unwrap().parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if local.numel():
+                local.view(-1)[:: 7 + step].add_(0.05)
+
+
+def deltas(url: str, model: str, port: int, specs: list[str]) -> dict[str, Any]:
+    """``DeltaSync`` into a server whose backend is ``sparse_gloo`` (``delta.send(engine)``): a dense first round, then
+    two sparse rounds after changing a seventh of the values; after each, the server against the model."""
+    from wrapkit.integrations.vllm import DeltaSync
+
+    engine = VLLMEngine(url, backend="gloo", master_port=port, timeout=60)
+    engine.connect()
+    out: dict[str, Any] = {}
+    for spec in specs:
+        wm = wrapkit.adapt(build(spec, model=_llama(model)))
+        delta = DeltaSync(wm, dense_every=None)
+        rounds = []
+        for step in range(3):
+            if step:
+                _moved(wm, step)
+            behind = _compare(wm, url, model) if step else None
+            report = delta.send(engine)
+            rounds.append({"report": report._asdict(), "behind": behind, "synced": _compare(wm, url, model)})
+        out[spec] = rounds
+    engine.close()
+    return out

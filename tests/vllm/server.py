@@ -61,7 +61,8 @@ def tiny_dir(root: Path, family: str = "llama", seed: int = 0) -> str:
 class Server:
     """``vllm serve`` of ``model`` in a process of its own, taking weights over wrapkit's gloo backend."""
 
-    def __init__(self, model: str, log: Path, startup: float = 300.0, lora: bool = False) -> None:
+    def __init__(self, model: str, log: Path, startup: float = 300.0, lora: bool = False,
+                 backend: str = "gloo", wait: bool = True) -> None:
         self.model, self.port = model, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -72,19 +73,27 @@ class Server:
         self.proc = subprocess.Popen(
             [sys.executable, str(SERVE), "serve", model, "--port", str(self.port), "--skip-tokenizer-init",
              "--enforce-eager", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
-             "--weight-transfer-config", json.dumps({"backend": "gloo"}), *lora_args],
+             "--weight-transfer-config", json.dumps({"backend": backend}), *lora_args],
             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        deadline = time.monotonic() + startup
-        while time.monotonic() < deadline:
+        self.deadline = time.monotonic() + startup
+        if wait:
+            self.ready()
+
+    def ready(self) -> Server:
+        """Wait until the server answers (a server launched with ``wait=False`` starts beside other work), until
+        the start-up deadline counted from its launch."""
+        while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode}:\n{self.tail()}")
             try:
                 self.get("version", timeout=2)
-                return
+                return self
             except OSError:
+                if time.monotonic() > self.deadline:
+                    break
                 time.sleep(1)
         self.stop()
-        raise RuntimeError(f"vllm serve did not answer within {startup:.0f} s:\n{self.tail()}")
+        raise RuntimeError(f"vllm serve did not answer within its start-up time:\n{self.tail()}")
 
     def tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])

@@ -16,6 +16,7 @@ from ..._errors import ArgumentError
 from ._adapters import AdapterFiles, AdapterSync, Versions, check_arguments, sync_adapters
 from ._engine_wire import EngineSync, connection_problem, request, said
 from ._vllm_dense import DenseSender
+from ._vllm_sparse import send_patches
 
 __all__ = ["VLLMEngine"]
 
@@ -80,6 +81,17 @@ class VLLMEngine:
         :raises UnsupportedModelError: for a model held by some of the job's ranks only.
         """
         return self._dense.sync(wm, bucket_bytes, dtype, merge_adapters, keep_dtype, pause)
+
+    def send_weights(self, patches: list[Any]) -> None:
+        """Send a ``DeltaSync`` round's sparse patches to a server whose weight-transfer backend is wrapkit's
+        ``sparse_gloo`` (``delta.send(engine)`` on every rank calls it on the sending rank): positions and values
+        over the group ``connect()`` joined, applied in place by the server, which is paused meanwhile.
+
+        :raises EngineError: quoting the server, where it refused or did not answer (``DeltaSync`` raises it on
+            every rank; its next round is dense). Where the group fell out of step it is left: ``connect()``
+            again on every rank.
+        """
+        send_patches(self._dense, patches)
 
     @property
     def connected(self) -> bool:

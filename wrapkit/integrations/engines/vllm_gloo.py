@@ -26,23 +26,66 @@ from typing import Any
 
 import torch
 
-__all__ = ["BACKEND", "register", "receive_packed", "abandon_reload", "unloaded_layers", "complete_tied",
-           "repack_cpu_experts"]
+__all__ = ["BACKEND", "SPARSE_BACKEND", "register", "keep_cpu_weights", "receive_packed", "abandon_reload",
+           "unloaded_layers", "complete_tied", "repack_cpu_experts"]
 
 BACKEND = "gloo"
+SPARSE_BACKEND = "sparse_gloo"
 # Under vLLM's own logger, whose handler prints its records in the server's log.
 LOG = logging.getLogger("vllm.wrapkit_gloo")
 _Meta = list[tuple[str, str, list[int]]]
 
 
 def register() -> None:
-    """vLLM's plugin hook: the gloo backend in its weight-transfer registry (vLLM may call it more than once)."""
+    """vLLM's plugin hook: the gloo backends in its weight-transfer registry (vLLM may call it more than once), and
+    on the CPU build the linear layers' dispatch for the sparse one (``keep_cpu_weights``)."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
+    for name, cls in ((BACKEND, "GlooWeightTransferEngine"), (SPARSE_BACKEND, "SparseGlooWeightTransferEngine")):
+        try:
+            WeightTransferEngineFactory.register_engine(name, __name__, cls)
+        except ValueError:  # already registered in this process
+            pass
+    keep_cpu_weights()
+
+
+def keep_cpu_weights() -> None:
+    """Where the server's backend is ``sparse_gloo``, the CPU build's linear layers compute from their own weights
+    (vLLM's own fallback, ``F.linear``) instead of a copy packed at load: sparse patches are written into those
+    weights in place, through the model's loaders, which the packing takes away. Other servers are left as
+    vLLM builds them. The dispatch is looked up by vLLM when each layer is processed, so this takes effect for
+    the model built after it."""
+    global _PACKED
     try:
-        WeightTransferEngineFactory.register_engine(BACKEND, __name__, "GlooWeightTransferEngine")
-    except ValueError:  # already registered in this process
-        pass
+        from vllm.model_executor.layers import utils
+    except Exception:  # a vLLM without the CPU dispatch: nothing to change
+        return
+    current = getattr(utils, "dispatch_cpu_unquantized_gemm", None)
+    if current is None or current is _dispatch:
+        return
+    _PACKED = current
+    utils.dispatch_cpu_unquantized_gemm = _dispatch
+
+
+_PACKED: Any = None  # vLLM's own dispatch, which _dispatch calls for the other servers
+
+
+def _dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
+    weight = getattr(layer, "weight", None)
+    if _configured_backend() == SPARSE_BACKEND and weight is not None and weight.ndim == 2:
+        layer.cpu_linear = torch.nn.functional.linear  # type: ignore[assignment]
+        return
+    _PACKED(layer, remove_weight)
+
+
+def _configured_backend() -> str | None:
+    try:
+        from vllm.config import get_current_vllm_config
+
+        config = get_current_vllm_config().weight_transfer_config
+    except Exception:  # outside a vLLM config's context: no server is being built
+        return None
+    return getattr(config, "backend", None)
 
 
 def _chunks(meta: _Meta, buffer_bytes: int | None) -> Iterator[list[tuple[str, list[int], torch.dtype, int]]]:
@@ -140,15 +183,10 @@ def repack_cpu_experts(model: torch.nn.Module) -> list[str]:
     """Pack the experts of each MoE layer again for the CPU build's grouped GEMM. vLLM packs them once, at the first
     load; on a reload it copies the checkpoint's layout into the packed storage and leaves it so (its kernel then
     reads the new values in the wrong order). Call after an update that loaded every layer. Returns their paths."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
-
-    packed = []
-    for path, layer in model.named_modules():
-        kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
-        experts = getattr(kernel, "fused_experts", None)
-        if isinstance(experts, CPUUnquantizedExperts):
-            experts.process_weights_after_loading(layer)
-            packed.append(path)
+    packed = _packed_experts(model)
+    layers = dict(model.named_modules())
+    for path in packed:
+        layers[path].quant_method.moe_kernel.fused_experts.process_weights_after_loading(layers[path])
     return packed
 
 
@@ -256,10 +294,74 @@ def _engine_class() -> type:
     return GlooWeightTransferEngine
 
 
+def _sparse_engine_class() -> type:
+    """vLLM's sparse engine (patches applied in place, no reload) over the gloo group of the dense one."""
+    from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseNCCLWeightTransferEngine
+    from vllm.model_executor.model_loader.checkpoint_weight_patch import (
+        CheckpointWeightPatch,
+        load_checkpoint_weight_patches,
+    )
+
+    from ..._errors import first_few
+
+    dense: Any = _engine_class()
+
+    class SparseGlooWeightTransferEngine(SparseNCCLWeightTransferEngine):  # type: ignore[misc]
+        """Sparse patches (``VLLMEngine.send_weights``, ``DeltaSync``) over a torch gloo group."""
+
+        model_update_group: Any
+        timeout = dense.timeout
+        shutdown = dense.shutdown
+
+        def init_transfer_engine(self, init_info: Any) -> None:
+            experts = _packed_experts(self.model)
+            if experts:
+                raise RuntimeError("sparse updates cannot patch the CPU build's MoE experts "
+                                   f"({first_few(experts, 2)}): it keeps them packed for its grouped GEMM, not in "
+                                   "the checkpoint's layout; "
+                                   "serve this model with the dense gloo backend")
+            dense.init_transfer_engine(self, init_info)
+
+        def receive_weights(self, update_info: Any) -> None:
+            import torch.distributed as dist
+
+            if self.model_update_group is None:
+                raise RuntimeError("gloo weight transfer not initialised: call init_weight_transfer_engine first")
+            patches = []
+            for name, dtype_name, shape, n in zip(update_info.names, update_info.dtype_names, update_info.shapes,
+                                                  update_info.num_updates_list, strict=True):
+                dtype = getattr(torch, dtype_name)
+                parts = []
+                for part_dtype in (torch.int32, dtype):
+                    raw = torch.empty(n * part_dtype.itemsize, dtype=torch.uint8)
+                    if n:
+                        opts = dist.BroadcastOptions()
+                        opts.rootRank = 0
+                        self.model_update_group.broadcast([raw], opts).wait()
+                    parts.append(raw.view(part_dtype))
+                patches.append(CheckpointWeightPatch(name=name, shape=tuple(shape), dtype=dtype, values=parts[1],
+                                                     indices=parts[0]))
+            load_checkpoint_weight_patches(self.model, patches)
+
+    return SparseGlooWeightTransferEngine
+
+
+def _packed_experts(model: torch.nn.Module) -> list[str]:
+    """The paths of the MoE layers whose experts the CPU build packs for its grouped GEMM."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    return [path for path, layer in model.named_modules()
+            if isinstance(getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts",
+                                  None), CPUUnquantizedExperts)]
+
+
+_CLASSES = {"GlooWeightTransferEngine": _engine_class, "SparseGlooWeightTransferEngine": _sparse_engine_class}
+
+
 def __getattr__(name: str) -> Any:
-    # vLLM's factory looks the class up by name on this module.
-    if name == "GlooWeightTransferEngine":
-        cls = _engine_class()
+    # vLLM's factory looks the classes up by name on this module.
+    if name in _CLASSES:
+        cls = _CLASSES[name]()
         globals()[name] = cls
         return cls
     raise AttributeError(name)
