@@ -166,11 +166,11 @@ def test_a_peft_model_sent_unmerged_to_vllm_is_refused_before_anything_is_sent()
 
 
 def test_sparse_patches_before_connect_are_refused() -> None:
-    """``VLLMEngine.send_weights`` (a ``DeltaSync`` round for wrapkit's ``sparse_gloo`` backend) needs the group
+    """``VLLMEngine.send_patches`` (a ``DeltaSync`` round for wrapkit's ``sparse_gloo`` backend) needs the group
     ``connect()`` joins: before it, an error naming the fix, with no server touched."""
     import wrapkit
     from wrapkit.integrations.vllm import VLLMEngine
 
     engine = VLLMEngine("http://127.0.0.1:9", backend="gloo", master_port=29999, timeout=1)
     with pytest.raises(wrapkit.ArgumentError, match=r"before connect\(\)"):
-        engine.send_weights([])
+        engine.send_patches([])

@@ -1,6 +1,6 @@
 """``DeltaSync`` against a real vLLM: the server runs wrapkit's ``sparse_gloo`` backend (vLLM's sparse engine, its
 patches over gloo, applied in place through the model's loaders; on the CPU build the linear layers compute from
-their own weights so that the patches reach them), and ``VLLMEngine.send_weights`` sends each round. Oracle: the
+their own weights so that the patches reach them), and ``VLLMEngine.send_patches`` sends each round. Oracle: the
 server generates as the trained model after a dense first round and after sparse rounds that each changed a
 seventh of the values; before each sparse round, it does not."""
 

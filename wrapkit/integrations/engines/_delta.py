@@ -111,7 +111,8 @@ class DeltaSync:
         """One sync, collective: every rank calls it. ``sender`` (used on the sending rank only): vLLM's sparse
         trainer engine (``trainer_init`` of ``SparseNCCLTrainerInitInfo``), whose ``send_weight_chunk`` takes each
         bucket's patches inside one ``start_weight_update`` / ``finish_weight_update`` of its client; or
-        anything with ``send_weights(patches)``, given the round's patches at once. Raises ``EngineError`` on
+        ``VLLMEngine`` (``send_patches``, a server with wrapkit's ``sparse_gloo`` backend), or anything with
+        ``send_weights(patches)``, given the round's patches at once. Raises ``EngineError`` on
         every rank where the send failed (the next sync is then dense)."""
         t0 = time.perf_counter()
         dense, me, world = self._dense, rank(), world_size()
@@ -214,7 +215,8 @@ class _Round:
     def finish(self) -> tuple[str | None, int, int, int]:
         if self.sends and self.error is None:
             self.error = (_attempt(self.sender.client.finish_weight_update) if self.chunked
-                          else _attempt(self.sender.send_weights, self.held))
+                          else _attempt(getattr(self.sender, "send_patches", None) or self.sender.send_weights,
+                                        self.held))
         self.held.clear()
         out: tuple[str | None, int, int, int] = share((self.error, self.tensors, self.changed, self.size), self.src)
         return out

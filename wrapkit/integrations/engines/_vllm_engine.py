@@ -16,7 +16,7 @@ from ..._errors import ArgumentError
 from ._adapters import AdapterFiles, AdapterSync, Versions, check_arguments, sync_adapters
 from ._engine_wire import EngineSync, connection_problem, request, said
 from ._vllm_dense import DenseSender
-from ._vllm_sparse import send_patches
+from ._vllm_sparse import send_patches as sparse_send
 
 __all__ = ["VLLMEngine"]
 
@@ -82,16 +82,17 @@ class VLLMEngine:
         """
         return self._dense.sync(wm, bucket_bytes, dtype, merge_adapters, keep_dtype, pause)
 
-    def send_weights(self, patches: list[Any]) -> None:
+    def send_patches(self, patches: list[Any]) -> None:
         """Send a ``DeltaSync`` round's sparse patches to a server whose weight-transfer backend is wrapkit's
-        ``sparse_gloo`` (``delta.send(engine)`` on every rank calls it on the sending rank): positions and values
+        ``sparse_gloo`` (``delta.send(engine)`` on every rank calls it on the sending rank; named apart from
+        ``send_weights``, which TRL's and vLLM's transfer protocols give a full stream): positions and values
         over the group ``connect()`` joined, applied in place by the server, which is paused meanwhile.
 
         :raises EngineError: quoting the server, where it refused or did not answer (``DeltaSync`` raises it on
             every rank; its next round is dense). Where the group fell out of step it is left: ``connect()``
             again on every rank.
         """
-        send_patches(self._dense, patches)
+        sparse_send(self._dense, patches)
 
     @property
     def connected(self) -> bool:

@@ -1,5 +1,5 @@
 """The sending side of a sparse update to vLLM over gloo: ``DeltaSync``'s patches to a server whose backend is
-wrapkit's ``sparse_gloo`` (``VLLMEngine.send_weights``), through the group and the control calls of the dense
+wrapkit's ``sparse_gloo`` (``VLLMEngine.send_patches``), through the group and the control calls of the dense
 sender."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def send_patches(sender: DenseSender, patches: list[Any]) -> None:
     broadcast each (none for an empty one), applied in place by the workers. Paused, checked and resumed as
     a dense sync is. Raises ``EngineError`` with the server's reason."""
     if sender.wire is None or not sender.connected:
-        raise ArgumentError("VLLMEngine.send_weights() before connect(): call connect() on every rank first")
+        raise ArgumentError("VLLMEngine.send_patches() before connect(): call connect() on every rank first")
     if not patches:
         return
     sender.syncs += 1
@@ -47,4 +47,4 @@ def send_patches(sender: DenseSender, patches: list[Any]) -> None:
             sender.close()
             sender.broken = False
             error += "; the transfer group was left: connect() again on every rank"
-        raise EngineError(f"VLLMEngine.send_weights() at {sender.url}: {error}")
+        raise EngineError(f"VLLMEngine.send_patches() at {sender.url}: {error}")

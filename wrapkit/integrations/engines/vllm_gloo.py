@@ -307,7 +307,7 @@ def _sparse_engine_class() -> type:
     dense: Any = _engine_class()
 
     class SparseGlooWeightTransferEngine(SparseNCCLWeightTransferEngine):  # type: ignore[misc]
-        """Sparse patches (``VLLMEngine.send_weights``, ``DeltaSync``) over a torch gloo group."""
+        """Sparse patches (``VLLMEngine.send_patches``, ``DeltaSync``) over a torch gloo group."""
 
         model_update_group: Any
         timeout = dense.timeout
