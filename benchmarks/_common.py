@@ -62,6 +62,30 @@ def interleaved(a: Callable[[], float], b: Callable[[], float], reps: int) -> tu
     return times_a, times_b
 
 
+def alternated(ways: Sequence[tuple[str, Callable[[], object]]], reps: int) -> dict[str, list[float]]:
+    """``reps`` timings of each of ``ways`` (name, function; collective, started together on every rank), in
+    rounds whose order reverses every other round, so drift and noise hit each alike."""
+    times: dict[str, list[float]] = {key: [] for key, _ in ways}
+    for i in range(reps):
+        for key, fn in (ways if i % 2 else ways[::-1]):
+            times[key].append(barrier_timed(fn))
+    return times
+
+
+def vllm_chunk_sizes(engine: Any, wm: Any, bucket_bytes: int) -> list[int]:
+    """The bytes of each packed chunk ``VLLMEngine.sync(wm, bucket_bytes=...)`` broadcasts: vLLM's cut (a chunk
+    closed right after the tensor that takes it past the engine's buffer) over the sync's own metadata. A pass of
+    the stream on first use: every rank."""
+    sizes, size = [], 0
+    meta = engine._dense._source_of(wm, bucket_bytes, None, False, None).metadata
+    for i, m in enumerate(meta):
+        size += m.dtype.itemsize * math.prod(m.shape)
+        if size > engine._dense.buffer_bytes or i == len(meta) - 1:
+            sizes.append(size)
+            size = 0
+    return sizes
+
+
 def relative_stderr(wrapkit_samples: Sequence[float], baseline_samples: Sequence[float], *,
                     paired: bool = True) -> float | None:
     """The standard error of a ratio of the two, relative to the ratio (None: too few samples).

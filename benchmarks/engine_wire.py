@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import barrier_timed, median, print_rows, row, two_ranks
+from _common import alternated, median, print_rows, row, two_ranks, vllm_chunk_sizes
 
 NAME = "engine_wire"
 GOAL = 0.8
@@ -39,14 +39,7 @@ def _sizes(kind: str, engine: Any, wm: Any) -> list[int]:
     if kind == "sglang":
         return [sum(e.dtype.itemsize * math.prod(e.shape) for e in b.entries)
                 for b in wm.stream_full_parameters(BUCKET)]
-    sizes, size = [], 0
-    meta = engine._dense._source_of(wm, BUCKET, None, False, None).metadata
-    for i, m in enumerate(meta):
-        size += m.dtype.itemsize * math.prod(m.shape)
-        if size > engine._dense.buffer_bytes or i == len(meta) - 1:
-            sizes.append(size)
-            size = 0
-    return sizes
+    return vllm_chunk_sizes(engine, wm, BUCKET)
 
 
 def _times(kind: str, url: str, port: int, reps: int) -> dict[str, Any]:
@@ -88,11 +81,7 @@ def _times(kind: str, url: str, port: int, reps: int) -> dict[str, Any]:
         for _ in wm.stream_full_parameters(BUCKET, dst_rank=0):
             pass
 
-    ways = [("sync", sync), ("bare", bare), ("gathers", gathers)]
-    times: dict[str, list[float]] = {key: [] for key, _ in ways}
-    for i in range(reps):
-        for key, fn in (ways if i % 2 else ways[::-1]):
-            times[key].append(barrier_timed(fn))
+    times = alternated([("sync", sync), ("bare", bare), ("gathers", gathers)], reps)
     engine.close()
     last = sent[-1]
     return {"times": times, "bytes": last.bytes, "broadcasts": last.buckets, "tensors": last.tensors}

@@ -20,7 +20,6 @@ the vLLM stage's environment (``bash .ci/vllm install``, ``. .venv-ci-vllm/bin/a
 
 from __future__ import annotations
 
-import math
 import re
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import barrier_timed, median, print_rows, row, two_ranks
+from _common import alternated, median, print_rows, row, two_ranks, vllm_chunk_sizes
 
 NAME = "vllm_real"
 GOAL = 0.8
@@ -72,13 +71,7 @@ def _times(url: str, model: str, port: int, bare_port: int, reps: int) -> dict[s
     engine.connect()
     sent: list[Any] = []
     sent.append(engine.sync(wm, bucket_bytes=BUFFER))  # the first reads the metadata: not what a step costs
-    meta = engine._dense._source_of(wm, BUFFER, None, False, None).metadata
-    sizes, size = [], 0
-    for i, m in enumerate(meta):  # vLLM's packed cut, as the sync made it
-        size += m.dtype.itemsize * math.prod(m.shape)
-        if size > BUFFER or i == len(meta) - 1:
-            sizes.append(size)
-            size = 0
+    sizes = vllm_chunk_sizes(engine, wm, BUFFER)
     receiver, group = None, None
     if dist.get_rank() == 0:
         receiver = subprocess.Popen([sys.executable, "-c", RECEIVER, str(bare_port), ",".join(map(str, sizes)),
@@ -99,11 +92,7 @@ def _times(url: str, model: str, port: int, bare_port: int, reps: int) -> dict[s
         for _ in wm.stream_full_parameters(BUFFER, dst_rank=0):
             pass
 
-    ways = [("sync", sync), ("bare", bare), ("gathers", gathers)]
-    times: dict[str, list[float]] = {key: [] for key, _ in ways}
-    for i in range(reps):
-        for key, fn in (ways if i % 2 else ways[::-1]):
-            times[key].append(barrier_timed(fn))
+    times = alternated([("sync", sync), ("bare", bare), ("gathers", gathers)], reps)
     engine.close()
     if receiver is not None:
         receiver.wait(60)

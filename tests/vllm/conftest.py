@@ -5,6 +5,7 @@ elsewhere vLLM is not installed and they are skipped."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -34,30 +35,22 @@ def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
             server.stop()
 
 
-def _serve(launched: dict[str, Server], name: str) -> Iterator[Server]:
-    server = launched[name].ready()
-    try:
-        yield server
-    finally:
-        server.stop()  # its module is done: its memory back for the others
+def _server_fixture(name: str) -> Any:
+    """The module-scoped fixture ``name``: that server of ``launched``, once it answers; stopped after its module,
+    so that its memory goes back to the others."""
+
+    @pytest.fixture(scope="module", name=name)
+    def serve(launched: dict[str, Server]) -> Iterator[Server]:
+        server = launched[name].ready()
+        try:
+            yield server
+        finally:
+            server.stop()
+
+    return serve
 
 
-@pytest.fixture(scope="module")
-def llama_server(launched: dict[str, Server]) -> Iterator[Server]:
-    yield from _serve(launched, "llama_server")
-
-
-@pytest.fixture(scope="module")
-def qwen2_server(launched: dict[str, Server]) -> Iterator[Server]:
-    yield from _serve(launched, "qwen2_server")
-
-
-@pytest.fixture(scope="module")
-def moe_server(launched: dict[str, Server]) -> Iterator[Server]:
-    yield from _serve(launched, "moe_server")
-
-
-@pytest.fixture(scope="module")
-def sparse_server(launched: dict[str, Server]) -> Iterator[Server]:
-    """A Llama served with wrapkit's ``sparse_gloo`` backend (patches applied in place)."""
-    yield from _serve(launched, "sparse_server")
+llama_server = _server_fixture("llama_server")
+qwen2_server = _server_fixture("qwen2_server")
+moe_server = _server_fixture("moe_server")
+sparse_server = _server_fixture("sparse_server")  # a Llama on wrapkit's sparse_gloo backend

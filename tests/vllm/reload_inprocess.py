@@ -16,25 +16,11 @@ from typing import Any
 
 os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_TARGET_DEVICE="cpu")
 
-import torch  # noqa: E402
 
-from tests.vllm.server import tiny_dir, tiny_model  # noqa: E402
+from tests.vllm.server import compared, greedy, tiny_dir, tiny_model  # noqa: E402
 
 PROMPTS = [[1, 5, 9, 13], [7, 3, 2, 8, 100]]
 NEW_TOKENS = 6
-
-
-def _own(model: Any) -> list[tuple[list[int], list[float]]]:
-    out = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            full = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                  do_sample=False)
-            new = full[0, len(prompt):].tolist()
-            logprobs = model(input_ids=full).logits[0].float().log_softmax(-1)
-            out.append((new, [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(new)]))
-    return out
 
 
 def _served(llm: Any) -> list[tuple[list[int], list[float]]]:
@@ -49,12 +35,6 @@ def _served(llm: Any) -> list[tuple[list[int], list[float]]]:
         out.append((list(choice.token_ids), [float(d[t].logprob) for d, t in zip(choice.logprobs, choice.token_ids,
                                                                                    strict=True)]))
     return out
-
-
-def _compare(mine: Any, theirs: Any) -> dict[str, Any]:
-    return {"tokens": [a[0] == b[0] for a, b in zip(mine, theirs, strict=True)],
-            "logprob": max(abs(x - y) for a, b in zip(mine, theirs, strict=True)
-                           for x, y in zip(a[1], b[1], strict=False))}
 
 
 def _reload(directory: str, repair: bool) -> Any:
@@ -89,14 +69,15 @@ def main(root: Path, families: list[str]) -> dict[str, Any]:
         first, second = tiny_dir(root, family, 0), tiny_dir(root, family, 1)
         llm = LLM(model=first, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128,
                   max_num_seqs=4)
-        want = {first: _own(tiny_model(family, 0).eval()), second: _own(tiny_model(family, 1).eval())}
-        case: dict[str, Any] = {"loaded": _compare(_served(llm), want[first])}
+        want = {first: greedy(tiny_model(family, 0).eval(), PROMPTS, NEW_TOKENS),
+                second: greedy(tiny_model(family, 1).eval(), PROMPTS, NEW_TOKENS)}
+        case: dict[str, Any] = {"loaded": compared(_served(llm), want[first])}
         llm.collective_rpc(_reload(second, repair=False))
-        case["vllm's reload"] = _compare(_served(llm), want[second])
+        case["vllm's reload"] = compared(_served(llm), want[second])
         case["repaired"] = llm.collective_rpc(_reload(first, repair=True))[0]
-        case["repaired reload"] = _compare(_served(llm), want[first])
+        case["repaired reload"] = compared(_served(llm), want[first])
         llm.collective_rpc(_reload(second, repair=True))
-        case["repaired again"] = _compare(_served(llm), want[second])
+        case["repaired again"] = compared(_served(llm), want[second])
         out[family] = case
         del llm
     return out

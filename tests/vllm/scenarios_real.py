@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 import wrapkit
+from tests.vllm.server import compared, greedy
 from wrapkit.cli._models import build
 from wrapkit.integrations.vllm import VLLMEngine
 
@@ -33,16 +34,8 @@ def served(url: str, model: str) -> list[tuple[list[int], list[float]]]:
 
 def own(wm: Any) -> list[tuple[list[int], list[float]]]:
     """The trained model's own greedy tokens and their log-probabilities (collective: every rank)."""
-    out = []
     with torch.no_grad(), wm.generation() as m:
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            full = m.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                              do_sample=False)
-            new = full[0, len(prompt):].tolist()
-            logprobs = m(input_ids=full).logits[0].float().log_softmax(-1)
-            out.append((new, [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(new)]))
-    return out
+        return greedy(m, PROMPTS, NEW_TOKENS)
 
 
 def _compare(wm: Any, url: str, model: str) -> dict[str, Any] | None:
@@ -50,11 +43,7 @@ def _compare(wm: Any, url: str, model: str) -> dict[str, Any] | None:
     mine = own(wm)
     if dist.get_rank() != 0:
         return None
-    theirs = served(url, model)
-    # Position by position: where the tokens part (the server behind), they are of different tokens.
-    return {"tokens": [a[0] == b[0] for a, b in zip(mine, theirs, strict=True)],
-            "logprob": max(abs(x - y) for a, b in zip(mine, theirs, strict=True)
-                           for x, y in zip(a[1], b[1], strict=False))}
+    return compared(mine, served(url, model))
 
 
 def _step(wm: Any, outer: Any, spec: str) -> None:

@@ -58,6 +58,30 @@ def tiny_dir(root: Path, family: str = "llama", seed: int = 0) -> str:
     return str(directory)
 
 
+def greedy(model: Any, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list[float]]]:
+    """``model``'s own greedy tokens for each prompt and their log-probabilities (the oracle a server is held to)."""
+    import torch
+
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            full = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                  do_sample=False)
+            new = full[0, len(prompt):].tolist()
+            logprobs = model(input_ids=full).logits[0].float().log_softmax(-1)
+            out.append((new, [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(new)]))
+    return out
+
+
+def compared(mine: Any, theirs: Any) -> dict[str, Any]:
+    """Whether each prompt's tokens are equal, and the largest log-probability difference, position by position
+    (where the tokens part, as from a server behind, they are of different tokens)."""
+    return {"tokens": [a[0] == b[0] for a, b in zip(mine, theirs, strict=True)],
+            "logprob": max(abs(x - y) for a, b in zip(mine, theirs, strict=True)
+                           for x, y in zip(a[1], b[1], strict=False))}
+
+
 class Server:
     """``vllm serve`` of ``model`` in a process of its own, taking weights over wrapkit's gloo backend."""
 

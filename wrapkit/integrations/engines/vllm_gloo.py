@@ -18,10 +18,11 @@ the previous weights. Nothing here is imported unless vLLM loads the plugin.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -135,17 +136,19 @@ def receive_packed(meta: _Meta, group: Any, buffer_bytes: int | None, load: Any)
     return waiting, loading
 
 
+def _got_nothing(layer: torch.nn.Module) -> bool:
+    """Whether the current layerwise reload waits for ``layer`` and has given it no weight yet."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    info = layerwise.get_layerwise_info(layer)
+    return bool(info.can_load() and info.load_numel <= 0)
+
+
 def unloaded_layers(model: torch.nn.Module) -> list[str]:
     """The layers holding parameters that the current layerwise reload has given no weight (vLLM would keep their
     previous values, log "Failed to load weights" and report the update done)."""
-    from vllm.model_executor.model_loader.reload import layerwise
-
-    missing = []
-    for path, layer in model.named_modules():
-        info = layerwise.get_layerwise_info(layer)
-        if info.can_load() and info.load_numel <= 0 and any(True for _ in layer.parameters(recurse=False)):
-            missing.append(path or type(layer).__name__)
-    return missing
+    return [path or type(layer).__name__ for path, layer in model.named_modules()
+            if _got_nothing(layer) and any(True for _ in layer.parameters(recurse=False))]
 
 
 def complete_tied(model: torch.nn.Module) -> list[str]:
@@ -156,9 +159,8 @@ def complete_tied(model: torch.nn.Module) -> list[str]:
     their paths."""
     from vllm.model_executor.model_loader.reload import layerwise
 
-    def waiting(layer: torch.nn.Module) -> bool:
-        info = layerwise.get_layerwise_info(layer)
-        return info.can_load() and info.load_numel <= 0 and info.kernel_tensors is not None
+    def waiting(layer: torch.nn.Module) -> bool:  # and with tensors of its own to put back
+        return _got_nothing(layer) and layerwise.get_layerwise_info(layer).kernel_tensors is not None
 
     loaded = {id(p) for layer in model.modules() if not waiting(layer) for p in layer.parameters(recurse=False)}
     completed = []
@@ -213,6 +215,7 @@ def abandon_reload(model: torch.nn.Module) -> int:
     return restored
 
 
+@functools.cache
 def _engine_class() -> type:
     """Built on first use: its base class is vLLM's, importable only where vLLM is installed."""
     from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
@@ -355,7 +358,8 @@ def _packed_experts(model: torch.nn.Module) -> list[str]:
                                   None), CPUUnquantizedExperts)]
 
 
-_CLASSES = {"GlooWeightTransferEngine": _engine_class, "SparseGlooWeightTransferEngine": _sparse_engine_class}
+_CLASSES: dict[str, Callable[[], type]] = {"GlooWeightTransferEngine": _engine_class,
+                                           "SparseGlooWeightTransferEngine": _sparse_engine_class}
 
 
 def __getattr__(name: str) -> Any:
