@@ -145,6 +145,7 @@ def failures(url: str, model: str, port: int) -> dict[str, Any]:
     attempt("fewer layers", {"num_hidden_layers": 1})
     attempt("right at last", {})
     out["generates at last"] = _compare(right, url, model)
+    engine.close()  # its gloo group, on these shared workers
     return out
 
 
