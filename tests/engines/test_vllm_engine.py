@@ -51,8 +51,8 @@ def _check(per_rank: list[Any]) -> None:
         # One session per sync: paused, started, one update (every chunk), finished, version read back, resumed.
         calls = sync["calls"]
         assert calls[len(calls) - 1 - calls[::-1].index("pause"):] == [
-            "pause", "start_weight_update", "update_weights", "finish_weight_update", "weight_info", "resume",
-            "standin_dump"], calls
+            "pause", "start_weight_update", "update_weights", "finish_weight_update", "weight_info",
+            "reset_prefix_cache", "resume", "standin_dump"], calls
     assert per_rank[0][0]["calls"][:2] == ["version", "init_weight_transfer_engine"]
     assert len(versions) == len(per_rank[0]) and None not in versions  # a version of its own per sync
 

@@ -136,6 +136,9 @@ class Engine:
     def resume(self, req: dict[str, Any]) -> tuple[int, Any]:
         return 200, {"status": "resumed"}
 
+    def reset_prefix_cache(self, req: dict[str, Any]) -> tuple[int, Any]:
+        return 200, {"success": True}
+
     def standin_bare(self, req: dict[str, Any]) -> tuple[int, Any]:
         """Receive broadcasts of ``sizes`` bytes, and nothing else (the benchmarks' bare transport)."""
         for n in req["sizes"]:

@@ -65,19 +65,19 @@ def accelerator(kind: str, mixed_precision: str = "no", layers: list[str] | None
     return Accelerator(fsdp_plugin=plugin, mixed_precision=mixed_precision)
 
 
-def trainer_arguments(kind: str) -> dict[str, Any]:
+def trainer_arguments(kind: str, layers: list[str] | None = None) -> dict[str, Any]:
     """Set up accelerate's state for a transformers/TRL trainer on ``kind``; returns the
-    ``TrainingArguments`` keywords that select it."""
+    ``TrainingArguments`` keywords that select it. ``layers``: FSDP's unit classes (default: a Llama's)."""
     if kind == "ddp":
         return {"use_cpu": True}
     _partial_state(kind)
     common = {"accelerator_config": {"use_configured_state": True}, "ddp_backend": "gloo"}
     if kind.startswith("zero"):
         return {"deepspeed": ds_config(int(kind[-1])), **common}
-    plugin = fsdp_plugin(kind)
+    plugin = fsdp_plugin(kind, layers)
     _declare_fsdp(plugin)
     fsdp_config = {"fsdp_version": plugin.fsdp_version, "sync_module_states": False,
-                   "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}
+                   "transformer_layer_cls_to_wrap": layers or ["LlamaDecoderLayer"]}
     return {"fsdp": "full_shard", "fsdp_config": fsdp_config, **common}
 
 

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from tests.vllm.server import Server, tiny_dir
+from tests.vllm.server import Server, tiny_dir, trl_dir
 
-# Each module's server, by fixture name: (family, runtime LoRA, backend).
-SERVERS = {"llama_server": ("llama", True, "gloo"), "qwen2_server": ("qwen2-tied", False, "gloo"),
-           "moe_server": ("qwen3-moe", False, "gloo"), "sparse_server": ("llama", False, "sparse_gloo")}
+# Each module's server, by fixture name: (family, runtime LoRA, backend, with a tokenizer: a trainer's model).
+SERVERS = {"llama_server": ("llama", True, "gloo", False), "qwen2_server": ("qwen2-tied", False, "gloo", False),
+           "moe_server": ("qwen3-moe", False, "gloo", False), "sparse_server": ("llama", False, "sparse_gloo", False),
+           "trl_llama_server": ("llama", False, "gloo", True)}
 
 
 @pytest.fixture(scope="session")
@@ -25,10 +26,11 @@ def launched(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFa
     servers: dict[str, Server] = {}
     try:
         for name in sorted(wanted):
-            family, lora, backend = SERVERS[name]
+            family, lora, backend, tokenizer = SERVERS[name]
             root = tmp_path_factory.mktemp(name)
-            servers[name] = Server(tiny_dir(root, family), root / "server.log", lora=lora, backend=backend,
-                                   startup=600, wait=False)  # four at once, beside the first tests
+            model = trl_dir(root, family) if tokenizer else tiny_dir(root, family)
+            servers[name] = Server(model, root / "server.log", lora=lora, backend=backend, tokenizer=tokenizer,
+                                   startup=600, wait=False)  # all at once, beside the first tests
         yield servers
     finally:
         for server in servers.values():
@@ -54,3 +56,4 @@ llama_server = _server_fixture("llama_server")
 qwen2_server = _server_fixture("qwen2_server")
 moe_server = _server_fixture("moe_server")
 sparse_server = _server_fixture("sparse_server")  # a Llama on wrapkit's sparse_gloo backend
+trl_llama_server = _server_fixture("trl_llama_server")  # a Llama with its tokenizer, for TRL's trainers

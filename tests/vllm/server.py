@@ -58,6 +58,27 @@ def tiny_dir(root: Path, family: str = "llama", seed: int = 0) -> str:
     return str(directory)
 
 
+def trl_dir(root: Path, family: str = "llama", seed: int = 0) -> str:
+    """``tiny_model(family, seed)`` and a word-level tokenizer of its 256 ids (``<pad>``, ``<eos>``, ``<unk>``,
+    ``w0``...), saved under ``root``: a trainer's model (TRL reads the tokenizer; nothing is downloaded)."""
+    directory = root / f"{family}-{seed}-tokenized"
+    if not directory.exists():
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        words = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(253)]
+        tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        model = tiny_model(family, seed)
+        model.config.pad_token_id, model.config.eos_token_id, model.config.bos_token_id = 0, 1, None
+        model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
+        model.generation_config.bos_token_id = None
+        model.save_pretrained(directory)
+        PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                unk_token="<unk>").save_pretrained(directory)
+    return str(directory)
+
+
 def greedy(model: Any, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list[float]]]:
     """``model``'s own greedy tokens for each prompt and their log-probabilities (the oracle a server is held to)."""
     import torch
@@ -86,7 +107,7 @@ class Server:
     """``vllm serve`` of ``model`` in a process of its own, taking weights over wrapkit's gloo backend."""
 
     def __init__(self, model: str, log: Path, startup: float = 300.0, lora: bool = False,
-                 backend: str = "gloo", wait: bool = True) -> None:
+                 backend: str = "gloo", wait: bool = True, tokenizer: bool = False) -> None:
         self.model, self.port = model, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -95,8 +116,9 @@ class Server:
         lora_args = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"] if lora else []
         self.log = log
         self.proc = subprocess.Popen(
-            [sys.executable, str(SERVE), "serve", model, "--port", str(self.port), "--skip-tokenizer-init",
-             "--enforce-eager", "--dtype", "float32", "--max-model-len", "128", "--max-num-seqs", "4",
+            [sys.executable, str(SERVE), "serve", model, "--port", str(self.port),
+             *([] if tokenizer else ["--skip-tokenizer-init"]), "--enforce-eager", "--dtype", "float32",
+             "--max-model-len", "128", "--max-num-seqs", "4",
              "--weight-transfer-config", json.dumps({"backend": backend}), *lora_args],
             stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.deadline = time.monotonic() + startup

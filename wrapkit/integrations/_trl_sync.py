@@ -16,10 +16,13 @@ client and wire in server mode, ``load_weights`` of the in-process engine in col
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .._adapt import adapt
 from .._protocol import WrappedModel
@@ -51,8 +54,35 @@ def prepared_module(model: torch.nn.Module, accelerator: Any = None) -> torch.nn
     naming what to pass, so the fallback is never a silent bare read."""
     for prepared in getattr(accelerator, "_models", None) or []:
         if _holds(prepared, model):
-            return prepared  # type: ignore[no-any-return]
+            # accelerate lists the module it put in DDP, not the DDP: found by what holds it, so that the
+            # model reads as the replica of every rank it is (an engine sync refuses a lone rank's module).
+            return _ddp_holding(prepared) or prepared  # type: ignore[no-any-return]
     return model
+
+
+_DDP_OF: weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module] = weakref.WeakKeyDictionary()
+
+
+def _ddp_holding(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The ``DistributedDataParallel`` whose ``.module`` is ``module``, or None (remembered: a wrapper is
+    built once). Found through the referrers of the module (the wrapper's ``_modules``), since the module keeps
+    no link to its wrapper."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    if module in _DDP_OF:
+        return _DDP_OF[module]
+    from torch.nn.parallel import DistributedDataParallel
+
+    # module <- the wrapper's ``_modules`` <- its ``__dict__`` <- the wrapper: only dicts are followed.
+    level: list[Any] = [module]
+    for _ in range(3):
+        found = [r for node in level for r in gc.get_referrers(node) if r is not level]
+        for owner in found:
+            if isinstance(owner, DistributedDataParallel) and owner.module is module:
+                _DDP_OF[module] = owner
+                return owner
+        level = [r for r in found if isinstance(r, dict)]
+    return None
 
 
 def prepared_policy(model: torch.nn.Module, accelerator: Any = None) -> WrappedModel:

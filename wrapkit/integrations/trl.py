@@ -40,6 +40,7 @@ from ..adapters.zero.reference import config_dtype, inference_ds_config
 from ..references.placement import place
 from ..references.wrapping import bare_module
 from ._patch import Patch, swap, swap_methods
+from ._trl_server import server_methods
 from ._trl_sync import iter_named_params, prepared_policy, vllm_weights
 
 __all__ = [
@@ -181,7 +182,7 @@ def _generation_config(model: torch.nn.Module, overrides: Mapping[str, Any] | No
 TRLPatch = Patch
 
 
-def patch_trl() -> TRLPatch:
+def patch_trl(*, vllm_server: bool = False, sync_timeout: float = 120.0) -> TRLPatch:
     """Make TRL's trainers call this module's drop-ins instead of TRL's own.
 
     Replaces the three functions in ``trl.models.utils`` and in every loaded ``trl`` module
@@ -191,6 +192,12 @@ def patch_trl() -> TRLPatch:
     (``_trl_sync``): the Hub's layout on every backend, LoRA merged without touching the live weights.
     Call once in every process, before building the trainer. Returns a ``TRLPatch`` to undo it
     (``swaps``: the functions, ``methods``: the methods replaced); patching twice is a no-op.
+
+    ``vllm_server=True``: TRL's server mode sends the weights through wrapkit's ``VLLMEngine`` instead of TRL's
+    NCCL communicator (TRL's client still generates): every rank enters each sync, each step has a timeout of
+    ``sync_timeout`` seconds, and the server's weight version is checked after it. A CPU trainer speaks gloo (the
+    server started with ``--weight-transfer-config '{"backend": "gloo"}'``, wrapkit installed beside vLLM), a GPU
+    trainer vLLM's NCCL. TRL's configuration is unchanged.
     """
     require("trl", feature="patch_trl", extra="trl")
     source = importlib.import_module("trl.models.utils")
@@ -200,6 +207,8 @@ def patch_trl() -> TRLPatch:
     with contextlib.suppress(ImportError):  # TRL releases before the vLLM helper class
         generation = importlib.import_module("trl.generation.vllm_generation").VLLMGeneration
         methods.append((generation, "_iter_named_params", iter_named_params))
+        if vllm_server:
+            methods += server_methods(generation, sync_timeout)
     return swap("trl", pairs, then=swap_methods(methods))
 
 

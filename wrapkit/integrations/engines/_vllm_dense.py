@@ -290,6 +290,13 @@ class DenseSender:
                 if answer.get("weight_version") != version:
                     error = (f"after the update the server reports weight version {answer.get('weight_version')!r}, "
                              f"not {version!r}: it did not finish this update")
+            if error is None:
+                # Paused with mode=keep, vLLM keeps its prefix cache: blocks computed with the previous weights
+                # would serve prompts that share a prefix with earlier ones. Requests held over are recomputed.
+                _, answer = self._call("reset_prefix_cache?reset_running_requests=true", {})
+                if answer.get("success") is not True:
+                    error = ("the weights are this update's, but the server did not reset its prefix cache "
+                             f"(answer {answer!r}), so cached blocks of the previous weights may be served")
         except Exception as exc:
             error = error or why(exc)
         error = _explained(error, loading)
