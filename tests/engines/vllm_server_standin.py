@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from wrapkit.integrations.engines._vllm_dense import gloo_group_name
+from wrapkit.integrations.engines._vllm_wire import gloo_group_name
 
 
 class Engine:

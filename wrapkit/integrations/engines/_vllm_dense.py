@@ -19,17 +19,14 @@ trainer needs around it:
 from __future__ import annotations
 
 import re
-import threading
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..._errors import ArgumentError, EngineError, first_few
-from ...base.process_groups import join_weight_group
 from ._engine_wire import (
     EngineSync,
     agree,
@@ -41,87 +38,18 @@ from ._engine_wire import (
     refuse_partial,
     request,
     said,
-    sent_or_answered,
     share,
     why,
 )
 from ._vllm_source import HubSource, weight_source
+from ._vllm_wire import Wire
 
-__all__ = ["DenseSender", "gloo_group_name", "OLDEST_WIRE"]
+__all__ = ["DenseSender", "OLDEST_WIRE"]
 
 # The oldest vLLM release whose dense weight-transfer wire is this one: 0.32's routes, init info, update info, bodies
 # and chunk cut were read in its source and driven by a real 0.32 server (the CPU build); 0.33 is the same.
 OLDEST_WIRE = (0, 32)
 
-
-def gloo_group_name(port: int) -> str:
-    """The name of a gloo transfer group at ``port`` (vLLM has none: a receiver of wrapkit's tests, or one that
-    adopts it, joins under this name)."""
-    return f"vllm-weights-{port}"
-
-
-class _Wire:
-    """The data plane, rank 0 of vLLM's transfer group (the engine's workers are ranks 1..N): vLLM's own NCCL
-    communicator, or a torch gloo group. ``broadcast`` returns once the chunk left, or once the engine answered
-    while it waited, or raises within the timeout."""
-
-    def __init__(self, backend: str, address: str, port: int, world: int, timeout: float) -> None:
-        self.backend, self.timeout = backend, timeout
-        self.pending: torch.Tensor | None = None
-        if backend == "gloo":
-            _settled(port, timeout)
-            self.group = join_weight_group(address, port, world, 0, gloo_group_name(port), "gloo", timeout)
-            self.port = port
-            return
-        try:
-            from vllm.distributed.weight_transfer.nccl_common import stateless_init_process_group
-        except ImportError as exc:
-            raise EngineError("backend='nccl' joins vLLM's transfer group with vLLM's own NCCL communicator: "
-                              "install the server's vLLM release (0.33) in the trainer's environment") from exc
-        cuda: Any = torch.cuda  # its stream and event constructors are untyped
-        device = torch.device("cuda", cuda.current_device())
-        self.group = stateless_init_process_group(address, port, 0, world, device)
-        if getattr(self.group, "disabled", False):  # vLLM's communicator turns itself off without NCCL
-            raise EngineError("vLLM's NCCL communicator disabled itself on this rank (no NCCL here): its broadcasts "
-                              "would send nothing; send from a rank with a GPU")
-        self.stream = cuda.Stream(device)
-
-    def broadcast(self, flat: torch.Tensor, answered: Callable[[], str | None]) -> str | None:
-        """Send one chunk; None once it left, or what the engine answered while it waited (the chunk is then
-        abandoned: the group is out of step and must be closed)."""
-        if self.backend == "gloo":
-            work = dist.broadcast(flat, src=0, group=self.group, async_op=True)
-            # gloo fails the send at the group's own timeout, with its own message; the poll's deadline is later.
-            try:
-                answer = sent_or_answered(work.is_completed, flat.numel(), self.timeout + 5, answered)
-            except EngineError:
-                _abandon(work, self.group, self.port)
-                raise
-            if answer is not None:
-                _abandon(work, self.group, self.port)
-                return answer
-            work.wait()  # done: raises the transport's error, if it failed
-            return None
-        # On its own stream, waited for by polling: a worker that is gone must not hold this rank for ever.
-        self.stream.wait_stream(torch.cuda.current_stream())
-        self.group.broadcast(flat, src=0, stream=self.stream)
-        cuda: Any = torch.cuda  # its event constructor is untyped
-        done = cuda.Event()
-        done.record(self.stream)
-        answer = sent_or_answered(done.query, flat.numel(), self.timeout, answered)
-        if answer is not None:
-            self.pending = flat  # the kernel may still read it: held until close() aborts the communicator
-        return answer
-
-    def close(self) -> None:
-        try:
-            if self.backend == "gloo":
-                dist.destroy_process_group(self.group)
-            else:
-                self.group.destroy()  # vLLM's: aborts the communicator
-        except Exception:  # already gone with its peers: nothing left to release
-            pass
-        self.pending = None
 
 
 def _explained(error: str | None, loading: list[str]) -> str | None:
@@ -141,7 +69,7 @@ class DenseSender:
                  timeout: float, src_rank: int) -> None:
         self.url, self.address, self.port, self.engine_ranks = url, address, port, engine_ranks
         self.backend, self.buffer_bytes, self.timeout, self.src_rank = backend, buffer_bytes, timeout, src_rank
-        self.wire: _Wire | None = None
+        self.wire: Wire | None = None
         self.connected = False  # on every rank: the group was joined, and not dropped since
         self.broken = False
         self.syncs = 0
@@ -155,7 +83,7 @@ class DenseSender:
         self._agreed(error, "connect")
         self.connected = True
 
-    def _join(self) -> _Wire:
+    def _join(self) -> Wire:
         _, answer = request(self.url, "version", None, self.timeout, method="GET")
         version = str(answer.get("version", ""))
         found = re.match(r"(\d+)\.(\d+)", version)
@@ -174,7 +102,7 @@ class DenseSender:
             status, answer = self._call("init_weight_transfer_engine", {"init_info": init_info})
             return None if status == 200 else f"init_weight_transfer_engine was refused: {said(answer, status)}"
 
-        wire: _Wire = join_beside(lambda: _Wire(self.backend, self.address, self.port, world, self.timeout), init,
+        wire: Wire = join_beside(lambda: Wire(self.backend, self.address, self.port, world, self.timeout), init,
                                   self.timeout)
         return wire
 
@@ -201,7 +129,31 @@ class DenseSender:
         t0 = time.perf_counter()
         source = self._source_of(wm, bucket_bytes, dtype, merge_adapters, keep_dtype)
         meta = source.metadata  # the first use is a pass of the stream on every rank
-        sends = rank() == self.src_rank
+        # A generator; off the sending rank this only drives the gathers.
+        error, tensors, chunks, moved, version = self._session(meta, source.iter_full(), rank() == self.src_rank,
+                                                               pause, lambda: source.last_error)
+        self._agreed(error, "sync")
+        tensors, chunks, moved, version = share((tensors, chunks, moved, version), self.src_rank)
+        return EngineSync(tensors, chunks, moved, time.perf_counter() - t0, [], version)
+
+    def send_alone(self, pairs: Any, meta: list[Any]) -> int:
+        """One update session of ``pairs`` (an iterator of ``meta``'s tensors, in its order) from this rank alone,
+        with no pause or resume and no agreement (TRL's transfer protocol: the other ranks drive the gathers that
+        feed ``pairs`` themselves). Returns the tensors sent; raises ``EngineError`` here."""
+        if self.wire is None:
+            raise ArgumentError("VLLMEngine.send_weights() before init_weight_transfer() (or connect())")
+        error, tensors, _, _, _ = self._session(meta, pairs, True, False, lambda: None)
+        if error is not None:
+            if self.broken:
+                self.close()
+            raise EngineError(f"VLLMEngine.send_weights() at {self.url}: {error}")
+        return tensors
+
+    def _session(self, meta: list[Any], pairs: Any, sends: bool, pause: bool,
+                 late_error: Callable[[], str | None]) -> tuple[str | None, int, int, int, str]:
+        """Pause (``pause``), start, ``update_weights`` answered in a thread while the chunks are broadcast, and
+        ``_end`` on the sending rank; elsewhere ``pairs`` is only read to its end. ``late_error``: an error the
+        iterator records once read to its end. Returns the error, tensors, chunks, bytes and the version."""
         self.syncs += 1
         version = f"wrapkit-{self._tag}-{self.syncs}"
         error, box, thread, paused = None, None, None, False
@@ -216,7 +168,6 @@ class DenseSender:
             except Exception as exc:
                 error = why(exc)
         tensors = chunks = moved = 0
-        pairs: Any = source.iter_full()  # a generator; off the sending rank this only drives the gathers
         loading: list[str] = []  # the names of the last chunk sent: what the workers were loading
         try:
             parts: list[torch.Tensor] = []
@@ -234,13 +185,17 @@ class DenseSender:
                     loading = names if error is None else loading  # a refused send: the workers load the one before
                     chunks, moved, parts, names, size = chunks + 1, moved + size, [], [], 0
         finally:
-            pairs.close()  # a sender that stopped early: the stream is read to its end, the gathers matched
-        error = error or source.last_error
+            # A sender that stopped early: the rest is read to its end, so that the gathers feeding it are matched
+            # (a weight source's generator does so when closed).
+            if hasattr(pairs, "close"):
+                pairs.close()
+            else:
+                for _ in pairs:
+                    pass
+        error = error or late_error()
         if sends:
             error = self._end(error, box, thread, version, paused, tensors, len(meta), loading)
-        self._agreed(error, "sync")
-        tensors, chunks, moved, version = share((tensors, chunks, moved, version), self.src_rank)
-        return EngineSync(tensors, chunks, moved, time.perf_counter() - t0, [], version)
+        return error, tensors, chunks, moved, version
 
     def _source_of(self, wm: Any, bucket_bytes: int, dtype: torch.dtype | None, merge_adapters: bool,
                    keep_dtype: Callable[[str], bool] | None) -> HubSource:
@@ -353,37 +308,6 @@ def _answered(box: dict[str, Any], refusals_only: bool = False) -> str | None:
     return f"update_weights was refused: {said(answer, status)}"
 
 
-_ABANDONED: dict[int, threading.Thread] = {}  # by port: the gloo groups left holding a chunk no one takes
-
-
-def _abandon(work: Any, group: Any, port: int) -> None:
-    """Let a gloo broadcast that no receiver will take end by its own timeout, away from the trainer (gloo cannot
-    cancel it). Its group is held until then: the group's destructor waits for the work, and would otherwise block
-    the rank that drops it. The thread is not a daemon, so an exiting process waits for it too (a gloo thread
-    still holding Python's tensors while the interpreter finalizes aborts the process)."""
-
-    def settle(held: Any = group) -> None:
-        try:
-            work.wait()
-        except Exception:  # the timeout it was left to end by
-            pass
-
-    thread = threading.Thread(target=settle, name="wrapkit-abandoned-chunk")
-    thread.start()
-    _ABANDONED[port] = thread
-
-
-def _settled(port: int, timeout: float) -> None:
-    """Before a gloo group is joined at ``port`` again: the group abandoned there holds the port (its store)
-    until its chunk's timeout, so a reconnect right after a refusal waits for that first."""
-    left = _ABANDONED.pop(port, None)
-    if left is None:
-        return
-    left.join(timeout + 5)
-    if left.is_alive():
-        _ABANDONED[port] = left
-        raise EngineError(f"port {port} is still held by the transfer group a refused update left behind (its "
-                          f"last chunk ends by the group's timeout): connect() again later, or on another port")
 
 
 def _status(box: dict[str, Any]) -> tuple[int, dict[str, Any]]:

@@ -222,7 +222,7 @@ def _engine_class() -> type:
 
     from ..._errors import first_few
     from ...base.process_groups import join_weight_group
-    from ._vllm_dense import gloo_group_name
+    from ._vllm_wire import gloo_group_name
 
     class GlooWeightTransferEngine(NCCLWeightTransferEngine):  # type: ignore[misc]
         """vLLM's dense engine over a torch gloo group of the trainer (rank 0) and the workers."""
