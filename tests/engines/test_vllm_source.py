@@ -14,7 +14,7 @@ import torch
 from tests.engines import scenarios_engines as se
 from tests.harness import _matrix as matrix
 from wrapkit.cli._workers import free_port
-from wrapkit.integrations.engines._vllm_source import _wire_order
+from wrapkit.integrations.engines._vllm_source import wire_order
 
 # Gathered (FSDP2, ZeRO-3 on a tied model), whole (DDP in bf16, LoRA merged on the way), experts split per
 # expert (Qwen3-MoE on FSDP1), a bf16 wire with fp32 norms kept, both of vLLM's interfaces, a vision-language
@@ -103,12 +103,12 @@ def test_wire_order_starts_every_tensor_aligned_however_chunks_are_cut() -> None
     dtypes = [torch.float32, torch.bfloat16, torch.float64, torch.int8]
     stream = [(f"t{i}", (rng.randint(1, 9), rng.randint(1, 5)), rng.choice(dtypes)) for i in range(40)]
     total = sum(math.prod(s) * d.itemsize for _, s, d in stream)
-    order = _wire_order(stream)
+    order = wire_order(stream)
     assert sorted(e[0] for e in order) == sorted(e[0] for e in stream)  # every tensor, once
     assert all(_aligned(order, b) for b in range(1, total + 2))
     assert not all(_aligned(stream, b) for b in range(1, total + 2))  # the stream's own order is not
     even = [e for e in stream if math.prod(e[1]) * e[2].itemsize % 8 == 0]
-    assert [e[0] for e in _wire_order(even)] == [e[0] for e in even]  # nothing moves where nothing must
+    assert [e[0] for e in wire_order(even)] == [e[0] for e in even]  # nothing moves where nothing must
 
 
 def test_weight_source_refuses_bad_arguments() -> None:

@@ -44,9 +44,14 @@ def test_patch_trl_swaps_and_undoes() -> None:
     originals = {n: getattr(utils, n) for n in names}
     # TRL releases before the walk (0.29: its sync_weights pushes tensors itself) keep their own sync.
     walk = VLLMGeneration.__dict__.get("_iter_named_params")
+    from wrapkit.integrations._trl_async import async_methods
+
+    # TRL's async trainers (1.x) sync on wrapkit's stream where their transfer is wrapkit's.
+    asynchronous = [(c, n) for c, n, _ in async_methods()]
     with dropins.patch_trl() as patch:
         # The weight sync of GRPO, RLOO and distillation takes its tensors from wrapkit.
-        assert [(c, n) for c, n, _ in patch.methods] == ([(VLLMGeneration, "_iter_named_params")] if walk else [])
+        assert [(c, n) for c, n, _ in patch.methods] == (
+            [(VLLMGeneration, "_iter_named_params")] if walk else []) + asynchronous
         assert VLLMGeneration.__dict__.get("_iter_named_params") is not walk or walk is None
         assert all(getattr(utils, n) is getattr(dropins, n) for n in names)
         assert all(getattr(trl.models, n) is getattr(dropins, n) for n in names)
@@ -57,6 +62,13 @@ def test_patch_trl_swaps_and_undoes() -> None:
     assert all(getattr(utils, n) is originals[n] for n in names)
     assert all(getattr(trl.models, n) is originals[n] for n in names)
     assert VLLMGeneration.__dict__.get("_iter_named_params") is walk
+    assert all(c.__dict__["_sync_weight_merged"].__module__.startswith("trl") for c, _ in asynchronous)
+    if walk is not None:  # server mode on wrapkit's engine: two more methods, undone alike
+        own = {n: VLLMGeneration.__dict__[n] for n in ("_init_vllm", "sync_weights")}
+        with dropins.patch_trl(vllm_server=True) as patch:
+            assert {n for c, n, _ in patch.methods if c is VLLMGeneration} == {"_iter_named_params", *own}
+            assert dropins.patch_trl(vllm_server=True).methods == []  # again: nothing more
+        assert all(VLLMGeneration.__dict__[n] is f for n, f in own.items())
 
 
 @pytest.mark.long

@@ -27,7 +27,8 @@ def _served(llm: Any) -> list[tuple[list[int], list[float]]]:
     from vllm import SamplingParams
 
     answers = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                           SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0, detokenize=False),
+                           SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0, detokenize=False,
+                                          ignore_eos=True),
                            use_tqdm=False)
     out = []
     for answer in answers:

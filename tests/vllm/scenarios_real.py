@@ -23,8 +23,10 @@ def served(url: str, model: str) -> list[tuple[list[int], list[float]]]:
     """The server's greedy tokens and their log-probabilities for each prompt (token ids in, token ids out)."""
     out = []
     for prompt in PROMPTS:
+        # ignore_eos: the oracle's generate() is told the same, so that neither stops at a token the other passes.
         body = json.dumps({"model": model, "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-                           "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True}).encode()
+                           "logprobs": 0, "return_tokens_as_token_ids": True, "return_token_ids": True,
+                           "ignore_eos": True}).encode()
         request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=60) as answer:
             choice = json.load(answer)["choices"][0]

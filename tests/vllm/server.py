@@ -82,13 +82,15 @@ def trl_dir(root: Path, family: str = "llama", seed: int = 0) -> str:
 def greedy(model: Any, prompts: list[list[int]], new_tokens: int) -> list[tuple[list[int], list[float]]]:
     """``model``'s own greedy tokens for each prompt and their log-probabilities (the oracle a server is held to)."""
     import torch
+    from transformers import GenerationConfig
 
     out = []
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([prompt])
-            full = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                                  do_sample=False)
+            # No end-of-sequence stop (vLLM is asked to ignore it too): an end token is generated like any other.
+            config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+            full = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
             new = full[0, len(prompt):].tolist()
             logprobs = model(input_ids=full).logits[0].float().log_softmax(-1)
             out.append((new, [float(logprobs[len(prompt) - 1 + i, t]) for i, t in enumerate(new)]))

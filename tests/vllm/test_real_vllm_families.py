@@ -12,7 +12,7 @@ import pytest
 
 from tests.vllm.server import Server
 from tests.vllm.test_real_vllm import check_sync_step_sync
-from tests.vllm.test_trl_loops import check_grpo
+from tests.vllm.test_trl_loops import check_async, check_grpo
 
 pytest.importorskip("vllm", reason="vLLM's CPU build runs in the vLLM stage's own environment (.ci/vllm)")
 
@@ -35,3 +35,8 @@ def test_grpo_server_mode_on_tied_qwen2(qwen2_server: Server, tmp_path: Path) ->
 def test_grpo_server_mode_on_qwen3_moe(moe_server: Server, tmp_path: Path) -> None:
     pytest.importorskip("trl", reason="TRL is installed in the vLLM stage's environment (.ci/vllm)")
     check_grpo(moe_server, tmp_path, "fsdp2", False, family="qwen3-moe")
+
+
+def test_async_grpo_weight_transfer_on_qwen3_moe(moe_server: Server, tmp_path: Path) -> None:
+    pytest.importorskip("trl", reason="TRL is installed in the vLLM stage's environment (.ci/vllm)")
+    check_async(moe_server, tmp_path, "zero3", False, family="qwen3-moe")

@@ -1,7 +1,13 @@
-"""TRL's real ``GRPOTrainer`` generating with a real vLLM server (server mode), its weights sent by wrapkit's
-``VLLMEngine`` (``patch_trl(vllm_server=True)``), on two CPU ranks (``tests/vllm/trl_loop.py`` under torchrun).
-The check at every step: vLLM's log-probabilities of the tokens it sampled against the trainer's own of the same
-tokens (TRL's ``sampling/sampling_logp_difference/max``), within 1e-4; a run that never syncs must fail it."""
+"""TRL's trainers against a real vLLM server, on two CPU ranks (scripts under torchrun).
+
+- ``GRPOTrainer`` in server mode (``trl_loop.py``), its weights sent by wrapkit's ``VLLMEngine``
+  (``patch_trl(vllm_server=True)``). The check at every step: vLLM's log-probabilities of the tokens it sampled
+  against the trainer's own of the same tokens (TRL's ``sampling/sampling_logp_difference/max``), within 1e-4.
+- ``AsyncGRPOTrainer`` with ``VLLMEngine`` as its ``weight_transfer`` (``trl_async.py``): its own sync
+  (``_sync_weight``, on wrapkit's stream under ``patch_trl()``) around optimizer steps; the server's greedy tokens
+  and log-probabilities against the policy's own after each sync. (Its training step needs a GPU kernel.)
+
+A run that never syncs must fail each check."""
 
 from __future__ import annotations
 
@@ -12,26 +18,29 @@ from typing import Any
 import pytest
 
 from tests.harness.launch import torchrun
-from tests.vllm.server import Server, trl_dir
+from tests.vllm.server import Server, compared, trl_dir
 from wrapkit.cli._workers import free_port
 
 pytest.importorskip("vllm", reason="vLLM's CPU build runs in the vLLM stage's own environment (.ci/vllm)")
 pytest.importorskip("trl", reason="TRL is installed in the vLLM stage's environment (.ci/vllm)")
 
 SCRIPT = Path(__file__).with_name("trl_loop.py")
+ASYNC = Path(__file__).with_name("trl_async.py")
 STEPS = 4
 
 
-def grpo(server: Server, tmp_path: Path, backend: str, *extra: str, family: str = "llama") -> dict[str, Any]:
-    """The loop's observations: the trainer's model is ``family``'s tiny model with a tokenizer (the server may
-    serve it without one: TRL sends token ids)."""
+def grpo(server: Server, tmp_path: Path, backend: str, *extra: str, family: str = "llama",
+         script: Path = SCRIPT) -> dict[str, Any]:
+    """The run's observations (rank 0's): the trainer's model is ``family``'s tiny model with a tokenizer (the
+    server may serve it without one: TRL sends token ids)."""
     out = tmp_path / "obs.json"
     model = trl_dir(tmp_path, family)
-    torchrun(SCRIPT, "--backend", backend, "--family", family, "--model", model, "--url", server.url,
+    torchrun(script, "--backend", backend, "--family", family, "--model", model, "--url", server.url,
              "--group-port", str(free_port()), "--steps", str(STEPS), "--json", str(out), *extra, timeout=250)
     ranks = json.loads(out.read_text())
-    assert ranks[0] == ranks[1]  # TRL gathers the metric over the ranks; the syncs are agreed
-    print(family, backend, *extra, ranks[0])
+    if script == SCRIPT:
+        assert ranks[0] == ranks[1]  # TRL gathers the metric over the ranks; the syncs are agreed
+    print(family, backend, *extra, {k: v for k, v in ranks[0].items() if k != "own"})
     return ranks[0]  # type: ignore[no-any-return]
 
 
@@ -41,11 +50,10 @@ def check_grpo(server: Server, tmp_path: Path, backend: str, lora: bool, family:
     assert len(obs["diff"]) == STEPS and max(obs["diff"]) < 1e-4, obs
 
 
-# Every backend TRL trains on; LoRA (merged for the sync, not in place) where merging is hardest: FSDP1's flat
-# shards and ZeRO-3's partitions. The families' rows are in test_real_vllm_families.py.
+# Every backend TRL trains on; LoRA (merged for the sync, not in place) where TRL's own merge raises: FSDP1's flat
+# shards. The families' rows are in test_real_vllm_families.py.
 @pytest.mark.parametrize("backend, lora", [("ddp", False), ("fsdp", False), ("fsdp2", False), ("zero3", False),
-                                           ("fsdp", True), ("zero3", True)],
-                         ids=["ddp", "fsdp", "fsdp2", "zero3", "fsdp>lora", "zero3>lora"])
+                                           ("fsdp", True)], ids=["ddp", "fsdp", "fsdp2", "zero3", "fsdp>lora"])
 def test_grpo_server_mode_generates_from_the_trained_weights(trl_llama_server: Server, tmp_path: Path,
                                                              backend: str, lora: bool) -> None:
     check_grpo(trl_llama_server, tmp_path, backend, lora)
@@ -57,3 +65,29 @@ def test_grpo_server_mode_without_syncs_fails_the_check(trl_llama_server: Server
     obs = grpo(trl_llama_server, tmp_path, "ddp", "--no-sync")
     assert obs["syncs"] == [], obs
     assert min(obs["diff"][1:]) > 1e-2, obs
+
+
+def check_async(server: Server, tmp_path: Path, backend: str, lora: bool, family: str = "llama") -> None:
+    obs = grpo(server, tmp_path, backend, *(["--lora"] if lora else []), family=family, script=ASYNC)
+    assert obs["patched"] and obs["model_version"] == STEPS, obs  # a sync per step, each on wrapkit's stream
+    for seen in obs["rounds"]:
+        assert all(seen["tokens"]) and seen["logprob"] < 1e-4, obs
+    # The policy moved between the first sync and the last: a server left behind would show it.
+    moved = compared(obs["own"][0], obs["own"][-1])
+    assert not all(moved["tokens"]) or moved["logprob"] > 1e-2, moved
+
+
+# LoRA on the two backends whose live weights TRL's own in-place merge would move (FSDP2's and ZeRO-3's shards).
+@pytest.mark.parametrize("backend, lora", [("fsdp", False), ("zero3", False), ("fsdp2", True), ("zero3", True)],
+                         ids=["fsdp", "zero3", "fsdp2>lora", "zero3>lora"])
+def test_async_grpo_weight_transfer_on_vllm_engine(trl_llama_server: Server, tmp_path: Path, backend: str,
+                                                   lora: bool) -> None:
+    check_async(trl_llama_server, tmp_path, backend, lora)
+
+
+def test_async_grpo_without_syncs_fails_the_check(trl_llama_server: Server, tmp_path: Path) -> None:
+    """A server left behind holds one set of weights, and the policy takes four (a step between each): they
+    cannot all match."""
+    obs = grpo(trl_llama_server, tmp_path, "ddp", "--no-sync", script=ASYNC)
+    assert obs["model_version"] == 0, obs
+    assert any(not all(seen["tokens"]) or seen["logprob"] > 1e-2 for seen in obs["rounds"]), obs

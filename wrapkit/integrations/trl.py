@@ -40,6 +40,7 @@ from ..adapters.zero.reference import config_dtype, inference_ds_config
 from ..references.placement import place
 from ..references.wrapping import bare_module
 from ._patch import Patch, swap, swap_methods
+from ._trl_async import async_methods
 from ._trl_server import server_methods
 from ._trl_sync import iter_named_params, prepared_policy, vllm_weights
 
@@ -209,6 +210,7 @@ def patch_trl(*, vllm_server: bool = False, sync_timeout: float = 120.0) -> TRLP
         methods.append((generation, "_iter_named_params", iter_named_params))
         if vllm_server:
             methods += server_methods(generation, sync_timeout)
+    methods += async_methods()
     return swap("trl", pairs, then=swap_methods(methods))
 
 

@@ -106,6 +106,14 @@ class DenseSender:
                                   self.timeout)
         return wire
 
+    def join_alone(self) -> None:
+        """Join the transfer group from this rank alone (TRL's transfer protocol calls it on its main process)."""
+        try:
+            self.wire = self._join()
+        except Exception as exc:
+            raise EngineError(f"VLLMEngine.init_weight_transfer() at {self.url}: {why(exc)}") from exc
+        self.connected = True
+
     def close(self) -> None:
         if self.wire is not None:
             self.wire.close()

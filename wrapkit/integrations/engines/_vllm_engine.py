@@ -16,6 +16,7 @@ from ..._errors import ArgumentError
 from ._adapters import AdapterFiles, AdapterSync, Versions, check_arguments, sync_adapters
 from ._engine_wire import EngineSync, connection_problem, request, said
 from ._vllm_dense import DenseSender
+from ._vllm_source import ParamMeta, wire_order
 from ._vllm_sparse import send_patches as sparse_send
 
 __all__ = ["VLLMEngine"]
@@ -93,6 +94,57 @@ class VLLMEngine:
             again on every rank.
         """
         sparse_send(self._dense, patches)
+
+    # -- TRL's ``WeightTransferProtocol``: its async trainers call these on their main process alone ------------
+    takes_weight_source = True  # send_weights() reads a weight source's own metadata (patch_trl's async sync)
+
+    def init_weight_transfer(self) -> None:
+        """Join the server's transfer group from this rank alone (TRL's async trainers call it on their main
+        process at the start of training; a trainer of its own calls ``connect()`` on every rank instead).
+
+        :raises EngineError: the server refused, or its workers did not join within the timeout.
+        """
+        self._dense.join_alone()
+
+    def pause(self) -> None:
+        """Pause the server's generation (``mode=keep``: requests in flight wait), from this rank alone."""
+        self._dense._pause()
+
+    def send_weights(self, iterator: Any) -> None:
+        """Send ``(name, tensor)`` pairs as one update session from this rank alone, the other ranks feeding
+        their part of the gathers behind ``iterator`` themselves (TRL's async trainers). The server loads and
+        reports the session's weight version, which is checked, and its prefix cache is reset.
+
+        ``iterator``: a ``weight_source(wm)`` (what ``patch_trl()`` hands its async trainers: the Hub's layout,
+        LoRA merged without touching the live weights), whose metadata is the stream's; or any iterator of
+        ``(name, tensor)``, which is then taken whole first (its names, dtypes and shapes are announced before
+        the first byte), costing a full copy of the model's tensors on this rank.
+
+        :raises EngineError: the server refused, failed or did not answer within the timeout; the iterator is
+            read to its end either way, so that the other ranks' gathers are matched.
+        """
+        meta = getattr(iterator, "metadata", None)
+        if meta is not None:
+            self._dense.send_alone(iter(iterator), list(meta))
+            return
+        pairs = {name: tensor.detach() for name, tensor in iterator}
+        if not pairs:
+            raise ArgumentError("VLLMEngine.send_weights(): the iterator gave no tensors; the server would be told "
+                                "of no weights and keep its own")
+        order = wire_order([(name, tuple(t.shape), t.dtype) for name, t in pairs.items()])
+        self._dense.send_alone(((name, pairs[name]) for name, _, _ in order),
+                               [ParamMeta(name, dtype, shape) for name, shape, dtype in order])
+
+    def resume(self) -> None:
+        """Let the server generate again, from this rank alone.
+
+        :raises EngineError: the server refused or did not answer.
+        """
+        self._dense._expect(self._dense._call("resume", {}), "resume")
+
+    def destroy(self) -> None:
+        """``close()`` (TRL's name, called at the end of training)."""
+        self.close()
 
     @property
     def connected(self) -> bool:

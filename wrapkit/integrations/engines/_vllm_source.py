@@ -26,7 +26,7 @@ from ..._imports import is_available
 from ..._results import Bucket
 from ._engine_wire import rank, share, world_size
 
-__all__ = ["ParamMeta", "weight_source", "vllm_interface"]
+__all__ = ["ParamMeta", "weight_source", "vllm_interface", "wire_order"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +92,7 @@ class HubSource:
                               "weights and keep its own")
         # 0.33 declares owners: only trainer rank 0 (the sender) yields tensors. 0.28-0.32 have no such field.
         owned = {"owners": (0,)} if "owners" in {f.name for f in dataclasses.fields(self._param_meta)} else {}
-        return Metadata(self._param_meta(n, d, s, **owned) for n, s, d in _wire_order(entries))
+        return Metadata(self._param_meta(n, d, s, **owned) for n, s, d in wire_order(entries))
 
     def owned_names(self, rank: int) -> list[str]:
         """The names ``rank`` yields (vLLM 0.33): all on trainer rank 0, none elsewhere."""
@@ -121,7 +121,7 @@ class HubSource:
                 if not sends or error is not None:
                     continue
                 for name, value in bucket.named_tensors():
-                    if name in tail:  # yielded at the end (vLLM's packed chunks need it there, see _wire_order)
+                    if name in tail:  # yielded at the end (vLLM's packed chunks need it there, see wire_order)
                         held[name] = value.clone()
                         continue
                     error = _mismatch(meta, at, name, value)
@@ -203,7 +203,7 @@ def weight_source(wm: Any, *, bucket_bytes: int = 512 * 2**20, dtype: torch.dtyp
     return cls(wm, bucket_bytes, dtype, merge_adapters, keep_dtype, src_rank, base.ParamMeta)
 
 
-def _wire_order(entries: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list[tuple[str, tuple[int, ...],
+def wire_order(entries: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list[tuple[str, tuple[int, ...],
                                                                                          torch.dtype]]:
     """The stream's order, with every tensor whose byte size is not a multiple of the largest itemsize moved to
     the end, largest itemsize first. Then every tensor is preceded only by tensors whose sizes are multiples of
@@ -214,7 +214,7 @@ def _wire_order(entries: list[tuple[str, tuple[int, ...], torch.dtype]]) -> list
 
 
 def _first_ragged(meta: list[Any]) -> int:
-    """Where ``_wire_order``'s tail starts in ``meta``."""
+    """Where ``wire_order``'s tail starts in ``meta``."""
     widest = max(m.dtype.itemsize for m in meta)
     return next((i for i, m in enumerate(meta) if _ragged(m.shape, m.dtype, widest)), len(meta))
 
