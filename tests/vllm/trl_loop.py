@@ -3,7 +3,8 @@
     torchrun --nproc_per_node 2 tests/vllm/trl_loop.py --backend fsdp2 --model DIR --url URL --json OUT
 
 Server mode against ``vllm serve`` at ``URL`` (started on ``DIR`` with wrapkit's gloo backend), its weights sent by
-wrapkit's ``VLLMEngine`` (``patch_trl(vllm_server=True)``). ``--no-sync``: the weights are never sent (the check
+wrapkit's ``VLLMEngine`` (``patch_trl(vllm_server=True)``); ``--colocate``: TRL's colocate mode, an engine in each
+rank's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``). ``--no-sync``: the weights are never sent (the check
 must then fail). Rank 0 writes, per step, the largest difference between vLLM's log-probabilities of the sampled
 tokens and the trainer's own (TRL's ``sampling/sampling_logp_difference/max``), and the syncs' versions.
 """
@@ -39,6 +40,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--lora", action="store_true")
     p.add_argument("--no-sync", action="store_true")
+    p.add_argument("--colocate", action="store_true")
     a = p.parse_args()
 
     from datasets import Dataset
@@ -51,6 +53,14 @@ def main() -> None:
     from wrapkit.integrations.trl import patch_trl
 
     patch_trl(vllm_server=True, sync_timeout=60.0)
+    if a.colocate:
+        # TRL builds its engine with no dtype, and vLLM turns a float32 checkpoint into 16-bit floats (log-prob
+        # gaps of 3e-3 to 5e-3 here): the engine is told the trainer's dtype, as the check is of the sync.
+        import functools
+
+        import trl.generation.vllm_generation as generation
+
+        generation.LLM = functools.partial(generation.LLM, dtype="float32", enforce_eager=True)
     versions: list[str] = []
     sync = VLLMGeneration.sync_weights
 
@@ -58,7 +68,7 @@ def main() -> None:
         if a.no_sync:
             return
         sync(self)
-        versions.append(self.wrapkit_engine._dense.syncs)
+        versions.append(self.wrapkit_engine._dense.syncs if not a.colocate else len(versions) + 1)
 
     VLLMGeneration.sync_weights = recorded  # type: ignore[method-assign]
     args = GRPOConfig(
@@ -66,8 +76,9 @@ def main() -> None:
         # A large rate: each step moves the policy far enough that a server left behind shows it.
         learning_rate=0.05 if a.lora else 0.01, report_to="none", logging_steps=1, save_strategy="no",
         bf16=False, seed=0, num_generations=2, max_completion_length=8, beta=0.0,
-        use_vllm=True, vllm_mode="server", vllm_server_base_url=a.url, vllm_server_timeout=60,
-        vllm_group_port=a.group_port,
+        use_vllm=True, vllm_server_timeout=60, vllm_group_port=a.group_port,
+        **({"vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.1, "vllm_max_model_length": 128}
+           if a.colocate else {"vllm_mode": "server", "vllm_server_base_url": a.url}),
         **accelerate_cpu.trainer_arguments(a.backend, [LAYERS[a.family]]),
     )
     peft_config = None
@@ -81,11 +92,12 @@ def main() -> None:
     trainer = GRPOTrainer(model=a.model, reward_funcs=_reward, args=args, train_dataset=Dataset.from_list(rows),
                           processing_class=tokenizer, peft_config=peft_config)
     trainer.train()
-    engine = trainer.vllm_generation.wrapkit_engine
+    engine = getattr(trainer.vllm_generation, "wrapkit_engine", None)
     obs = {"diff": [h["sampling/sampling_logp_difference/max"] for h in trainer.state.log_history
                     if "sampling/sampling_logp_difference/max" in h],
            "syncs": versions, "backend": type(trainer.model_wrapped).__name__}
-    engine.close()
+    if engine is not None:
+        engine.close()
     report_and_close(obs, a.json)
 
 

@@ -1,4 +1,5 @@
-"""TRL's server mode on wrapkit's ``VLLMEngine`` (``patch_trl(vllm_server=True)``).
+"""TRL's ``VLLMGeneration`` set-up and sync under ``patch_trl()``: server mode on wrapkit's ``VLLMEngine`` (asked for
+with ``vllm_server=True``), and colocate mode on vLLM's CPU build.
 
 TRL's ``VLLMGeneration`` in server mode joins the server's weight-transfer group through its own
 ``VLLMClient``: NCCL only (CUDA), no timeout on the transfer, and nothing checked after it. With
@@ -8,6 +9,10 @@ it, every step has a timeout, and the weight version the server reports afterwar
 transfer group is gloo on a CPU trainer (a server started with wrapkit's ``gloo`` backend) and vLLM's
 NCCL on a GPU one. TRL's configuration is unchanged: ``vllm_server_base_url`` (or host and port),
 ``vllm_group_port`` and ``vllm_server_timeout`` are read from it.
+
+In colocate mode TRL loads each tensor into its in-process engine with ``load_weights``, which vLLM's CPU build
+cannot take after start-up (its linear layers keep only a packed copy) and whose mixtures' experts it leaves in
+the wrong layout: ``colocated_cpu()`` before the engine is built, and the experts packed again after each sync.
 """
 
 from __future__ import annotations
@@ -19,21 +24,25 @@ from urllib.parse import urlparse
 from .._errors import EngineError
 from ._trl_sync import prepared_policy
 
-__all__ = ["ServerSync", "server_methods"]
+__all__ = ["ServerSync", "server_methods", "colocated_cpu"]
 
 _LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 
 
 class ServerSync:
-    """The two ``VLLMGeneration`` methods that server mode replaces; colocate mode runs TRL's own (``originals``)."""
+    """The two ``VLLMGeneration`` methods ``patch_trl()`` wraps (TRL's own in ``originals``): server mode on wrapkit's
+    engine where ``server`` is set; colocate mode on vLLM's CPU build made able to reload (``colocated_cpu``)."""
 
-    def __init__(self, originals: dict[str, Any], timeout: float) -> None:
-        self.originals, self.timeout = originals, timeout
+    def __init__(self, originals: dict[str, Any], timeout: float, server: bool) -> None:
+        self.originals, self.timeout, self.server = originals, timeout, server
 
     def init_vllm(self, generation: Any) -> None:
-        """TRL's client on the main process (for generation only: no NCCL communicator), and on every rank a
-        ``VLLMEngine`` joined to the server's transfer group, as ``generation.wrapkit_engine``."""
-        if generation.mode != "server":
+        """Server mode with ``server``: TRL's client on the main process (for generation only: no NCCL
+        communicator), and on every rank a ``VLLMEngine`` joined to the server's transfer group, as
+        ``generation.wrapkit_engine``. Colocate mode: TRL's, after ``colocated_cpu()``."""
+        if generation.mode == "colocate":
+            colocated_cpu()
+        if generation.mode != "server" or not self.server:
             self.originals["_init_vllm"](generation)
             return
         from trl.generation.vllm_client import VLLMClient
@@ -64,14 +73,41 @@ class ServerSync:
         accelerator.wait_for_everyone()
 
     def sync_weights(self, generation: Any) -> None:
-        """One checked update of the policy, read through its adapter in the Hub's layout (LoRA merged without
-        touching the live weights); then TRL's prefix-cache reset."""
+        """Server mode on wrapkit's engine: one checked update of the policy, read through its adapter in the Hub's
+        layout (LoRA merged without touching the live weights), the server's prefix cache reset. Otherwise TRL's
+        (its walk is wrapkit's stream), and in colocate mode on vLLM's CPU build the experts packed again."""
         engine = getattr(generation, "wrapkit_engine", None)
         if generation.mode != "server" or engine is None:
             self.originals["sync_weights"](generation)
+            if generation.mode == "colocate" and _cpu_build():
+                from .engines.vllm_gloo import repack_cpu_experts
+
+                repack_cpu_experts(generation.llm.llm_engine.model_executor.driver_worker.model_runner.model)
             return
         wm = prepared_policy(generation.model, generation.accelerator)
         engine.sync(wm, merge_adapters="peft" in wm.stack)
+
+
+def _cpu_build() -> bool:
+    """Whether the installed vLLM runs on the CPU (its CPU build)."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError:
+        return False
+    return bool(current_platform.is_cpu())
+
+
+def colocated_cpu() -> None:
+    """Make engines built in this process from now on reloadable in place on vLLM's CPU build (a no-op elsewhere):
+    its linear layers compute from their own weights (vLLM's ``F.linear`` fallback) instead of a copy packed at
+    load, which leaves ``load_weights`` nothing to load into. The experts of a mixture are packed again after each
+    sync (``sync_weights``). TRL's and ms-swift's colocate modes load into such an engine."""
+    if _cpu_build():
+        from .engines.vllm_gloo import keep_cpu_weights
+
+        keep_cpu_weights(everywhere=True)
+
+
 
 
 def _address_towards(url: str) -> str:
@@ -85,22 +121,25 @@ def _address_towards(url: str) -> str:
         return str(probe.getsockname()[0])
 
 
-def server_methods(owner: type, timeout: float) -> list[tuple[type, str, Any]]:
-    """``(owner, name, drop-in)`` for ``VLLMGeneration``'s ``_init_vllm`` and ``sync_weights``, calling the class's
-    current ones in colocate mode; none where they are wrapkit's already (patching twice is a no-op)."""
+def server_methods(owner: type, timeout: float, server: bool) -> list[tuple[type, str, Any]]:
+    """``(owner, name, drop-in)`` for ``VLLMGeneration``'s ``_init_vllm`` and ``sync_weights``. Where they are
+    wrapkit's already none (patching twice is a no-op), and ``server`` turns server mode on, if asked, until undone."""
     names = ("_init_vllm", "sync_weights")
-    if any(getattr(owner.__dict__.get(name), "wrapkit_server", False) for name in names):
+    installed = getattr(owner.__dict__.get("_init_vllm"), "wrapkit_server", None)
+    if installed is not None:
+        installed.server = installed.server or server
+        installed.timeout = timeout if server else installed.timeout
         return []
-    server = ServerSync({name: owner.__dict__[name] for name in names}, timeout)
+    sync = ServerSync({name: owner.__dict__[name] for name in names}, timeout, server)
 
     def _init_vllm(self: Any) -> None:
-        server.init_vllm(self)
+        sync.init_vllm(self)
 
     def sync_weights(self: Any) -> None:
-        server.sync_weights(self)
+        sync.sync_weights(self)
 
     for method in (_init_vllm, sync_weights):
         method.__doc__ = owner.__dict__[method.__name__].__doc__
-        method.wrapkit_server = True  # type: ignore[attr-defined]
+        method.wrapkit_server = sync  # type: ignore[attr-defined]
     return [(owner, "_init_vllm", _init_vllm), (owner, "sync_weights", sync_weights)]
 

@@ -208,8 +208,7 @@ def patch_trl(*, vllm_server: bool = False, sync_timeout: float = 120.0) -> TRLP
     with contextlib.suppress(ImportError):  # TRL releases before the vLLM helper class
         generation = importlib.import_module("trl.generation.vllm_generation").VLLMGeneration
         methods.append((generation, "_iter_named_params", iter_named_params))
-        if vllm_server:
-            methods += server_methods(generation, sync_timeout)
+        methods += server_methods(generation, sync_timeout, vllm_server)
     methods += async_methods()
     return swap("trl", pairs, then=swap_methods(methods))
 

@@ -50,13 +50,18 @@ def register() -> None:
     keep_cpu_weights()
 
 
-def keep_cpu_weights() -> None:
+def keep_cpu_weights(everywhere: bool = False) -> None:
     """Where the server's backend is ``sparse_gloo``, the CPU build's linear layers compute from their own weights
     (vLLM's own fallback, ``F.linear``) instead of a copy packed at load: sparse patches are written into those
     weights in place, through the model's loaders, which the packing takes away. Other servers are left as
     vLLM builds them. The dispatch is looked up by vLLM when each layer is processed, so this takes effect for
-    the model built after it."""
-    global _PACKED
+    the model built after it.
+
+    ``everywhere=True``: every engine built in this process from now on (an in-process engine of a colocated
+    trainer, whose syncs call the model's ``load_weights``: on packed layers it raises, as their weights have no
+    loader left)."""
+    global _PACKED, _EVERYWHERE
+    _EVERYWHERE = _EVERYWHERE or everywhere
     try:
         from vllm.model_executor.layers import utils
     except Exception:  # a vLLM without the CPU dispatch: nothing to change
@@ -69,11 +74,12 @@ def keep_cpu_weights() -> None:
 
 
 _PACKED: Any = None  # vLLM's own dispatch, which _dispatch calls for the other servers
+_EVERYWHERE = False  # keep_cpu_weights(everywhere=True) was called in this process
 
 
 def _dispatch(layer: torch.nn.Module, remove_weight: bool) -> None:
     weight = getattr(layer, "weight", None)
-    if _configured_backend() == SPARSE_BACKEND and weight is not None and weight.ndim == 2:
+    if (_EVERYWHERE or _configured_backend() == SPARSE_BACKEND) and weight is not None and weight.ndim == 2:
         layer.cpu_linear = torch.nn.functional.linear  # type: ignore[assignment]
         return
     _PACKED(layer, remove_weight)
