@@ -72,3 +72,70 @@ def test_patch_trl_swaps_and_undoes() -> None:
                 assert VLLMGeneration._init_vllm.wrapkit_server.server
                 assert VLLMGeneration._init_vllm.wrapkit_server.timeout == 7.0
         assert all(VLLMGeneration.__dict__[n] is f for n, f in own.items())
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("backend", "distributed_type", "ref_backend"), [
+    ("zero3", "DEEPSPEED", "deepspeed"),
+    ("fsdp", "FSDP", "fsdp"),
+    ("fsdp2", "FSDP", "fsdp2"),
+])
+def test_dpo_trainer(tiny_model: Path, tmp_path: Path, backend: str, distributed_type: str, ref_backend: str) -> None:
+    if backend.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    for obs in _launch("dpo", backend, tiny_model, tmp_path):
+        assert "trl.models.utils.prepare_deepspeed" in obs["patched"]
+        assert obs["trainer_sees"] == ["prepare_deepspeed", "prepare_fsdp"]
+        assert obs["distributed_type"] == distributed_type and obs["policy_backend"] == ref_backend
+        # The reference TRL's DPOTrainer holds is the one wrapkit prepared: in eval mode, sharded
+        # over the two ranks, per block under FSDP (TRL's own FSDP2 path shards the root only).
+        assert obs["ref_backend"] == ref_backend and obs["ref_eval"]
+        if backend == "fsdp":
+            # FSDP1 keeps its root unit (embeddings, head) gathered after a forward without
+            # backward, next to the root's shard; TRL's fused LM head needs the head in the root,
+            # so only the blocks stay sharded.
+            expected = 1.5 * obs["outside_blocks"] + (1 - obs["outside_blocks"]) / 2
+        else:
+            expected = 0.5
+        assert abs(obs["ref_resident"] - expected) < 0.01, (obs["ref_resident"], expected)
+        if backend.startswith("fsdp"):
+            assert obs["ref_blocks_sharded"] == LAYERS
+        # At step 0 the policy equals the reference, so the DPO loss is exactly ln 2: the
+        # reference holds the right weights. Training then lowers it.
+        losses = obs["losses"]
+        assert len(losses) == 3 and abs(losses[0] - obs["ln2"]) < 1e-4, losses
+        assert losses[-1] < losses[0]
+        assert obs["train_modes"] == [True] * 3
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+def test_dpo_trainer_precomputed_reference(tiny_model: Path, tmp_path: Path) -> None:
+    """Without a reference model DPOTrainer passes the policy itself through prepare_deepspeed to
+    precompute reference log-probs; the drop-in must leave it trainable."""
+    pytest.importorskip("deepspeed")
+    for obs in _launch("dpo-precompute", "zero3", tiny_model, tmp_path):
+        assert obs["policy_backend"] == "deepspeed" and obs["policy_trainable"] > 0
+        losses = obs["losses"]
+        assert len(losses) == 3 and abs(losses[0] - obs["ln2"]) < 1e-4, losses
+        assert losses[-1] < losses[0] and obs["train_modes"] == [True] * 3
+
+
+@pytest.mark.long
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("backend", "policy_backend"), [("zero3", "deepspeed"), ("fsdp2", "fsdp2")])
+def test_grpo_trainer(tiny_model: Path, tmp_path: Path, backend: str, policy_backend: str) -> None:
+    """GRPO generates every step through ``unwrap_model_for_generation`` and scores against the
+    reference from ``prepare_deepspeed``/``prepare_fsdp``."""
+    if backend.startswith("zero"):
+        pytest.importorskip("deepspeed")
+    for obs in _launch("grpo", backend, tiny_model, tmp_path):
+        assert obs["trainer_sees"] == ["prepare_deepspeed", "prepare_fsdp", "unwrap_model_for_generation"]
+        assert obs["policy_backend"] == policy_backend and obs["ref_eval"]
+        # Generation ran right before every loss, and the policy was back in training mode each time.
+        assert obs["train_modes"] == [True] * 3
+        assert len(obs["rewards"]) == 3
+        # KL to the reference: exactly 0 while the policy still equals it, then positive as it learns.
+        kl = obs["kl"]
+        assert kl[0] == pytest.approx(0.0, abs=1e-7) and kl[-1] > 1e-6, kl
