@@ -45,8 +45,9 @@ def _source(trainer: Any) -> Any:
 def sync_weight_merged(self: Any, t0: float) -> tuple[float, float, float]:
     """``_sync_weight_merged`` on wrapkit's stream (see the module); TRL's own where the transfer is not wrapkit's.
     Returns TRL's phase marks (pause, barrier, transfer)."""
-    if not _ours(self):
-        return _ORIGINALS[type(self)](self, t0)  # type: ignore[no-any-return]
+    if not _ours(self):  # TRL's own, of the nearest class patched (a trainer may subclass TRL's)
+        original = next(_ORIGINALS[c] for c in type(self).__mro__ if c in _ORIGINALS)
+        return original(self, t0)  # type: ignore[no-any-return]
     from .engines._engine_wire import share, why
 
     accelerator = self.accelerator
