@@ -34,11 +34,11 @@ def _source(trainer: Any) -> Any:
     """The policy's weight source, built once per trainer (its metadata pass is made on the first sync)."""
     from .engines._vllm_source import weight_source
 
-    source = getattr(trainer, "_wrapkit_source", None)
+    source = getattr(trainer, "wrapkit_source", None)
     if source is None:
         wm = prepared_policy(trainer.model, trainer.accelerator)
         source = weight_source(wm, merge_adapters="peft" in wm.stack)
-        trainer._wrapkit_source = source
+        trainer.wrapkit_source = source
     return source
 
 
