@@ -208,7 +208,8 @@ def patch_trl(*, vllm_server: bool = False, sync_timeout: float = 120.0) -> TRLP
     with contextlib.suppress(ImportError):  # TRL releases before the vLLM helper class
         generation = importlib.import_module("trl.generation.vllm_generation").VLLMGeneration
         methods.append((generation, "_iter_named_params", iter_named_params))
-        methods += server_methods(generation, sync_timeout, vllm_server)
+        if "_iter_named_params" in generation.__dict__:  # TRL 1.x; 0.29's sync_weights pushes tensors itself
+            methods += server_methods(generation, sync_timeout, vllm_server)
     methods += async_methods()
     return swap("trl", pairs, then=swap_methods(methods))
 
