@@ -13,7 +13,6 @@ weights gathered into a plain model); ``--no-sync`` leaves the server behind, wh
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-LAYERS = {"llama": "LlamaDecoderLayer", "qwen2-tied": "Qwen2DecoderLayer", "qwen3-moe": "Qwen3MoeDecoderLayer"}
+from tests.vllm.trl_loop import LAYERS, lora_config, parser  # noqa: E402
 
 
 def _served(url: str) -> str:
@@ -43,31 +42,15 @@ def _plain_copy(prepared: Any, family: str, lora: bool) -> Any:
     if lora:
         from peft import PeftModel
 
-        peft = PeftModel(model, _lora_config())
+        peft = PeftModel(model, lora_config())
         peft.load_state_dict(state)
         return peft.merge_and_unload().eval()
     model.load_state_dict(state)
     return model.eval()
 
 
-def _lora_config() -> Any:
-    from peft import LoraConfig
-
-    return LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
-
-
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--backend", required=True)
-    p.add_argument("--family", default="llama")
-    p.add_argument("--model", required=True)
-    p.add_argument("--url", required=True)
-    p.add_argument("--group-port", type=int, required=True)
-    p.add_argument("--json", required=True)
-    p.add_argument("--steps", type=int, default=3)  # syncs, with an optimizer step after each
-    p.add_argument("--lora", action="store_true")
-    p.add_argument("--no-sync", action="store_true")
-    a = p.parse_args()
+    a = parser(steps=3).parse_args()  # steps: syncs, with an optimizer step after each
 
     import torch
     import torch.distributed as dist
@@ -100,7 +83,7 @@ def main() -> None:
     rows = [{"prompt": [{"role": "user", "content": f"w{i % 8} w{(i + 1) % 8}"}]} for i in range(8)]
     trainer = AsyncGRPOTrainer(model=a.model, reward_funcs=lambda completions, **_: [0.0] * len(completions),
                                args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
-                               peft_config=_lora_config() if a.lora else None, weight_transfer=engine)
+                               peft_config=lora_config() if a.lora else None, weight_transfer=engine)
     policy = trainer.model
     wrapkit_model = policy.base_model.model if a.lora else policy
     wrapkit_model.set_attn_implementation("sdpa")  # for the steps taken here (TRL's own forward needs a GPU)

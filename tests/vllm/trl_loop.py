@@ -29,7 +29,8 @@ def _reward(completions: list[str], **_: Any) -> list[float]:
     return [float(sum(w[1:].isdigit() and int(w[1:]) % 2 == 0 for w in c.split())) for c in completions]
 
 
-def main() -> None:
+def parser(steps: int) -> argparse.ArgumentParser:
+    """The arguments this script and ``trl_async.py`` share (``steps``: the default number of steps)."""
     p = argparse.ArgumentParser()
     p.add_argument("--backend", required=True)
     p.add_argument("--family", default="llama")
@@ -37,9 +38,21 @@ def main() -> None:
     p.add_argument("--url", required=True)
     p.add_argument("--group-port", type=int, required=True)
     p.add_argument("--json", required=True)
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--lora", action="store_true")
     p.add_argument("--no-sync", action="store_true")
+    return p
+
+
+def lora_config() -> Any:
+    """The adapters both scripts train (``LoraConfig``)."""
+    from peft import LoraConfig
+
+    return LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+
+
+def main() -> None:
+    p = parser(steps=4)
     p.add_argument("--colocate", action="store_true")
     a = p.parse_args()
 
@@ -81,11 +94,7 @@ def main() -> None:
            if a.colocate else {"vllm_mode": "server", "vllm_server_base_url": a.url}),
         **accelerate_cpu.trainer_arguments(a.backend, [LAYERS[a.family]]),
     )
-    peft_config = None
-    if a.lora:
-        from peft import LoraConfig
-
-        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])
+    peft_config = lora_config() if a.lora else None
     # The word-level tokenizer the model was saved with (AutoTokenizer forces Qwen2's own on a Qwen2 config).
     tokenizer = PreTrainedTokenizerFast.from_pretrained(a.model)
     rows = [{"prompt": f"w{i % 8} w{(i + 1) % 8} w{(i + 2) % 8}"} for i in range(32)]
