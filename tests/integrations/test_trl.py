@@ -45,13 +45,17 @@ def test_patch_trl_swaps_and_undoes() -> None:
     # TRL releases before the walk (0.29: its sync_weights pushes tensors itself) keep their own sync.
     walk = VLLMGeneration.__dict__.get("_iter_named_params")
     from wrapkit.integrations._trl_async import async_methods
+    from wrapkit.integrations._trl_online_dpo import online_dpo_methods
 
-    # TRL's async trainers (1.x) sync on wrapkit's stream where their transfer is wrapkit's.
+    # TRL's async trainers (1.x) sync on wrapkit's stream where their transfer is wrapkit's; online DPO's
+    # constructor and sync are wrapkit's where this TRL has the trainer.
     asynchronous = [(c, n) for c, n, _ in async_methods()]
+    online = [(c, n) for c, n, _ in online_dpo_methods(1.0, False)]
+    online_own = {n: c.__dict__[n] for c, n in online}
     with dropins.patch_trl() as patch:
         # The weight sync of GRPO, RLOO and distillation takes its tensors from wrapkit.
         own = [(VLLMGeneration, n) for n in ("_iter_named_params", "_init_vllm", "sync_weights")]
-        assert [(c, n) for c, n, _ in patch.methods] == (own if walk else []) + asynchronous
+        assert [(c, n) for c, n, _ in patch.methods] == (own if walk else []) + asynchronous + online
         assert VLLMGeneration.__dict__.get("_iter_named_params") is not walk or walk is None
         assert all(getattr(utils, n) is getattr(dropins, n) for n in names)
         assert all(getattr(trl.models, n) is getattr(dropins, n) for n in names)
@@ -63,6 +67,7 @@ def test_patch_trl_swaps_and_undoes() -> None:
     assert all(getattr(trl.models, n) is originals[n] for n in names)
     assert VLLMGeneration.__dict__.get("_iter_named_params") is walk
     assert all(c.__dict__["_sync_weight_merged"].__module__.startswith("trl") for c, _ in asynchronous)
+    assert all(c.__dict__[n] is online_own[n] for c, n in online)
     if walk is not None:  # server mode on wrapkit's engine: asked for by any patch_trl() call, undone alike
         own = {n: VLLMGeneration.__dict__[n] for n in ("_init_vllm", "sync_weights")}
         with dropins.patch_trl() as patch:
@@ -71,6 +76,9 @@ def test_patch_trl_swaps_and_undoes() -> None:
                 assert again.methods == []  # nothing more replaced: the installed methods are told
                 assert VLLMGeneration._init_vllm.wrapkit_server.server
                 assert VLLMGeneration._init_vllm.wrapkit_server.timeout == 7.0
+                for owner, _ in online[1:]:
+                    assert owner._move_model_to_vllm.wrapkit_online_dpo.server
+                    assert owner._move_model_to_vllm.wrapkit_online_dpo.timeout == 7.0
         assert all(VLLMGeneration.__dict__[n] is f for n, f in own.items())
 
 

@@ -60,7 +60,8 @@ def tiny_dir(root: Path, family: str = "llama", seed: int = 0) -> str:
 
 def trl_dir(root: Path, family: str = "llama", seed: int = 0) -> str:
     """``tiny_model(family, seed)`` and a word-level tokenizer of its 256 ids (``<pad>``, ``<eos>``, ``<unk>``,
-    ``w0``...), saved under ``root``: a trainer's model (TRL reads the tokenizer; nothing is downloaded)."""
+    ``w0``...), saved under ``root`` (the tokenizer also alone in ``tokenizer/``): a trainer's model (TRL reads the
+    tokenizer; nothing is downloaded)."""
     directory = root / f"{family}-{seed}-tokenized"
     if not directory.exists():
         from tokenizers import Tokenizer, models, pre_tokenizers
@@ -74,8 +75,12 @@ def trl_dir(root: Path, family: str = "llama", seed: int = 0) -> str:
         model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 1
         model.generation_config.bos_token_id = None
         model.save_pretrained(directory)
-        PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
-                                unk_token="<unk>").save_pretrained(directory)
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>",
+                                            unk_token="<unk>")
+        tokenizer.save_pretrained(directory)
+        # Alone as well: beside a Qwen2 config AutoTokenizer builds Qwen2's own tokenizer from these files, which
+        # reads nothing of them (an engine that tokenizes text is pointed here).
+        tokenizer.save_pretrained(directory / "tokenizer")
     return str(directory)
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from tests.vllm.server import Server
 from tests.vllm.test_real_vllm import check_sync_step_sync
-from tests.vllm.test_trl_loops import check_async, check_grpo
+from tests.vllm.trainers.test_trl_loops import check_async, check_grpo
 
 pytest.importorskip("vllm", reason="vLLM's CPU build runs in the vLLM stage's own environment (.ci/vllm)")
 
@@ -26,7 +26,7 @@ def test_qwen3_moe_sync_step_sync(group: Any, moe_server: Server) -> None:
     check_sync_step_sync(moe_server, ["ddp", "fsdp2", "zero3"], 45, group)
 
 
-# TRL's GRPO in server mode against the same servers (test_trl_loops.py has the Llama's rows and the check).
+# TRL's GRPO in server mode against the same servers (trainers/test_trl_loops.py has the Llama's rows and the check).
 def test_grpo_server_mode_on_tied_qwen2(qwen2_server: Server, tmp_path: Path) -> None:
     pytest.importorskip("trl", reason="TRL is installed in the vLLM stage's environment (.ci/vllm)")
     check_grpo(qwen2_server, tmp_path, "zero3", False, family="qwen2-tied")

@@ -18,13 +18,14 @@ the wrong layout: ``colocated_cpu()`` before the engine is built, and the expert
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
 
 from .._errors import EngineError
 from ._trl_sync import prepared_policy
 
-__all__ = ["ServerSync", "server_methods", "colocated_cpu"]
+__all__ = ["ServerSync", "server_methods", "serving_engine", "colocated_cpu", "cpu_build"]
 
 _LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 
@@ -47,30 +48,14 @@ class ServerSync:
             return
         from trl.generation.vllm_client import VLLMClient
 
-        from .engines._engine_wire import request, share
-        from .engines._vllm_engine import VLLMEngine
-
-        accelerator = generation.accelerator
         url = generation.server_base_url or f"http://{generation.server_host}:{generation.server_port}"
-        ranks: Any = None
-        if accelerator.is_main_process:
-            try:
-                generation.vllm_client = VLLMClient(base_url=url, group_port=generation.group_port,
-                                                    connection_timeout=generation.server_timeout)
-                ranks = int(request(url, "get_world_size", None, self.timeout, method="GET")[1]["world_size"])
-            except Exception as exc:  # learned by every rank below, not raised here alone
-                ranks = f"{type(exc).__name__}: {exc}"
-        ranks = share(ranks, 0)
-        if not isinstance(ranks, int):
-            raise EngineError(f"patch_trl(vllm_server=True): the vLLM server at {url} did not answer ({ranks}): "
-                              "start it (vllm serve with VLLM_SERVER_DEV_MODE=1 and a --weight-transfer-config) "
-                              "before the trainer, or raise vllm_server_timeout")
-        backend = "nccl" if accelerator.device.type == "cuda" else "gloo"
-        engine = VLLMEngine(url, timeout=self.timeout, master_port=generation.group_port,
-                            master_address=_address_towards(url), engine_ranks=ranks, backend=backend)
-        engine.connect()
-        generation.wrapkit_engine = engine
-        accelerator.wait_for_everyone()
+
+        def client() -> None:
+            generation.vllm_client = VLLMClient(base_url=url, group_port=generation.group_port,
+                                                connection_timeout=generation.server_timeout)
+
+        generation.wrapkit_engine = serving_engine(generation.accelerator, url, generation.group_port, self.timeout,
+                                                   before=client)
 
     def sync_weights(self, generation: Any) -> None:
         """Server mode on wrapkit's engine: one checked update of the policy, read through its adapter in the Hub's
@@ -79,7 +64,7 @@ class ServerSync:
         engine = getattr(generation, "wrapkit_engine", None)
         if generation.mode != "server" or engine is None:
             self.originals["sync_weights"](generation)
-            if generation.mode == "colocate" and _cpu_build():
+            if generation.mode == "colocate" and cpu_build():
                 from .engines.vllm_gloo import repack_cpu_experts
 
                 repack_cpu_experts(generation.llm.llm_engine.model_executor.driver_worker.model_runner.model)
@@ -88,7 +73,7 @@ class ServerSync:
         engine.sync(wm, merge_adapters="peft" in wm.stack)
 
 
-def _cpu_build() -> bool:
+def cpu_build() -> bool:
     """Whether the installed vLLM runs on the CPU (its CPU build)."""
     try:
         from vllm.platforms import current_platform
@@ -102,12 +87,42 @@ def colocated_cpu() -> None:
     its linear layers compute from their own weights (vLLM's ``F.linear`` fallback) instead of a copy packed at
     load, which leaves ``load_weights`` nothing to load into. The experts of a mixture are packed again after each
     sync (``sync_weights``). TRL's and ms-swift's colocate modes load into such an engine."""
-    if _cpu_build():
+    if cpu_build():
         from .engines.vllm_gloo import keep_cpu_weights
 
         keep_cpu_weights(everywhere=True)
 
 
+
+
+def serving_engine(accelerator: Any, url: str, group_port: int, timeout: float,
+                   before: Callable[[], None] | None = None) -> Any:
+    """A ``VLLMEngine`` on every rank, joined to the transfer group of the server at ``url`` (``patch_trl(
+    vllm_server=True)``): gloo from a CPU trainer, vLLM's NCCL from a GPU one. The main process asks the server its
+    world size (after ``before``, TRL's client set up there); every rank learns the outcome, and all raise
+    ``EngineError`` together where it failed."""
+    from .engines._engine_wire import request, share
+    from .engines._vllm_engine import VLLMEngine
+
+    ranks: Any = None
+    if accelerator.is_main_process:
+        try:
+            if before is not None:
+                before()
+            ranks = int(request(url, "get_world_size", None, timeout, method="GET")[1]["world_size"])
+        except Exception as exc:  # learned by every rank below, not raised here alone
+            ranks = f"{type(exc).__name__}: {exc}"
+    ranks = share(ranks, 0)
+    if not isinstance(ranks, int):
+        raise EngineError(f"patch_trl(vllm_server=True): the vLLM server at {url} did not answer ({ranks}): "
+                          "start it (vllm serve with VLLM_SERVER_DEV_MODE=1 and a --weight-transfer-config) "
+                          "before the trainer, or raise vllm_server_timeout")
+    backend = "nccl" if accelerator.device.type == "cuda" else "gloo"
+    engine = VLLMEngine(url, timeout=timeout, master_port=group_port, master_address=_address_towards(url),
+                        engine_ranks=ranks, backend=backend)
+    engine.connect()
+    accelerator.wait_for_everyone()
+    return engine
 
 
 def _address_towards(url: str) -> str:

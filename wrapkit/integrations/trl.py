@@ -41,6 +41,7 @@ from ..references.placement import place
 from ..references.wrapping import bare_module
 from ._patch import Patch, swap, swap_methods
 from ._trl_async import async_methods
+from ._trl_online_dpo import online_dpo_methods
 from ._trl_server import server_methods
 from ._trl_sync import iter_named_params, prepared_policy, vllm_weights
 
@@ -211,6 +212,7 @@ def patch_trl(*, vllm_server: bool = False, sync_timeout: float = 120.0) -> TRLP
         if "_iter_named_params" in generation.__dict__:  # TRL 1.x; 0.29's sync_weights pushes tensors itself
             methods += server_methods(generation, sync_timeout, vllm_server)
     methods += async_methods()
+    methods += online_dpo_methods(sync_timeout, vllm_server)
     return swap("trl", pairs, then=swap_methods(methods))
 
 

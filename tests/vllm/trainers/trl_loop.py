@@ -1,6 +1,6 @@
 """TRL's real ``GRPOTrainer`` for a few steps on two CPU ranks, generating with a real vLLM (vLLM's CPU build).
 
-    torchrun --nproc_per_node 2 tests/vllm/trl_loop.py --backend fsdp2 --model DIR --url URL --json OUT
+    torchrun --nproc_per_node 2 tests/vllm/trainers/trl_loop.py --backend fsdp2 --model DIR --url URL --json OUT
 
 Server mode against ``vllm serve`` at ``URL`` (started on ``DIR`` with wrapkit's gloo backend), its weights sent by
 wrapkit's ``VLLMEngine`` (``patch_trl(vllm_server=True)``); ``--colocate``: TRL's colocate mode, an engine in each
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 

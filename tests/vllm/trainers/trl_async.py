@@ -1,7 +1,8 @@
 """TRL's real ``AsyncGRPOTrainer`` syncing to a real vLLM server through ``VLLMEngine`` as its ``weight_transfer``
 (TRL's ``WeightTransferProtocol``), on two CPU ranks, with ``patch_trl()``.
 
-    torchrun --nproc_per_node 2 tests/vllm/trl_async.py --backend fsdp2 --model DIR --url URL --group-port P --json OUT
+    torchrun --nproc_per_node 2 tests/vllm/trainers/trl_async.py --backend fsdp2 --model DIR --url URL \
+        --group-port P --json OUT
 
 The trainer's own training step cannot run on a CPU: its forward packs samples into a prefix tree whose attention
 is a CUDA kernel fetched from the Hub (FlashAttention 3). Its weight sync is what runs, as its callbacks run it:
@@ -17,11 +18,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.vllm.trl_loop import LAYERS, lora_config, parser  # noqa: E402
+from tests.vllm.trainers.trl_loop import LAYERS, lora_config, parser  # noqa: E402
 
 
 def _served(url: str) -> str:

@@ -105,3 +105,30 @@ def test_grpo_colocate_mode_on_the_cpu_build(tmp_path: Path, family: str, backen
     On vLLM's CPU build it raises without ``patch_trl()`` (its packed linear layers take no load), and a mixture's
     experts keep their old values (log-prob gaps of 0.03 to 0.08 here) without their repacking."""
     check_grpo(None, tmp_path, backend, False, family=family)
+
+
+ONLINE_DPO = Path(__file__).with_name("trl_online_dpo.py")
+
+
+def check_online_dpo(tmp_path: Path, backend: str, lora: bool, family: str = "llama") -> None:
+    obs = grpo(None, tmp_path, backend, *(["--lora"] if lora else []), family=family, script=ONLINE_DPO)
+    assert obs["patched"] and len(obs["rounds"]) == STEPS, obs  # a sync before each step's generation
+    for seen in obs["rounds"]:
+        assert all(seen["tokens"]) and seen["logprob"] < 1e-4, obs
+    moved = compared(obs["own"][0], obs["own"][-1])  # the policy moved: an engine left behind would show it
+    assert not all(moved["tokens"]) or moved["logprob"] > 1e-2, moved
+
+
+@pytest.mark.parametrize("family, backend, lora", [("llama", "fsdp", True), ("qwen2-tied", "zero3", False)],
+                         ids=["llama-fsdp>lora", "qwen2-tied-zero3"])
+def test_online_dpo_colocate_mode_on_wrapkits_stream(tmp_path: Path, family: str, backend: str, lora: bool) -> None:
+    """TRL's online DPO in colocate mode: its sync (its own walk: FSDP1's LoRA merge raises on the flat shards) on
+    wrapkit's stream, into each rank's engine; the engine's greedy output against the policy's own after each."""
+    check_online_dpo(tmp_path, backend, lora, family)
+
+
+def test_online_dpo_without_syncs_fails_the_check(tmp_path: Path) -> None:
+    """The engine left with the weights it started from: once the policy has moved, they part."""
+    obs = grpo(None, tmp_path, "ddp", "--no-sync", script=ONLINE_DPO)
+    assert len(obs["rounds"]) == STEPS and all(obs["rounds"][0]["tokens"]), obs  # both start from one checkpoint
+    assert any(not all(seen["tokens"]) or seen["logprob"] > 1e-2 for seen in obs["rounds"][1:]), obs
