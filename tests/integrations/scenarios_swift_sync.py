@@ -69,8 +69,8 @@ class SwiftEngine:
         self.adapter: dict[str, torch.Tensor] = {}
         outer = self
 
-        class Inner:
-            def named_parameters(self) -> Any:
+        class Inner(torch.nn.Module):  # a module, as vLLM's model is (its layers are looked at after a sync)
+            def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
                 return iter(())  # as the client's get_model_state_keys
 
             def load_weights(self, weights: Any) -> None:

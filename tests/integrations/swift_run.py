@@ -28,9 +28,9 @@ LAYERS = 2
 _WORDS = ["red", "green", "blue", "cat", "dog", "bird", "runs", "sits", "flies", "the", "a", "big", "small"]
 
 
-def save_tiny(path: str | Path) -> None:
+def save_tiny(path: str | Path, heads: int = 4) -> None:
     """A 2-layer Llama and a byte-level BPE tokenizer trained on a made-up corpus, saved with
-    ``save_pretrained``."""
+    ``save_pretrained``. ``heads``: attention heads (2 for vLLM's CPU build, which refuses a head size of 16)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -44,7 +44,7 @@ def save_tiny(path: str | Path) -> None:
     tok.train_from_iterator(corpus, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
     cfg = LlamaConfig(vocab_size=tok.get_vocab_size(), hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                      num_attention_heads=heads, num_key_value_heads=2, max_position_embeddings=128,
                       tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(str(path))

@@ -72,12 +72,16 @@ def test_patch_swift_swaps_and_undoes() -> None:
     trl_original = trl_utils.prepare_deepspeed
     from swift.rlhf_trainers.rollout_mixin import RolloutTrainerMixin as Mixin
 
-    syncs = {n: Mixin.__dict__[n] for n in ("_move_full_model_to_vllm", "_move_adapter_to_vllm")}
+    syncs = {n: Mixin.__dict__[n]
+             for n in ("_move_full_model_to_vllm", "_move_adapter_to_vllm", "_prepare_vllm_engine")}
     with dropins.patch_swift() as patch:
         # GRPO's weight sync to vLLM takes its tensors from wrapkit.
         assert Mixin._move_full_model_to_vllm is dropins.move_full_model_to_vllm
         assert Mixin._move_adapter_to_vllm is dropins.move_adapter_to_vllm
-        assert {(c, n) for c, n, _ in patch.methods} == {(Mixin, n) for n in syncs}
+        # Colocate mode's engine is built reloadable on vLLM's CPU build.
+        assert Mixin._prepare_vllm_engine is dropins.prepare_vllm_engine
+        # (TRL's trainers' methods, which patch_trl() replaced underneath, are listed too.)
+        assert {(c, n) for c, n, _ in patch.methods if c is Mixin} == {(Mixin, n) for n in syncs}
         assert dropins.patch_swift().methods == []
         for module, name in sources:
             assert getattr(module, name) is getattr(dropins, name), f"{module.__name__}.{name} not patched"

@@ -40,10 +40,11 @@ from ..exchange.peft import adapter_tensors
 from ..references.view import AdaptersOff
 from . import trl as _trl
 from ._patch import Patch, swap, swap_methods
+from ._trl_server import colocated_cpu, cpu_build
 from ._trl_sync import prepared_module, prepared_policy
 
 __all__ = ["unwrap_model_for_generation", "prepare_deepspeed", "prepare_fsdp", "patch_swift", "SwiftPatch",
-           "move_full_model_to_vllm", "move_adapter_to_vllm"]
+           "move_full_model_to_vllm", "move_adapter_to_vllm", "prepare_vllm_engine"]
 
 
 @contextlib.contextmanager
@@ -114,6 +115,7 @@ def prepare_fsdp(model: torch.nn.Module, accelerator: Any, evaluation_mode: bool
 # ``load_weights`` / ``add_lora``) and its engine-side steps stay as they are.
 _MIXIN = "swift.rlhf_trainers.rollout_mixin"
 _ORIGINAL_FULL: dict[str, Any] = {}
+_ORIGINAL_ENGINE: dict[str, Any] = {}
 
 
 def move_full_model_to_vllm(self: Any) -> None:
@@ -139,12 +141,24 @@ def move_full_model_to_vllm(self: Any) -> None:
     if colocate:
         mixin.finish_vllm_weight_reload(self.engine.inner_model, model_config=self.engine.engine.model_config,
                                         target_device=self.accelerator.device)
+        if cpu_build():  # the CPU build's experts, left in the checkpoint's layout by the reload
+            from .engines.vllm_gloo import repack_cpu_experts
+
+            repack_cpu_experts(self.engine.inner_model)
     elif server and self.accelerator.is_main_process:
         self.vllm_client.process_weights_after_loading()
     if peft:
         self.base_sync_done = True
         if served_lora:
             self._move_adapter_to_vllm()
+
+
+def prepare_vllm_engine(self: Any) -> Any:
+    """``RolloutTrainerMixin._prepare_vllm_engine`` (colocate mode's in-process engine), built after
+    ``colocated_cpu()``: on vLLM's CPU build its linear layers then keep weights that the syncs' ``load_weights``
+    can load into (the packed copy the build keeps otherwise has no loader)."""
+    colocated_cpu()
+    return _ORIGINAL_ENGINE["method"](self)
 
 
 def move_adapter_to_vllm(self: Any) -> None:
@@ -213,8 +227,11 @@ def patch_swift() -> SwiftPatch:
         mixin = importlib.import_module(_MIXIN).RolloutTrainerMixin
         if mixin.__dict__.get("_move_full_model_to_vllm") is not move_full_model_to_vllm:
             _ORIGINAL_FULL["method"] = mixin.__dict__["_move_full_model_to_vllm"]
+        if mixin.__dict__.get("_prepare_vllm_engine") is not prepare_vllm_engine:
+            _ORIGINAL_ENGINE["method"] = mixin.__dict__["_prepare_vllm_engine"]
         methods = [(mixin, "_move_full_model_to_vllm", move_full_model_to_vllm),
-                   (mixin, "_move_adapter_to_vllm", move_adapter_to_vllm)]
+                   (mixin, "_move_adapter_to_vllm", move_adapter_to_vllm),
+                   (mixin, "_prepare_vllm_engine", prepare_vllm_engine)]
     return swap("swift", pairs, _bindings, then=swap_methods(methods, then=trl_patch))
 
 

@@ -1,0 +1,58 @@
+"""ms-swift's own GRPO pipeline in colocate mode, generating with a real vLLM (vLLM's CPU build) in each of two CPU
+ranks, its weights synced by ms-swift's own sync on wrapkit's stream (``patch_swift()``; ``swift_grpo.py`` under
+torchrun). The check at every step: vLLM's log-probabilities of the tokens it sampled against the trainer's own of
+the same tokens, within 1e-4. A run that never syncs must fail it. Runs in ms-swift's environment (``.ci/swift``),
+which has vLLM's CPU build beside ms-swift."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.harness.launch import torchrun
+from tests.integrations.swift_run import save_tiny, write_rows
+
+pytest.importorskip("vllm", reason="vLLM's CPU build: in the vLLM stage's and ms-swift's environments")
+pytest.importorskip("swift", reason="ms-swift pins its own TRL and PEFT: its own environment (.ci/swift)")
+
+SCRIPT = Path(__file__).with_name("swift_grpo.py")
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("swift-vllm")
+    save_tiny(root / "model", heads=2)  # vLLM's CPU attention refuses a head size of 16
+    write_rows(root / "rows.jsonl")
+    return root / "model", root / "rows.jsonl"
+
+
+def grpo(tiny: tuple[Path, Path], tmp_path: Path, backend: str, *extra: str) -> dict[str, Any]:
+    model, rows = tiny
+    out = tmp_path / "obs.json"
+    torchrun(SCRIPT, "--backend", backend, "--model", str(model), "--data", str(rows), "--json", str(out),
+             "--steps", str(STEPS), *extra, timeout=300, DS_ACCELERATOR="cpu")
+    ranks = json.loads(out.read_text())
+    assert ranks[0] == ranks[1]  # the metric is reduced over the ranks; the syncs are collective
+    print(backend, *extra, ranks[0])
+    return ranks[0]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("backend, lora", [("zero3", False), ("fsdp2", True)], ids=["zero3", "fsdp2>lora"])
+def test_swift_grpo_colocate_generates_from_the_trained_weights(tiny: tuple[Path, Path], tmp_path: Path,
+                                                                backend: str, lora: bool) -> None:
+    obs = grpo(tiny, tmp_path, backend, *(["--lora"] if lora else []))
+    assert obs["error"] is None, obs["error"]
+    assert obs["syncs"] == list(range(STEPS)), obs  # ms-swift syncs before each step's generation
+    assert len(obs["diff"]) == STEPS and max(obs["diff"]) < 1e-4, obs
+
+
+def test_swift_grpo_without_syncs_fails_the_check(tiny: tuple[Path, Path], tmp_path: Path) -> None:
+    obs = grpo(tiny, tmp_path, "zero3", "--no-sync")
+    assert obs["error"] is None and obs["syncs"] == [], obs
+    # The first step moves the policy little (4e-4 here: a group whose two samples score alike has no advantage);
+    # from the second on the engine left behind is far off.
+    assert min(obs["diff"][2:]) > 1e-2, obs
