@@ -12,7 +12,7 @@ import pytest
 
 from tests.vllm.server import Server
 from tests.vllm.test_real_vllm import check_sync_step_sync
-from tests.vllm.trainers.test_trl_loops import check_async, check_grpo
+from tests.vllm.trainers.test_trl_loops import check_async
 
 pytest.importorskip("vllm", reason="vLLM's CPU build runs in the vLLM stage's own environment (.ci/vllm)")
 
@@ -26,13 +26,8 @@ def test_qwen3_moe_sync_step_sync(group: Any, moe_server: Server) -> None:
     check_sync_step_sync(moe_server, ["ddp", "fsdp2", "zero3"], 45, group)
 
 
-# TRL's GRPO in server mode against the same servers (trainers/test_trl_loops.py has the Llama's rows, the tied
-# Qwen2's in colocate mode, and the check).
-def test_grpo_server_mode_on_qwen3_moe(moe_server: Server, tmp_path: Path) -> None:
-    pytest.importorskip("trl", reason="TRL is installed in the vLLM stage's environment (.ci/vllm)")
-    check_grpo(moe_server, tmp_path, "fsdp2", False, family="qwen3-moe")
-
-
+# TRL's async GRPO against the same server (trainers/test_trl_loops.py has the Llama's rows, the families' in
+# colocate mode, and the check).
 def test_async_grpo_weight_transfer_on_qwen3_moe(moe_server: Server, tmp_path: Path) -> None:
     pytest.importorskip("trl", reason="TRL is installed in the vLLM stage's environment (.ci/vllm)")
     check_async(moe_server, tmp_path, "zero3", False, family="qwen3-moe")

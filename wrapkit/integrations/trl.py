@@ -191,7 +191,8 @@ def patch_trl(*, vllm_server: bool = False, sync_timeout: float = 120.0) -> TRLP
     that holds them (matched by identity, so nothing else is touched); trainer modules
     imported later pick up the replacements from ``trl.models``. Also routes the weight sync of
     ``VLLMGeneration`` (GRPO, RLOO, distillation; server and colocate mode) through wrapkit's stream
-    (``_trl_sync``): the Hub's layout on every backend, LoRA merged without touching the live weights.
+    (``_trl_sync``): the Hub's layout on every backend, LoRA merged without touching the live weights; online DPO's
+    own sync (``_trl_online_dpo``) and the async trainers' (``_trl_async``) alike.
     Call once in every process, before building the trainer. Returns a ``TRLPatch`` to undo it
     (``swaps``: the functions, ``methods``: the methods replaced); patching twice is a no-op.
 

@@ -26,7 +26,8 @@ if str(ROOT) not in sys.path:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--backend", choices=["zero3", "fsdp2"], required=True)
+    p.add_argument("--backend", choices=["ddp", "zero3", "fsdp2"], required=True)
+    p.add_argument("--model-type", default="llama")
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--json", required=True)
@@ -76,13 +77,12 @@ def main() -> None:
     from swift.pipelines import rlhf_main
 
     argv = [
-        "--rlhf_type", "grpo", "--model", a.model, "--model_type", "llama", "--template", "default",
+        "--rlhf_type", "grpo", "--model", a.model, "--model_type", a.model_type, "--template", "default",
         "--dataset", a.data, "--tuner_type", "lora" if a.lora else "full", "--torch_dtype", "float32",
         "--max_steps", str(a.steps), "--per_device_train_batch_size", "2", "--max_length", "64",
         "--save_strategy", "no", "--split_dataset_ratio", "0", "--dataset_num_proc", "1", "--report_to", "none",
         "--logging_steps", "1", "--learning_rate", "0.05" if a.lora else "0.01", "--fp16", "false",
         "--bf16", "false", "--output_dir", str(out / "out"), "--ddp_backend", "gloo", "--seed", "0",
-        "--accelerator_config", json.dumps({"use_configured_state": True}),
         "--warmup_ratio", "0", "--num_generations", "2", "--max_completion_length", "8",
         "--reward_funcs", "toy_vowels", "--beta", "0.0",
         "--use_vllm", "true", "--vllm_mode", "colocate", "--vllm_gpu_memory_utilization", "0.1",
@@ -93,7 +93,13 @@ def main() -> None:
         # of a randomly thinned model, which no engine serves.
         argv += ["--lora_rank", "8", "--lora_alpha", "16", "--lora_dropout", "0", "--target_modules", "q_proj",
                  "v_proj", "down_proj"]
-    argv += ["--deepspeed", "zero3"] if a.backend == "zero3" else ["--fsdp", _fsdp2_config(out / "fsdp2.json")]
+    # DDP: accelerate's own CPU set-up; the others on the state set up above (tests/integrations/accelerate_cpu.py).
+    argv += ["--use_cpu", "true"] if a.backend == "ddp" else [
+        "--accelerator_config", json.dumps({"use_configured_state": True})]
+    if a.backend == "zero3":
+        argv += ["--deepspeed", "zero3"]
+    elif a.backend == "fsdp2":
+        argv += ["--fsdp", _fsdp2_config(out / "fsdp2.json")]
     error = None
     try:
         rlhf_main(argv)

@@ -22,12 +22,29 @@ SCRIPT = Path(__file__).with_name("swift_grpo.py")
 STEPS = 4
 
 
+def family_dir(root: Path, family: str) -> Path:
+    """``family``'s tiny model (``tests/vllm/server.py``) with ``save_tiny``'s tokenizer, saved under ``root``."""
+    directory = root / family
+    save_tiny(directory, heads=2)  # a Llama: vLLM's CPU attention refuses a head size of 16
+    if family != "llama":
+        from transformers import AutoTokenizer
+
+        from tests.vllm.server import tiny_model
+
+        model = tiny_model(family)
+        model.resize_token_embeddings(len(AutoTokenizer.from_pretrained(directory)))
+        model.config.pad_token_id, model.config.bos_token_id, model.config.eos_token_id = 0, 1, 2
+        for stale in directory.glob("*.safetensors"):
+            stale.unlink()
+        model.save_pretrained(directory)
+    return directory
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("swift-vllm")
-    save_tiny(root / "model", heads=2)  # vLLM's CPU attention refuses a head size of 16
     write_rows(root / "rows.jsonl")
-    return root / "model", root / "rows.jsonl"
+    return family_dir(root, "llama"), root / "rows.jsonl"
 
 
 def grpo(tiny: tuple[Path, Path], tmp_path: Path, backend: str, *extra: str) -> dict[str, Any]:

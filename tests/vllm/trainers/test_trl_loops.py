@@ -55,10 +55,10 @@ def check_grpo(server: Server | None, tmp_path: Path, backend: str, lora: bool, 
     assert len(obs["diff"]) == STEPS and max(obs["diff"]) < 1e-4, obs
 
 
-# Every backend TRL trains on (FSDP2 with the families, test_real_vllm_families.py); LoRA (merged for the sync, not
-# in place) where TRL's own merge raises: FSDP1's flat shards.
-@pytest.mark.parametrize("backend, lora", [("ddp", False), ("fsdp", False), ("zero3", False), ("fsdp", True)],
-                         ids=["ddp", "fsdp", "zero3", "fsdp>lora"])
+# Every backend TRL trains on; LoRA (merged for the sync, not in place) where TRL's own merge raises: FSDP1's flat
+# shards. (The families: in colocate mode below and test_real_vllm_families.py.)
+@pytest.mark.parametrize("backend, lora", [("ddp", False), ("fsdp2", False), ("zero3", False), ("fsdp", True)],
+                         ids=["ddp", "fsdp2", "zero3", "fsdp>lora"])
 def test_grpo_server_mode_generates_from_the_trained_weights(trl_llama_server: Server, tmp_path: Path,
                                                              backend: str, lora: bool) -> None:
     check_grpo(trl_llama_server, tmp_path, backend, lora)
@@ -98,8 +98,9 @@ def test_async_grpo_without_syncs_fails_the_check(trl_llama_server: Server, tmp_
     assert any(not all(seen["tokens"]) or seen["logprob"] > 1e-2 for seen in obs["rounds"]), obs
 
 
-@pytest.mark.parametrize("family, backend", [("llama", "fsdp"), ("qwen3-moe", "fsdp2"), ("qwen2-tied", "zero3")],
-                         ids=["llama-fsdp", "qwen3-moe-fsdp2", "qwen2-tied-zero3"])
+# (FSDP1's colocated engines: online DPO's below; engines start in each rank, a minute a run.)
+@pytest.mark.parametrize("family, backend", [("qwen3-moe", "fsdp2"), ("qwen2-tied", "zero3")],
+                         ids=["qwen3-moe-fsdp2", "qwen2-tied-zero3"])
 def test_grpo_colocate_mode_on_the_cpu_build(tmp_path: Path, family: str, backend: str) -> None:
     """TRL's colocate mode: an engine in each rank's process, loaded by TRL's own sync (its walk wrapkit's stream).
     On vLLM's CPU build it raises without ``patch_trl()`` (its packed linear layers take no load), and a mixture's
