@@ -27,7 +27,8 @@ if str(ROOT) not in sys.path:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--backend", choices=["ddp", "zero3", "fsdp2"], required=True)
-    p.add_argument("--model-type", default="llama")
+    p.add_argument("--model-type", default="llama")  # ms-swift's name of the family
+    p.add_argument("--layer", default="LlamaDecoderLayer")  # the class FSDP wraps as a unit
     p.add_argument("--model", required=True)
     p.add_argument("--data", required=True)
     p.add_argument("--json", required=True)
@@ -45,7 +46,7 @@ def main() -> None:
     from tests.integrations import accelerate_cpu
     from tests.integrations.swift_run import _fsdp2_config, _toy_reward
 
-    accelerate_cpu.trainer_arguments(a.backend)
+    accelerate_cpu.trainer_arguments(a.backend, [a.layer])
     if a.patch:
         from wrapkit.integrations.swift import patch_swift
 

@@ -40,35 +40,44 @@ def family_dir(root: Path, family: str) -> Path:
     return directory
 
 
+# ms-swift's name of each family, and the layer class FSDP wraps as a unit.
+FAMILIES = {"llama": ("llama", "LlamaDecoderLayer"), "qwen2-tied": ("qwen2", "Qwen2DecoderLayer"),
+            "qwen3-moe": ("qwen3_moe", "Qwen3MoeDecoderLayer")}
+
+
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("swift-vllm")
-    write_rows(root / "rows.jsonl")
-    return family_dir(root, "llama"), root / "rows.jsonl"
+def rows(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("swift-vllm") / "rows.jsonl"
+    write_rows(path)
+    return path
 
 
-def grpo(tiny: tuple[Path, Path], tmp_path: Path, backend: str, *extra: str) -> dict[str, Any]:
-    model, rows = tiny
+def grpo(rows: Path, tmp_path: Path, family: str, backend: str, *extra: str) -> dict[str, Any]:
     out = tmp_path / "obs.json"
-    torchrun(SCRIPT, "--backend", backend, "--model", str(model), "--data", str(rows), "--json", str(out),
-             "--steps", str(STEPS), *extra, timeout=300, DS_ACCELERATOR="cpu")
+    model_type, layer = FAMILIES[family]
+    torchrun(SCRIPT, "--backend", backend, "--model", str(family_dir(tmp_path, family)), "--model-type", model_type,
+             "--layer", layer, "--data", str(rows), "--json", str(out), "--steps", str(STEPS), *extra, timeout=300,
+             DS_ACCELERATOR="cpu")
     ranks = json.loads(out.read_text())
     assert ranks[0] == ranks[1]  # the metric is reduced over the ranks; the syncs are collective
-    print(backend, *extra, ranks[0])
+    print(family, backend, *extra, ranks[0])
     return ranks[0]  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("backend, lora", [("zero3", False), ("fsdp2", True)], ids=["zero3", "fsdp2>lora"])
-def test_swift_grpo_colocate_generates_from_the_trained_weights(tiny: tuple[Path, Path], tmp_path: Path,
+# A mixture's experts (packed again after each sync on the CPU build: 0.02 to 0.05 off without) and a tied head
+# with LoRA merged; the Llama on DDP, ZeRO-3 and FSDP2 with LoRA passes alike (by hand).
+@pytest.mark.parametrize("family, backend, lora", [("qwen3-moe", "zero3", False), ("qwen2-tied", "fsdp2", True)],
+                         ids=["qwen3-moe-zero3", "qwen2-tied-fsdp2>lora"])
+def test_swift_grpo_colocate_generates_from_the_trained_weights(rows: Path, tmp_path: Path, family: str,
                                                                 backend: str, lora: bool) -> None:
-    obs = grpo(tiny, tmp_path, backend, *(["--lora"] if lora else []))
+    obs = grpo(rows, tmp_path, family, backend, *(["--lora"] if lora else []))
     assert obs["error"] is None, obs["error"]
     assert obs["syncs"] == list(range(STEPS)), obs  # ms-swift syncs before each step's generation
     assert len(obs["diff"]) == STEPS and max(obs["diff"]) < 1e-4, obs
 
 
-def test_swift_grpo_without_syncs_fails_the_check(tiny: tuple[Path, Path], tmp_path: Path) -> None:
-    obs = grpo(tiny, tmp_path, "zero3", "--no-sync")
+def test_swift_grpo_without_syncs_fails_the_check(rows: Path, tmp_path: Path) -> None:
+    obs = grpo(rows, tmp_path, "llama", "zero3", "--no-sync")
     assert obs["error"] is None and obs["syncs"] == [], obs
     # The first step moves the policy little (4e-4 here: a group whose two samples score alike has no advantage);
     # from the second on the engine left behind is far off.
