@@ -20,7 +20,7 @@ import importlib
 import inspect
 from typing import Any
 
-from ._trl_server import colocated_cpu, cpu_build, serving_engine
+from ._trl_server import Replaced, colocated_cpu, colocated_loaded, serving_engine
 from ._trl_sync import prepared_policy, vllm_weights
 
 __all__ = ["online_dpo_methods"]
@@ -28,11 +28,8 @@ __all__ = ["online_dpo_methods"]
 _MODULE = "trl.experimental.online_dpo.online_dpo_trainer"
 
 
-class OnlineDPOSync:
-    """The two methods of ``OnlineDPOTrainer`` ``patch_trl()`` wraps (TRL's own in ``originals``)."""
-
-    def __init__(self, originals: dict[str, Any], timeout: float, server: bool) -> None:
-        self.originals, self.timeout, self.server = originals, timeout, server
+class OnlineDPOSync(Replaced):
+    """The two methods of ``OnlineDPOTrainer`` ``patch_trl()`` wraps."""
 
     def init(self, trainer: Any, *args: Any, **kwargs: Any) -> None:
         """TRL's constructor, after ``colocated_cpu()`` where it builds a colocated engine; with ``server`` set, a
@@ -70,10 +67,7 @@ class OnlineDPOSync:
             # One tensor at a time: each is a view into the current bucket, valid until the next is taken.
             for name, tensor in vllm_weights(trainer.model, accelerator):
                 model.load_weights([(name, tensor)])
-            if cpu_build():
-                from .engines.vllm_gloo import repack_cpu_experts
-
-                repack_cpu_experts(model)
+            colocated_loaded(model)
             trainer.llm.reset_prefix_cache()
             return
         stream = vllm_weights(trainer.model, accelerator, to_rank=0)
@@ -106,8 +100,7 @@ def online_dpo_methods(timeout: float, server: bool) -> list[tuple[type, str, An
         return []
     installed = getattr(owner.__dict__["_move_model_to_vllm"], "wrapkit_online_dpo", None)
     if installed is not None:
-        installed.server = installed.server or server
-        installed.timeout = timeout if server else installed.timeout
+        installed.ask(timeout, server)
         return []
     sync = OnlineDPOSync({name: owner.__dict__[name] for name in names}, timeout, server)
 

@@ -25,17 +25,28 @@ from urllib.parse import urlparse
 from .._errors import EngineError
 from ._trl_sync import prepared_policy
 
-__all__ = ["ServerSync", "server_methods", "serving_engine", "colocated_cpu", "cpu_build"]
+__all__ = ["Replaced", "ServerSync", "server_methods", "serving_engine", "colocated_cpu", "colocated_loaded"]
 
 _LOOPBACK = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
 
 
-class ServerSync:
-    """The two ``VLLMGeneration`` methods ``patch_trl()`` wraps (TRL's own in ``originals``): server mode on wrapkit's
-    engine where ``server`` is set; colocate mode on vLLM's CPU build made able to reload (``colocated_cpu``)."""
+class Replaced:
+    """A trainer's methods ``patch_trl()`` wraps: TRL's own (``originals``), and what was asked of server mode
+    (``server``: on wrapkit's engine; ``timeout``: each of its steps, seconds)."""
 
     def __init__(self, originals: dict[str, Any], timeout: float, server: bool) -> None:
         self.originals, self.timeout, self.server = originals, timeout, server
+
+    def ask(self, timeout: float, server: bool) -> None:
+        """A later ``patch_trl()`` call on methods already wrapped: server mode is turned on, if asked, until undone
+        (never off), with that call's timeout."""
+        self.server = self.server or server
+        self.timeout = timeout if server else self.timeout
+
+
+class ServerSync(Replaced):
+    """The two ``VLLMGeneration`` methods ``patch_trl()`` wraps: server mode on wrapkit's engine where ``server`` is
+    set; colocate mode on vLLM's CPU build made able to reload (``colocated_cpu``)."""
 
     def init_vllm(self, generation: Any) -> None:
         """Server mode with ``server``: TRL's client on the main process (for generation only: no NCCL
@@ -64,10 +75,8 @@ class ServerSync:
         engine = getattr(generation, "wrapkit_engine", None)
         if generation.mode != "server" or engine is None:
             self.originals["sync_weights"](generation)
-            if generation.mode == "colocate" and cpu_build():
-                from .engines.vllm_gloo import repack_cpu_experts
-
-                repack_cpu_experts(generation.llm.llm_engine.model_executor.driver_worker.model_runner.model)
+            if generation.mode == "colocate":
+                colocated_loaded(generation.llm.llm_engine.model_executor.driver_worker.model_runner.model)
             return
         wm = prepared_policy(generation.model, generation.accelerator)
         engine.sync(wm, merge_adapters="peft" in wm.stack)
@@ -86,13 +95,20 @@ def colocated_cpu() -> None:
     """Make engines built in this process from now on reloadable in place on vLLM's CPU build (a no-op elsewhere):
     its linear layers compute from their own weights (vLLM's ``F.linear`` fallback) instead of a copy packed at
     load, which leaves ``load_weights`` nothing to load into. The experts of a mixture are packed again after each
-    sync (``sync_weights``). TRL's and ms-swift's colocate modes load into such an engine."""
+    sync (``colocated_loaded``). TRL's and ms-swift's colocate modes load into such an engine."""
     if cpu_build():
         from .engines.vllm_gloo import keep_cpu_weights
 
         keep_cpu_weights(everywhere=True)
 
 
+def colocated_loaded(model: Any) -> None:
+    """After a sync into an in-process engine's ``model`` (``colocated_cpu``): on vLLM's CPU build, a mixture's
+    experts packed again (the build's reload leaves them in the checkpoint's layout); a no-op elsewhere."""
+    if cpu_build():
+        from .engines.vllm_gloo import repack_cpu_experts
+
+        repack_cpu_experts(model)
 
 
 def serving_engine(accelerator: Any, url: str, group_port: int, timeout: float,
@@ -142,8 +158,7 @@ def server_methods(owner: type, timeout: float, server: bool) -> list[tuple[type
     names = ("_init_vllm", "sync_weights")
     installed = getattr(owner.__dict__.get("_init_vllm"), "wrapkit_server", None)
     if installed is not None:
-        installed.server = installed.server or server
-        installed.timeout = timeout if server else installed.timeout
+        installed.ask(timeout, server)
         return []
     sync = ServerSync({name: owner.__dict__[name] for name in names}, timeout, server)
 

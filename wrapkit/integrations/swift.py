@@ -40,7 +40,7 @@ from ..exchange.peft import adapter_tensors
 from ..references.view import AdaptersOff
 from . import trl as _trl
 from ._patch import Patch, swap, swap_methods
-from ._trl_server import colocated_cpu, cpu_build
+from ._trl_server import colocated_cpu, colocated_loaded
 from ._trl_sync import prepared_module, prepared_policy
 
 __all__ = ["unwrap_model_for_generation", "prepare_deepspeed", "prepare_fsdp", "patch_swift", "SwiftPatch",
@@ -141,10 +141,7 @@ def move_full_model_to_vllm(self: Any) -> None:
     if colocate:
         mixin.finish_vllm_weight_reload(self.engine.inner_model, model_config=self.engine.engine.model_config,
                                         target_device=self.accelerator.device)
-        if cpu_build():  # the CPU build's experts, left in the checkpoint's layout by the reload
-            from .engines.vllm_gloo import repack_cpu_experts
-
-            repack_cpu_experts(self.engine.inner_model)
+        colocated_loaded(self.engine.inner_model)  # ms-swift's post-load step leaves the CPU build's experts unpacked
     elif server and self.accelerator.is_main_process:
         self.vllm_client.process_weights_after_loading()
     if peft:
