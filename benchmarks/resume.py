@@ -5,9 +5,16 @@ with AdamW after one step, so every moment exists. The baselines:
 
 - FSDP2 and FSDP1: torch's distributed checkpoint with ``get_state_dict`` (save) and ``set_state_dict`` (load),
   the way torchtitan and accelerate save a torch-native model and its optimizer;
-- ZeRO-2 and ZeRO-3: ``engine.save_checkpoint`` / ``engine.load_checkpoint``.
+- ZeRO-2 and ZeRO-3: ``engine.save_checkpoint`` / ``engine.load_checkpoint``. DeepSpeed leaves what it wrote in
+  the page cache, where a crash of the machine loses it, while ``save_state`` and DCP flush every file to disk
+  (``fsync``) before the directory is renamed into place: the baseline's save is ``save_checkpoint`` followed by
+  the same flush of the files each rank wrote, so both sides do the same work. The note gives how much of the
+  baseline's time that flush was.
 
-Every save goes to a new checkpoint (a directory, or a DeepSpeed tag), as a trainer saves ``checkpoint-<step>``.
+Every save goes to a new checkpoint (a directory, or a DeepSpeed tag), as a trainer saves ``checkpoint-<step>``,
+and starts with nothing waiting to be written to disk (``os.sync()`` first, untimed): neither side pays for the
+other's earlier writes. Each checkpoint goes once loaded (the last stays), as a trainer keeps its last few, so the
+page cache does not fill up over the run.
 
 Each side is timed in interleaved pairs (``_common.interleaved``), the slower rank's time counting. The goal is
 at most 1.1x the backend's own. The note gives each side's peak extra resident memory on the worse rank (after
@@ -39,6 +46,7 @@ def _peak_of(fn: Any) -> tuple[float, int]:
 
     from benchmarks._common import proc_status, reset_peak
 
+    os.sync()  # no earlier save's pages still waiting for the disk: each side pays for its own writes only
     dist.barrier()
     reset_peak()
     base = proc_status("VmRSS")
@@ -80,18 +88,49 @@ def _trained(backend: str, hidden: int) -> tuple[Any, Any]:
     return wm, opt
 
 
-def _ways(wm: Any, opt: Any, root: str) -> dict[str, dict[str, Any]]:
+def _flush(directory: str, rank: int) -> None:
+    """Flush to disk what this rank wrote of a DeepSpeed checkpoint ``<save_dir>/<tag>``, as ``save_state`` does
+    its own files: its optimizer partition (``zero_pp_rank_<rank>_...``), on rank 0 also the module's states and
+    ``latest``, then the directories."""
+    def fsync(path: str) -> None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    parent = os.path.dirname(directory)
+    for name in sorted(os.listdir(directory)):
+        if f"rank_{rank}_" in name if name.startswith("zero_pp_") else rank == 0:
+            fsync(os.path.join(directory, name))
+    if rank == 0:
+        if os.path.exists(os.path.join(parent, "latest")):
+            fsync(os.path.join(parent, "latest"))
+        fsync(directory)
+        fsync(parent)
+
+
+def _ways(wm: Any, opt: Any, root: str, flushed: list[float]) -> dict[str, dict[str, Any]]:
     """Each side's save and load into checkpoint ``k`` (a new directory, or DeepSpeed tag, per save: as a trainer
-    saves ``checkpoint-<step>``), as callables taking ``k``."""
+    saves ``checkpoint-<step>``), as callables taking ``k``. ``flushed`` collects the seconds of DeepSpeed's flush."""
     def ours(k: int) -> str:
         return os.path.join(root, f"wrapkit-{k}")
 
     sides: dict[str, dict[str, Any]] = {"wrapkit": {"save": lambda k: wm.save_state(ours(k), opt),
-                                                    "load": lambda k: wm.load_state(ours(k), opt)}}
+                                                    "load": lambda k: wm.load_state(ours(k), opt), "path": ours}}
     if wm.backend == "deepspeed":
+        import torch.distributed as dist
+
         engine, own = wm.module, os.path.join(root, "own")
-        sides["own"] = {"save": lambda k: engine.save_checkpoint(own, tag=f"t{k}"),
-                        "load": lambda k: engine.load_checkpoint(own, tag=f"t{k}")}
+
+        def durable(k: int) -> None:
+            engine.save_checkpoint(own, tag=f"t{k}")
+            t0 = time.perf_counter()
+            _flush(os.path.join(own, f"t{k}"), dist.get_rank())
+            flushed.append(time.perf_counter() - t0)
+        sides["own"] = {"save": durable,
+                        "load": lambda k: engine.load_checkpoint(own, tag=f"t{k}"),
+                        "path": lambda k: os.path.join(own, f"t{k}")}
         return sides
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -105,7 +144,7 @@ def _ways(wm: Any, opt: Any, root: str) -> dict[str, dict[str, Any]]:
         state = {"model": msd, "optim": osd}
         dcp.load(state, checkpoint_id=os.path.join(root, f"own-{k}"))
         set_state_dict(wm.module, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    sides["own"] = {"save": save, "load": load}
+    sides["own"] = {"save": save, "load": load, "path": lambda k: os.path.join(root, f"own-{k}")}
     return sides
 
 
@@ -116,19 +155,21 @@ def _share(directory: str) -> int:
     return os.path.getsize(os.path.join(directory, f"__{dist.get_rank()}_0.distcp"))
 
 
-def measure(root: str, reps: int, hidden: int) -> dict[str, Any]:
-    """Runs on every rank: {backend: {side: {op: ([seconds...], [peak bytes...])}, "share": bytes}}."""
+def measure(root: str, reps: int, hidden: int, backends: tuple[str, ...] = BACKENDS) -> dict[str, Any]:
+    """Runs on every rank: {backend: {side: {op: ([seconds...], [peak bytes...])}, "share": bytes, "flushed":
+    [seconds of DeepSpeed's flush...]}}."""
     import torch.distributed as dist
 
     from wrapkit._imports import is_available
 
     out: dict[str, Any] = {}
-    for backend in BACKENDS:
+    for backend in backends:
         if backend.startswith("zero") and not is_available("deepspeed"):
             continue
         wm, opt = _trained(backend, hidden)
-        sides = _ways(wm, opt, os.path.join(root, backend))
-        times: dict[str, Any] = {s: {"save": ([], []), "load": ([], [])} for s in sides}
+        flushed: list[float] = []
+        sides = _ways(wm, opt, os.path.join(root, backend), flushed)
+        times: dict[str, Any] = {s: {"save": ([], []), "load": ([], [])} for s in ("wrapkit", "own")}
         for i in range(reps + 1):  # the first pair warms both up and is not counted
             for side in (("wrapkit", "own") if i % 2 else ("own", "wrapkit")):
                 for op in ("save", "load"):
@@ -136,13 +177,16 @@ def measure(root: str, reps: int, hidden: int) -> dict[str, Any]:
                     if i:
                         times[side][op][0].append(secs)
                         times[side][op][1].append(peak)
-        out[backend] = {**times, "share": _share(os.path.join(root, backend, f"wrapkit-{reps}"))}
+                if i < reps and dist.get_rank() == 0:  # as a trainer keeps its last few: the page cache stays small
+                    shutil.rmtree(sides[side]["path"](i))
+        out[backend] = {**times, "share": _share(os.path.join(root, backend, f"wrapkit-{reps}")),
+                        "flushed": flushed[1:]}
         del wm, opt
         dist.barrier()
     return out
 
 
-def collect(quick: bool = False) -> dict[str, Any]:
+def collect(quick: bool = False, hidden: int | None = None, backends: tuple[str, ...] = BACKENDS) -> dict[str, Any]:
     from _common import two_ranks
 
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
@@ -150,7 +194,8 @@ def collect(quick: bool = False) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="wrapkit-resume-")
     try:
         with two_ranks() as group:
-            per_rank = group.run("benchmarks.resume:measure", root, 2 if quick else 5, HIDDEN[quick], timeout=900)
+            per_rank = group.run("benchmarks.resume:measure", root, 2 if quick else 5, hidden or HIDDEN[quick],
+                                 backends, timeout=900)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if saved is None:
@@ -159,7 +204,9 @@ def collect(quick: bool = False) -> dict[str, Any]:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
     out: dict[str, Any] = {}
     for backend in per_rank[0]:
-        entry: dict[str, Any] = {"share": max(r[backend]["share"] for r in per_rank)}
+        flushed = zip(*(r[backend]["flushed"] for r in per_rank), strict=True)
+        entry: dict[str, Any] = {"share": max(r[backend]["share"] for r in per_rank),
+                                 "flushed": [max(f) for f in flushed]}
         for side in ("wrapkit", "own"):
             for op in ("save", "load"):
                 runs = len(per_rank[0][backend][side][op][0])
@@ -171,27 +218,34 @@ def collect(quick: bool = False) -> dict[str, Any]:
     return out
 
 
-def run(quick: bool = False) -> list[dict[str, Any]]:
+def run(quick: bool = False, hidden: int | None = None, backends: tuple[str, ...] = BACKENDS) -> list[dict[str, Any]]:
     """For ``wrapkit bench``: save and load time against the backend's own, per backend."""
     from _common import median, row
 
     rows = []
-    for backend, entry in collect(quick).items():
+    for backend, entry in collect(quick, hidden, backends).items():
         share = entry["share"] / 2**20
         for op in ("save", "load"):
             (ours, our_peak), (own, own_peak) = entry[("wrapkit", op)], entry[("own", op)]
-            rows.append(row(f"{backend} {op}", median(ours), median(own), GOAL, samples=(ours, own),
-                            note=f"peak extra memory {our_peak / 2**20:.1f} MiB (own way {own_peak / 2**20:.1f}) "
-                                 f"for a {share:.1f} MiB share"))
+            pairs = sorted(a / b for a, b in zip(ours, own, strict=True))
+            note = (f"pairs {pairs[0]:.2f}-{pairs[-1]:.2f}x; peak extra memory {our_peak / 2**20:.1f} MiB (own way "
+                    f"{own_peak / 2**20:.1f}) for a {share:.1f} MiB share")
+            if op == "save" and entry["flushed"]:
+                note += f"; of the own way's time its flush to disk {median(entry['flushed']):.3g} s"
+            rows.append(row(f"{backend} {op}", median(ours), median(own), GOAL, samples=(ours, own), note=note))
     return rows
 
 
-def main() -> int:
+def main(argv: list[str]) -> int:
+    """``python benchmarks/resume.py [--hidden N] [backend ...]``: all four backends at hidden 512 by default."""
     from _common import print_rows
 
-    print_rows("save_state / load_state against the backend's own, 2 gloo ranks (slower rank)", run())
+    hidden = int(argv[argv.index("--hidden") + 1]) if "--hidden" in argv else None
+    named = tuple(a for a in argv if a in BACKENDS)
+    print_rows(f"save_state / load_state against the backend's own, 2 gloo ranks (slower rank), hidden "
+               f"{hidden or HIDDEN[False]}", run(hidden=hidden, backends=named or BACKENDS))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
