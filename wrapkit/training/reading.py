@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,21 @@ def quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (as it was after). DCP's plans and metadata are
+    thousands of small objects at once, enough to start a full collection of the whole heap, which in a trainer
+    (transformers, DeepSpeed, the model) took 50-75 ms, a quarter of a save; they are freed by reference counting
+    when the save ends, so no collection is owed afterwards."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def checkpoint_exception() -> type[BaseException]:

@@ -34,6 +34,7 @@ from .._agree import Call, any_over_models, enter, raise_agreed, writes_files
 from .._errors import ArgumentError, StateDictError
 from .._results import StateLoad
 from ..formats.directory import commit_directory, open_directory
+from ..formats.writeback import writer as storage_writer
 from .held import Holding, hyper, put_scalar, scalars, state_tensors, unplaced
 from .held import specs as held_specs
 from .manifest import (
@@ -47,7 +48,7 @@ from .manifest import (
     saved_keys,
     versions,
 )
-from .reading import Object, checkpoint_exception, dcp_group, quiet, read
+from .reading import Object, checkpoint_exception, collector_paused, dcp_group, quiet, read
 from .schedulers import group_order, reordered, retyped, unmappable
 
 if TYPE_CHECKING:
@@ -98,6 +99,11 @@ def _check_scheduler(scheduler: Any, where: str) -> None:
 def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: Any = None,
                extra: Mapping[str, Any] | None = None) -> None:
     """See ``WrappedModel.save_state``."""
+    with collector_paused():
+        _save_state(wm, directory, optimizer, scheduler, extra)
+
+
+def _save_state(wm: Adapter, directory: str, optimizer: Any, scheduler: Any, extra: Mapping[str, Any] | None) -> None:
     from torch.distributed.checkpoint import state_dict_saver
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
@@ -132,9 +138,10 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
         state[f"rng/{_global_rank()}"] = Object(_rng())
     error: BaseException | None = None
     try:
-        # Not flattened: each object (a scheduler's state dict, the RNG states) is one item.
+        # Not flattened: each object (a scheduler's state dict, the RNG states) is one item. The files are written
+        # back to disk as they are written (formats/writeback.py) and fsynced, before the directory is renamed in.
         with quiet():
-            state_dict_saver.save(state, checkpoint_id=tmp, process_group=group, no_dist=no_dist,
+            state_dict_saver.save(state, storage_writer=storage_writer(tmp), process_group=group, no_dist=no_dist,
                                   planner=DefaultSavePlanner(flatten_state_dict=False))
     except (Exception, checkpoint_exception()) as exc:  # every rank learns of it in commit_directory
         error = exc
@@ -188,6 +195,11 @@ def _scheduler_order(manifest: Mapping[str, Any] | None, source: Holding, optimi
 
 def load_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: Any = None) -> StateLoad:
     """See ``WrappedModel.load_state``."""
+    with collector_paused():
+        return _load_state(wm, directory, optimizer, scheduler)
+
+
+def _load_state(wm: Adapter, directory: str, optimizer: Any, scheduler: Any) -> StateLoad:
 
     _check_optimizer(optimizer, "load_state")
     _check_scheduler(scheduler, "load_state")

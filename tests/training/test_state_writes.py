@@ -1,0 +1,123 @@
+"""How ``save_state`` writes: the files DCP's own writer writes, reaching the disk while they are written, and
+no collection of the whole heap in the middle of a save or load."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import wrapkit
+import wrapkit.training.state as training_state
+from tests.training import scenarios_resume as sc
+from wrapkit.cli._models import tiny_llama
+from wrapkit.formats import writeback
+
+
+def _stepped(seed: int = 0) -> tuple[Any, Any, Any]:
+    wm = wrapkit.adapt(tiny_llama(seed, layers=2))
+    opt, sched = sc._optimizer(wm, 1e-2, 2)
+    sc._steps(wm, opt, sched, 0)
+    return wm, opt, sched
+
+
+def _read(directory: Path) -> tuple[Any, dict[str, torch.Tensor]]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
+               if isinstance(m, TensorStorageMetadata)}
+    load(tensors, checkpoint_id=str(directory), no_dist=True)
+    return metadata, tensors
+
+
+def test_save_state_writes_what_dcps_own_writer_writes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    wm, opt, sched = _stepped()
+    wm.save_state(tmp_path / "ours", opt, scheduler=sched)
+    monkeypatch.setattr(training_state, "storage_writer", lambda path: FileSystemWriter(path))
+    wm.save_state(tmp_path / "stock", opt, scheduler=sched)
+    ours, stock = tmp_path / "ours", tmp_path / "stock"
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(stock))
+    assert os.path.getsize(ours / "__0_0.distcp") == os.path.getsize(stock / "__0_0.distcp")
+    (meta_a, a), (meta_b, b) = _read(ours), _read(stock)
+    assert meta_a.state_dict_metadata == meta_b.state_dict_metadata
+    # Every item at the same place in the file, of the same length.
+    assert {i: (s.relative_path, s.offset, s.length) for i, s in meta_a.storage_data.items()} == \
+        {i: (s.relative_path, s.offset, s.length) for i, s in meta_b.storage_data.items()}
+    assert a.keys() == b.keys() and len(a) > 10 and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_written_bytes_are_handed_to_the_disk_as_they_are_written(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    if sys.platform == "linux":  # the call exists on Linux; elsewhere the files are only fsynced at the end
+        assert writeback._KICK_CALL is not None
+    kicks: list[tuple[int, int]] = []
+    real = writeback._KICK_CALL
+
+    def kick(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        kicks.append((offset, nbytes))
+        return real(fd, offset, nbytes, flags) if real is not None else 0
+
+    monkeypatch.setattr(writeback, "_KICK_CALL", kick)
+    monkeypatch.setattr(writeback, "KICK", 2**20)
+    chunk = bytes(range(256)) * 1024 * 3  # 768 KiB
+    with open(tmp_path / "f", "wb") as f:
+        stream = writeback._WritingBack(f)
+        for _ in range(6):
+            stream.write(chunk)
+        # fileno() flushes what is buffered: an fsync right after it covers every byte written.
+        assert os.fstat(stream.fileno()).st_size == 6 * len(chunk) == stream.tell()
+        stream.close()
+        assert f.closed
+    # Every byte written before the last request was handed over once, in order, in requests of KICK bytes or more.
+    assert kicks and kicks[0][0] == 0 and all(n >= 2**20 for _, n in kicks)
+    assert all(a + n == b for (a, n), (b, _) in zip(kicks, kicks[1:], strict=False))
+    assert (tmp_path / "f").read_bytes() == chunk * 6
+
+
+def _collections(wm: Any, opt: Any, sched: Any, directory: Path, enabled: bool) -> list[int]:
+    """The generations collected while ``wm`` saves and loads, the collector on (``enabled``) with a threshold at
+    which the call's own few objects start none, and thousands start many."""
+    collections: list[int] = []
+
+    def seen(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            collections.append(info["generation"])
+
+    threshold, was = gc.get_threshold(), gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    gc.collect()
+    gc.set_threshold(300)
+    gc.callbacks.append(seen)
+    try:
+        wm.save_state(directory, opt, scheduler=sched)
+        assert gc.isenabled() is enabled
+        wm.load_state(directory, opt, scheduler=sched)
+        assert gc.isenabled() is enabled
+    finally:
+        gc.callbacks.remove(seen)
+        gc.set_threshold(*threshold)
+        (gc.enable if was else gc.disable)()
+    return collections
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_no_collection_runs_during_a_save_or_load_and_the_collector_is_left_as_found(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enabled: bool) -> None:
+    wm, opt, sched = _stepped()
+    # At most the young generation's collection once the collector is back on, at the end of each call.
+    assert set(_collections(wm, opt, sched, tmp_path / "a", enabled)) <= ({0} if enabled else set())
+    assert len(_collections(wm, opt, sched, tmp_path / "c", enabled)) <= 2
+    if enabled:  # the same calls without the pause: DCP's objects start collections
+        monkeypatch.setattr(training_state, "collector_paused", contextlib.nullcontext)
+        assert len(_collections(wm, opt, sched, tmp_path / "b", enabled)) > 3
