@@ -155,9 +155,14 @@ def _share(directory: str) -> int:
     return os.path.getsize(os.path.join(directory, f"__{dist.get_rank()}_0.distcp"))
 
 
+def _bytes(directory: str) -> int:
+    """Bytes of every file of a checkpoint (every rank's)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(directory) for f in files)
+
+
 def measure(root: str, reps: int, hidden: int, backends: tuple[str, ...] = BACKENDS) -> dict[str, Any]:
     """Runs on every rank: {backend: {side: {op: ([seconds...], [peak bytes...])}, "share": bytes, "flushed":
-    [seconds of DeepSpeed's flush...]}}."""
+    [seconds of DeepSpeed's flush...], "bytes": {side: bytes of its last checkpoint}}}."""
     import torch.distributed as dist
 
     from wrapkit._imports import is_available
@@ -180,7 +185,7 @@ def measure(root: str, reps: int, hidden: int, backends: tuple[str, ...] = BACKE
                 if i < reps and dist.get_rank() == 0:  # as a trainer keeps its last few: the page cache stays small
                     shutil.rmtree(sides[side]["path"](i))
         out[backend] = {**times, "share": _share(os.path.join(root, backend, f"wrapkit-{reps}")),
-                        "flushed": flushed[1:]}
+                        "flushed": flushed[1:], "bytes": {s: _bytes(sides[s]["path"](reps)) for s in sides}}
         del wm, opt
         dist.barrier()
     return out
@@ -206,7 +211,7 @@ def collect(quick: bool = False, hidden: int | None = None, backends: tuple[str,
     for backend in per_rank[0]:
         flushed = zip(*(r[backend]["flushed"] for r in per_rank), strict=True)
         entry: dict[str, Any] = {"share": max(r[backend]["share"] for r in per_rank),
-                                 "flushed": [max(f) for f in flushed]}
+                                 "flushed": [max(f) for f in flushed], "bytes": per_rank[0][backend]["bytes"]}
         for side in ("wrapkit", "own"):
             for op in ("save", "load"):
                 runs = len(per_rank[0][backend][side][op][0])
@@ -230,6 +235,9 @@ def run(quick: bool = False, hidden: int | None = None, backends: tuple[str, ...
             pairs = sorted(a / b for a, b in zip(ours, own, strict=True))
             note = (f"pairs {pairs[0]:.2f}-{pairs[-1]:.2f}x; peak extra memory {our_peak / 2**20:.1f} MiB (own way "
                     f"{own_peak / 2**20:.1f}) for a {share:.1f} MiB share")
+            if op == "save":
+                written = entry["bytes"]
+                note += f"; writes {written['wrapkit'] / 2**20:.1f} MiB (own way {written['own'] / 2**20:.1f})"
             if op == "save" and entry["flushed"]:
                 note += f"; of the own way's time its flush to disk {median(entry['flushed']):.3g} s"
             rows.append(row(f"{backend} {op}", median(ours), median(own), GOAL, samples=(ours, own), note=note))

@@ -15,6 +15,7 @@ import ctypes
 import ctypes.util
 import io
 import os
+import sys
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any
@@ -26,7 +27,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 
 
 def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    if not hasattr(os, "posix_fadvise"):  # not Linux (nor another system with the call)
+    if not sys.platform.startswith("linux"):
         return None
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
