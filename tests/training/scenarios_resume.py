@@ -186,6 +186,27 @@ def resumed(tmp: str, spec: str, precision: str = "fp32", topology: str = "flat"
     return obs
 
 
+def saved_again(tmp: str, spec: str, other: str) -> dict[str, Any]:
+    """Saves after each of three steps on the same ranks (the later ones from the plans DCP kept), then ``other``
+    (another model) saves on them too; each checkpoint loaded into a model built from other weights: the
+    largest difference from the state saved, per checkpoint."""
+    diffs: dict[str, float] = {}
+    for name, which in (("a", spec), ("b", other)):
+        wm = wrapkit.adapt(build(which, seed=0))
+        opt, sched = _optimizer(wm, 1e-2, 1)
+        states = []
+        for i in range(3):
+            _steps(wm, opt, sched, i * STEPS)
+            wm.save_state(os.path.join(tmp, f"{name}{i}"), opt, scheduler=sched)
+            states.append(_full_state(wm, opt))
+        for i, state in enumerate(states):
+            again = wrapkit.adapt(build(which, seed=7))
+            opt2, sched2 = _optimizer(again, 5e-4, 1)
+            again.load_state(os.path.join(tmp, f"{name}{i}"), opt2, scheduler=sched2)
+            diffs[f"{name}{i}"] = _diff(_full_state(again, opt2), state)
+    return diffs
+
+
 def foreign_checkpoint(tmp: str, kind: str, target: str) -> dict[str, Any]:
     """A model trained on FSDP2 by hand, its state saved as ``kind`` writes it (``torchtitan``: its
     CheckpointManager's keys, the model at the top level and the optimizer flattened per name; ``accelerate``:

@@ -20,6 +20,13 @@ from wrapkit.cli._models import tiny_llama
 from wrapkit.formats import writeback
 
 
+def test_saves_after_the_first_on_the_same_ranks_and_another_models_load_exactly(group: Any, tmp_path: Path) -> None:
+    """DCP keeps its plans between saves over the same ranks: the later saves of a model, and a save of another
+    model (its own plans) over the same ranks, each load back to the state saved."""
+    for diffs in group.run(sc.saved_again, str(tmp_path), "zero3", "fsdp2", timeout=120):
+        assert set(diffs) == {"a0", "a1", "a2", "b0", "b1", "b2"} and max(diffs.values()) == 0.0, diffs
+
+
 def _stepped(seed: int = 0) -> tuple[Any, Any, Any]:
     wm = wrapkit.adapt(tiny_llama(seed, layers=2))
     opt, sched = sc._optimizer(wm, 1e-2, 2)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import io
 import os
 import sys
@@ -82,9 +83,10 @@ class _WritingBack(io.RawIOBase):
             self._file.close()
 
 
-def writer(path: str) -> Any:
-    """DCP's ``FileSystemWriter`` for ``path`` (every file fsynced, as by default), writing back as it goes."""
-    from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemWriter
+@functools.cache
+def _file_system() -> Any:
+    """DCP's ``FileSystem`` whose files open for writing write back as they go (the class made once)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
 
     class WritingBack(FileSystem):
         @contextmanager
@@ -92,6 +94,13 @@ def writer(path: str) -> Any:
             with super().create_stream(path, mode) as stream:
                 yield _WritingBack(stream) if "w" in mode else stream
 
+    return WritingBack
+
+
+def writer(path: str) -> Any:
+    """DCP's ``FileSystemWriter`` for ``path`` (every file fsynced, as by default), writing back as it goes."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
     out = FileSystemWriter(path, sync_files=True)
-    out.fs = WritingBack()
+    out.fs = _file_system()()
     return out
