@@ -191,7 +191,8 @@ def measure(root: str, reps: int, hidden: int, backends: tuple[str, ...] = BACKE
     return out
 
 
-def collect(quick: bool = False, hidden: int | None = None, backends: tuple[str, ...] = BACKENDS) -> dict[str, Any]:
+def collect(quick: bool = False, hidden: int | None = None, backends: tuple[str, ...] = BACKENDS,
+            reps: int | None = None) -> dict[str, Any]:
     from _common import two_ranks
 
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
@@ -199,7 +200,8 @@ def collect(quick: bool = False, hidden: int | None = None, backends: tuple[str,
     root = tempfile.mkdtemp(prefix="wrapkit-resume-")
     try:
         with two_ranks() as group:
-            per_rank = group.run("benchmarks.resume:measure", root, 2 if quick else 5, hidden or HIDDEN[quick],
+            per_rank = group.run("benchmarks.resume:measure", root, reps or (2 if quick else 5),
+                                 hidden or HIDDEN[quick],
                                  backends, timeout=900)
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -223,12 +225,13 @@ def collect(quick: bool = False, hidden: int | None = None, backends: tuple[str,
     return out
 
 
-def run(quick: bool = False, hidden: int | None = None, backends: tuple[str, ...] = BACKENDS) -> list[dict[str, Any]]:
+def run(quick: bool = False, hidden: int | None = None, backends: tuple[str, ...] = BACKENDS,
+        reps: int | None = None) -> list[dict[str, Any]]:
     """For ``wrapkit bench``: save and load time against the backend's own, per backend."""
     from _common import median, row
 
     rows = []
-    for backend, entry in collect(quick, hidden, backends).items():
+    for backend, entry in collect(quick, hidden, backends, reps).items():
         share = entry["share"] / 2**20
         for op in ("save", "load"):
             (ours, our_peak), (own, own_peak) = entry[("wrapkit", op)], entry[("own", op)]
@@ -241,17 +244,21 @@ def run(quick: bool = False, hidden: int | None = None, backends: tuple[str, ...
             if op == "save" and entry["flushed"]:
                 note += f"; of the own way's time its flush to disk {median(entry['flushed']):.3g} s"
             rows.append(row(f"{backend} {op}", median(ours), median(own), GOAL, samples=(ours, own), note=note))
+            if os.environ.get("WRAPKIT_BENCH_SAMPLES"):
+                print(backend, op, "wrapkit", [round(x, 3) for x in ours], "own", [round(x, 3) for x in own])
     return rows
 
 
 def main(argv: list[str]) -> int:
-    """``python benchmarks/resume.py [--hidden N] [backend ...]``: all four backends at hidden 512 by default."""
+    """``python benchmarks/resume.py [--hidden N] [--reps N] [backend ...]``: all four backends at hidden 512, five
+    pairs each, by default."""
     from _common import print_rows
 
     hidden = int(argv[argv.index("--hidden") + 1]) if "--hidden" in argv else None
+    reps = int(argv[argv.index("--reps") + 1]) if "--reps" in argv else None
     named = tuple(a for a in argv if a in BACKENDS)
     print_rows(f"save_state / load_state against the backend's own, 2 gloo ranks (slower rank), hidden "
-               f"{hidden or HIDDEN[False]}", run(hidden=hidden, backends=named or BACKENDS))
+               f"{hidden or HIDDEN[False]}", run(hidden=hidden, backends=named or BACKENDS, reps=reps))
     return 0
 
 

@@ -186,6 +186,60 @@ def resumed(tmp: str, spec: str, precision: str = "fp32", topology: str = "flat"
     return obs
 
 
+def _read(directory: str) -> tuple[Any, dict[str, torch.Tensor]]:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load
+
+    metadata = FileSystemReader(directory).read_metadata()
+    tensors = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
+               if isinstance(m, TensorStorageMetadata)}
+    load(tensors, checkpoint_id=directory, no_dist=True)
+    return metadata, tensors
+
+
+def dcps_own_save(state: dict[str, Any], path: str, group: Any, no_dist: bool) -> None:
+    """What ``save_state`` writes, written by DCP's own ``save`` (its planner, not flattening, and its writer)."""
+    from torch.distributed.checkpoint import state_dict_saver
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    state_dict_saver.save(state, checkpoint_id=path, process_group=group, no_dist=no_dist,
+                          planner=DefaultSavePlanner(flatten_state_dict=False))
+
+
+def same_files(ours: str, stock: str) -> None:
+    assert sorted(os.listdir(ours)) == sorted(os.listdir(stock))
+    for name in os.listdir(ours):
+        if name.endswith(".distcp"):
+            assert os.path.getsize(os.path.join(ours, name)) == os.path.getsize(os.path.join(stock, name)), name
+    (meta_a, a), (meta_b, b) = _read(ours), _read(stock)
+    assert meta_a.state_dict_metadata == meta_b.state_dict_metadata
+    # Every item at the same place in the same file, of the same length.
+    assert {i: (s.relative_path, s.offset, s.length) for i, s in meta_a.storage_data.items()} == \
+        {i: (s.relative_path, s.offset, s.length) for i, s in meta_b.storage_data.items()}
+    assert a.keys() == b.keys() and len(a) > 10 and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def written_both_ways(tmp: str, spec: str) -> None:
+    """Saves twice (the second from the first's plans), then once through DCP's own save; rank 0 compares."""
+    import wrapkit.training.state as training_state
+
+    wm = wrapkit.adapt(build(spec, seed=0))
+    opt, sched = _optimizer(wm, 1e-2, 1)
+    _steps(wm, opt, sched, 0)
+    for name in ("ours", "again"):
+        wm.save_state(os.path.join(tmp, name), opt, scheduler=sched)
+    ours = training_state.write
+    training_state.write = dcps_own_save
+    try:
+        wm.save_state(os.path.join(tmp, "stock"), opt, scheduler=sched)
+    finally:
+        training_state.write = ours
+    if dist.get_rank() == 0:
+        for name in ("ours", "again"):
+            same_files(os.path.join(tmp, name), os.path.join(tmp, "stock"))
+
+
 def saved_again(tmp: str, spec: str, other: str) -> dict[str, Any]:
     """Saves after each of three steps on the same ranks (the later ones from the plans DCP kept), then ``other``
     (another model) saves on them too; each checkpoint loaded into a model built from other weights: the

@@ -19,7 +19,6 @@ every file's size, so that a load checks all of it before anything changes.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import random
@@ -35,7 +34,6 @@ from .._agree import Call, any_over_models, enter, raise_agreed, writes_files
 from .._errors import ArgumentError, StateDictError
 from .._results import StateLoad
 from ..formats.directory import commit_directory, open_directory
-from ..formats.writeback import writer as storage_writer
 from .held import Holding, hyper, put_scalar, scalars, state_tensors, unplaced
 from .held import specs as held_specs
 from .manifest import (
@@ -49,8 +47,9 @@ from .manifest import (
     saved_keys,
     versions,
 )
-from .reading import Object, checkpoint_exception, collector_paused, dcp_group, quiet, read
+from .reading import Object, checkpoint_exception, collector_paused, dcp_group, read
 from .schedulers import group_order, reordered, retyped, unmappable
+from .writing import write
 
 if TYPE_CHECKING:
     from ..adapters.core.base import Adapter
@@ -105,8 +104,6 @@ def save_state(wm: Adapter, directory: str, optimizer: Any = None, scheduler: An
 
 
 def _save_state(wm: Adapter, directory: str, optimizer: Any, scheduler: Any, extra: Mapping[str, Any] | None) -> None:
-    from torch.distributed.checkpoint import state_dict_saver
-
     _check_optimizer(optimizer, "save_state")
     _check_scheduler(scheduler, "save_state")
     if extra is not None and not isinstance(extra, Mapping):
@@ -138,11 +135,9 @@ def _save_state(wm: Adapter, directory: str, optimizer: Any, scheduler: Any, ext
         state[f"rng/{_global_rank()}"] = Object(_rng())
     error: BaseException | None = None
     try:
-        # The files are written back to disk as they are written (formats/writeback.py) and fsynced, before the
-        # directory is renamed in.
-        with quiet():
-            state_dict_saver.save(state, storage_writer=storage_writer(tmp), process_group=group, no_dist=no_dist,
-                                  planner=_planner(group, no_dist))
+        # DCP's files, written back to disk as they are written (formats/writeback.py) and fsynced, before the
+        # directory is renamed in; in fewer rounds between the ranks than DCP's own save (writing.py).
+        error = write(state, tmp, group, no_dist)
     except (Exception, checkpoint_exception()) as exc:  # every rank learns of it in commit_directory
         error = exc
     # Which state keys each parameter has, from every rank (a rank holds some parameters only): a load checks and
@@ -172,28 +167,6 @@ def _save_state(wm: Adapter, directory: str, optimizer: Any, scheduler: Any, ext
             os.fsync(f.fileno())
 
     commit_directory(wm, "save_state", directory, tmp, error, finish)
-
-
-def _planner(group: Any, no_dist: bool) -> Any:
-    """DCP's planner, not flattening (each object, a scheduler's state dict or the RNG states, is one item), and
-    where this torch has it keeping its plans between saves: a save whose items are those of the previous save
-    over the same ranks sends no plan (each rank's holds one item per box) and skips the global planning. A plan
-    that changed is sent and planned again, so a cached one is never used for other items."""
-    ranks = "-" if no_dist else ",".join(map(str, dist.get_process_group_ranks(group or dist.group.WORLD)))
-    cls, caches = _planner_class(ranks)
-    return cls(flatten_state_dict=False, enable_plan_caching=True) if caches else cls(flatten_state_dict=False)
-
-
-@functools.cache
-def _planner_class(ranks: str) -> tuple[Any, bool]:
-    import inspect
-
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-    if "enable_plan_caching" not in inspect.signature(DefaultSavePlanner.__init__).parameters:
-        return DefaultSavePlanner, False
-    # DCP keeps the plans by the planner class's name: one class per group of ranks, named alike on all of them.
-    return type(f"WrapkitSavePlanner[{ranks}]", (DefaultSavePlanner,), {}), True
 
 
 def _scheduler_order(manifest: Mapping[str, Any] | None, source: Holding, optimizer: Any, scheduler: Any,
