@@ -23,7 +23,7 @@ from typing import Any
 
 __all__ = ["KICK", "writer"]
 
-KICK = 8 * 2**20  # bytes between two write-back requests: large enough that the calls cost nothing
+KICK = 2 * 2**20  # bytes between two write-back requests (1-8 MiB measured alike, 32 MiB slower)
 _SYNC_FILE_RANGE_WRITE = 2
 
 
