@@ -14,12 +14,13 @@ import pytest
 
 import wrapkit
 import wrapkit.training.state as training_state
+from tests.harness._matrix import long
 from tests.training import scenarios_resume as sc
 from wrapkit.cli._models import tiny_llama
 from wrapkit.formats import writeback
 
 
-@pytest.mark.parametrize("spec", ["zero3", "ddp"])
+@pytest.mark.parametrize("spec", ["zero3", long("ddp")])
 def test_two_ranks_write_what_dcps_own_save_writes(group: Any, tmp_path: Path, spec: str) -> None:
     """ZeRO-3's partitions (views of the flat buffers), and DDP's replicas (DCP's planning spreads each over one
     rank): the same files, items and metadata as DCP's own save, on the first save and from its plans after."""
@@ -30,7 +31,7 @@ def test_saves_after_the_first_on_the_same_ranks_and_another_models_load_exactly
     """DCP keeps its plans between saves over the same ranks: the later saves of a model, and a save of another
     model (its own plans) over the same ranks, each load back to the state saved."""
     for diffs in group.run(sc.saved_again, str(tmp_path), "zero3", "fsdp2", timeout=120):
-        assert set(diffs) == {"a0", "a1", "a2", "b0", "b1", "b2"} and max(diffs.values()) == 0.0, diffs
+        assert set(diffs) == {"a1", "b0", "b1"} and max(diffs.values()) == 0.0, diffs
 
 
 def _stepped(seed: int = 0) -> tuple[Any, Any, Any]:
