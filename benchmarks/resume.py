@@ -201,8 +201,7 @@ def collect(quick: bool = False, hidden: int | None = None, backends: tuple[str,
     try:
         with two_ranks() as group:
             per_rank = group.run("benchmarks.resume:measure", root, reps or (2 if quick else 5),
-                                 hidden or HIDDEN[quick],
-                                 backends, timeout=900)
+                                 hidden or HIDDEN[quick], backends, timeout=900)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if saved is None:
@@ -241,11 +240,9 @@ def run(quick: bool = False, hidden: int | None = None, backends: tuple[str, ...
             if op == "save":
                 written = entry["bytes"]
                 note += f"; writes {written['wrapkit'] / 2**20:.1f} MiB (own way {written['own'] / 2**20:.1f})"
-            if op == "save" and entry["flushed"]:
-                note += f"; of the own way's time its flush to disk {median(entry['flushed']):.3g} s"
+                if entry["flushed"]:
+                    note += f"; of the own way's time its flush to disk {median(entry['flushed']):.3g} s"
             rows.append(row(f"{backend} {op}", median(ours), median(own), GOAL, samples=(ours, own), note=note))
-            if os.environ.get("WRAPKIT_BENCH_SAMPLES"):
-                print(backend, op, "wrapkit", [round(x, 3) for x in ours], "own", [round(x, 3) for x in own])
     return rows
 
 
